@@ -1,0 +1,97 @@
+"""The public fused ops. Signatures follow PyTorch's ``torch.ops.symm_mem.fused_*`` so async-TP
+users recognise them, but they run on any torch.distributed backend, with no symmetric memory.
+
+Every op takes ``method`` = "none" | "sliced" (option ``chunks``, default 4) | "decompose" |
+"commfuse" (option ``topology`` = "ring" | "direct"), and every method takes ``timeout``
+(seconds; default: the process group's timeout). All are differentiable in A and every B.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from commfuse.ops import _common
+from commfuse.ops.ag_matmul import AllGatherMatmul
+from commfuse.ops.all_to_all import AllToAllMatmul, MatmulAllToAll
+from commfuse.ops.matmul_rs import MatmulReduceScatter
+
+
+def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], gather_dim: int,
+                            group=None, *, return_A: bool = True, method: str = "commfuse",
+                            **opts) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """``A = all_gather(A_shard, gather_dim)``; returns ``(A or None, [A @ B for B in Bs])``.
+
+    ``gather_dim`` is any dim of ``A_shard`` but the last; each rank passes its own ``Bs``
+    (its column shards of the weights), each ``[k, n_i]``.
+    """
+    _common.check_tensor("A_shard", A_shard)
+    if isinstance(Bs, torch.Tensor) or not isinstance(Bs, (list, tuple)) or not Bs:
+        raise TypeError("Bs must be a non-empty list or tuple of 2-D tensors")
+    for i, b in enumerate(Bs):
+        _common.check_matmul("A_shard", A_shard, f"Bs[{i}]", b)
+    dim = _common.check_dim("gather_dim", gather_dim, "A_shard", A_shard)
+    spec = _common.method_spec(method, opts)
+    group = _common.resolve_group(group)
+    a, *ys = AllGatherMatmul.apply(A_shard, dim, group, spec, *Bs)
+    return (a if return_A else None), ys
+
+
+def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str,
+                                scatter_dim: int, group=None, *, method: str = "commfuse",
+                                **opts) -> torch.Tensor:
+    """``reduce_scatter(A @ B, scatter_dim)`` with ``reduce_op`` "sum" or "avg".
+
+    ``scatter_dim`` is any dim of ``A`` but the last; its size must be divisible by the group
+    size. Returns this rank's slice.
+    """
+    _common.check_tensor("A", A)
+    _common.check_matmul("A", A, "B", B)
+    if reduce_op not in ("sum", "avg"):
+        raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+    dim = _common.check_dim("scatter_dim", scatter_dim, "A", A)
+    spec = _common.method_spec(method, opts)
+    group = _common.resolve_group(group)
+    _common.check_divisible(f"A.shape[{dim}] (scatter_dim)", A.shape[dim], group.size())
+    return MatmulReduceScatter.apply(A, B, dim, reduce_op == "avg", group, spec)
+
+
+def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq_dim: int = 0,
+                            method: str = "commfuse", **opts) -> torch.Tensor:
+    """Ulysses, before attention: ``all_to_all(A @ B)``.
+
+    ``A`` is this rank's sequence slice (``seq_dim``), ``B`` is ``[k, n]`` with ``n`` divisible
+    by the group size. Returns the full sequence of this rank's column block (head group).
+    """
+    _common.check_tensor("A", A)
+    _common.check_matmul("A", A, "B", B)
+    dim = _common.check_dim("seq_dim", seq_dim, "A", A)
+    spec = _common.method_spec(method, opts)
+    group = _common.resolve_group(group)
+    _common.check_divisible("B.shape[1] (columns to scatter)", B.shape[1], group.size())
+    return MatmulAllToAll.apply(A, B, dim, group, spec)
+
+
+def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq_dim: int = 0,
+                            method: str = "commfuse", **opts) -> torch.Tensor:
+    """Ulysses, after attention: ``concat_over_ranks(A, dim=-1) @ B`` on my sequence slice.
+
+    ``A`` is the full sequence (``seq_dim``, divisible by the group size) of this rank's column
+    block ``[.., k]``; ``B`` is ``[W*k, n]``. Returns this rank's sequence slice ``[.., n]``.
+    """
+    _common.check_tensor("A", A)
+    _common.check_tensor("B", B, 2)
+    dim = _common.check_dim("seq_dim", seq_dim, "A", A)
+    spec = _common.method_spec(method, opts)
+    group = _common.resolve_group(group)
+    w = group.size()
+    if B.dim() != 2 or B.shape[0] != w * A.shape[-1]:
+        raise ValueError(f"B must be [group size * A.shape[-1], n] = [{w * A.shape[-1]}, n], "
+                         f"got shape {tuple(B.shape)}")
+    if B.dtype != A.dtype:
+        raise TypeError(f"B has dtype {B.dtype} but A has {A.dtype}")
+    if B.device != A.device:
+        raise ValueError(f"B is on {B.device} but A is on {A.device}")
+    _common.check_divisible(f"A.shape[{dim}] (seq_dim)", A.shape[dim], w)
+    return AllToAllMatmul.apply(A, B, dim, group, spec)

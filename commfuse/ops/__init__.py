@@ -1,0 +1,1 @@
+"""The fused collective + GEMM ops, one module per family."""

@@ -1,0 +1,194 @@
+"""GEMM <-> all-to-all (Ulysses sequence parallelism around attention).
+
+    matmul_a2a:  Y = all_to_all(A @ B)   scatter the columns (heads), gather the sequence
+    a2a_matmul:  Y = all_to_all(A) @ B   scatter the sequence, gather the columns
+
+Legend (suffixes of tensor names): W group size, r this rank, s one rank's sequence slice,
+S = W*s the full sequence (moved to the front), M the other leading dims, K the contraction,
+N the full column count, n = N/W one rank's column block (head group), k = K/W likewise.
+Slot p: the sequence slice or column block that belongs to rank p.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from commfuse.ops import _common
+from commfuse.schedule import Transfer
+
+
+class _ScatterColumnsBinding:
+    """matmul_a2a: compute ``a_sMK @ b_KN[:, block p]`` for each p, send it to rank p."""
+
+    def __init__(self, a_sMK, b_KN, world: int, rank: int, spec):
+        self.a, self.b, self.world, self.rank = a_sMK, b_KN, world, rank
+        self.s, self.n = a_sMK.shape[0], b_KN.shape[1] // world
+        self.y_SMn = a_sMK.new_empty((world * self.s, *a_sMK.shape[1:-1], self.n))
+        self.part: dict[int, torch.Tensor] = {}
+        self.pieces = None
+        if spec.method in ("none", "sliced"):
+            self.pieces = _common.split(self.s, 1 if spec.method == "none" else min(spec.chunks, max(self.s, 1)))
+            self.recv: dict[int, torch.Tensor] = {}
+
+    def chunks(self, spec) -> int:
+        return len(self.pieces) if self.pieces else self.world
+
+    def buffer(self, t: Transfer) -> torch.Tensor:
+        if t.kind == "send":
+            return self.part[t.slot]
+        return self.y_SMn[t.slot * self.s:(t.slot + 1) * self.s]
+
+    def compute(self, slot: int) -> None:
+        if self.pieces:  # rows of chunk `slot`, all column blocks, laid out block-major
+            off, n = self.pieces[slot]
+            y = torch.matmul(self.a[off:off + n], self.b)
+            self.part[slot] = y.unflatten(-1, (self.world, self.n)).movedim(-2, 0).contiguous()
+            return
+        b_Kn = self.b[:, slot * self.n:(slot + 1) * self.n]
+        if slot == self.rank:
+            torch.matmul(self.a, b_Kn, out=self.y_SMn[slot * self.s:(slot + 1) * self.s])
+        else:
+            self.part[slot] = torch.matmul(self.a, b_Kn)
+
+    def collective(self, slot: int, transport):
+        off, n = self.pieces[slot]
+        whole = n == self.s
+        out = self.y_SMn if whole else self.part[slot].new_empty((self.world * n, *self.part[slot].shape[2:]))
+        self.recv[slot] = out
+        return transport.launch(dist.all_to_all_single, out, self.part[slot].flatten(0, 1))
+
+    def collective_done(self, slot: int) -> None:
+        off, n = self.pieces[slot]
+        del self.part[slot]
+        out = self.recv.pop(slot)
+        if n != self.s:
+            self.y_SMn.unflatten(0, (self.world, self.s))[:, off:off + n].copy_(
+                out.unflatten(0, (self.world, n)))
+
+    def reduce(self, slot, peers):
+        raise AssertionError("all-to-all schedules have no reduction")
+
+
+class _GatherColumnsBinding:
+    """a2a_matmul: receive rank p's column block of my sequence slice, multiply by B's rows p."""
+
+    def __init__(self, a_SMk, b_KN, world: int, rank: int, spec):
+        self.a, self.b, self.world, self.rank = a_SMk, b_KN, world, rank
+        self.s, self.k = a_SMk.shape[0] // world, a_SMk.shape[-1]
+        self.y_sMN = a_SMk.new_empty((self.s, *a_SMk.shape[1:-1], b_KN.shape[1]))
+        self.blocks: dict[int, torch.Tensor] = {rank: self.a[rank * self.s:(rank + 1) * self.s]}
+        self.started = False
+        self.pieces = None
+        if spec.method in ("none", "sliced"):
+            self.pieces = _common.split(self.s, 1 if spec.method == "none" else min(spec.chunks, max(self.s, 1)))
+            self.x_chunks: dict[int, torch.Tensor] = {}
+
+    def chunks(self, spec) -> int:
+        return len(self.pieces) if self.pieces else self.world
+
+    def buffer(self, t: Transfer) -> torch.Tensor:
+        if t.kind == "send":
+            return self.a[t.slot * self.s:(t.slot + 1) * self.s]
+        buf = self.blocks[t.slot] = self.a.new_empty((self.s, *self.a.shape[1:]))
+        return buf
+
+    def compute(self, slot: int) -> None:
+        if self.pieces:  # chunk `slot`: all column blocks side by side, one GEMM
+            off, n = self.pieces[slot]
+            x = self.x_chunks[slot].movedim(0, -2).flatten(-2)
+            self.x_chunks[slot] = x
+            torch.matmul(x, self.b, out=self.y_sMN[off:off + n])
+            return
+        y = torch.matmul(self.blocks[slot], self.b[slot * self.k:(slot + 1) * self.k])
+        if self.started:
+            self.y_sMN.add_(y)  # own block first, then r-1, r-2, ...
+        else:
+            self.y_sMN.copy_(y)
+            self.started = True
+
+    def collective(self, slot: int, transport):
+        off, n = self.pieces[slot]
+        send = self.a.unflatten(0, (self.world, self.s))[:, off:off + n].contiguous()
+        out = self.x_chunks[slot] = torch.empty_like(send)
+        return transport.launch(dist.all_to_all_single, out.flatten(0, 1), send.flatten(0, 1))
+
+    def collective_done(self, slot: int) -> None:
+        pass
+
+    def gathered(self) -> torch.Tensor:
+        """The exchanged input ``[s, M, W*k]`` (all column blocks of my slice), for dB."""
+        if self.pieces:
+            return torch.cat([self.x_chunks[j] for j in range(len(self.pieces))], 0)
+        return torch.cat([self.blocks[p] for p in range(self.world)], -1)
+
+    def reduce(self, slot, peers):
+        raise AssertionError("all-to-all schedules have no reduction")
+
+
+def matmul_a2a(a_sMK, b_KN, group, spec) -> torch.Tensor:
+    """No autograd: ``all_to_all(a_sMK @ b_KN)`` -> ``[W*s, M, N/W]`` under ``spec``."""
+    binding = _ScatterColumnsBinding(a_sMK, b_KN, group.size(), group.rank(), spec)
+    _common.execute("matmul_a2a", spec, group, binding, a_sMK.device)
+    return binding.y_SMn
+
+
+def a2a_matmul(a_SMk, b_KN, group, spec) -> tuple[torch.Tensor, _GatherColumnsBinding]:
+    """No autograd: ``all_to_all(a_SMk) @ b_KN`` -> ``[s, M, N]``, and the binding (for dB)."""
+    binding = _GatherColumnsBinding(a_SMk.contiguous(), b_KN, group.size(), group.rank(), spec)
+    _common.execute("a2a_matmul", spec, group, binding, a_SMk.device)
+    return binding.y_sMN, binding
+
+
+class MatmulAllToAll(torch.autograd.Function):
+    """``Y = all_to_all(A @ B)``: my sequence slice, all heads -> full sequence, my heads.
+
+    Shapes: A [.., s, .., K] (s at ``dim``), B [K, N] (replicated), N divisible by W;
+    returns Y [.., W*s, .., N/W].
+    Input grad:  dA = all_to_all(dY) @ B^T, the dual a2a -> GEMM with the same method.
+    Weight grad: dB = A^T @ all_to_all(dY) (this rank's contribution; reduce over the group
+    as for any replicated weight).  Extra memory: W-1 column blocks in flight (N/W each).
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, dim, group, spec):
+        y_SMn = matmul_a2a(a.movedim(dim, 0), b, group, spec)
+        ctx.save_for_backward(a, b)
+        ctx.dim, ctx.group, ctx.spec = dim, group, spec
+        return y_SMn.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, gy):
+        a, b = ctx.saved_tensors
+        ga_sMK, binding = a2a_matmul(gy.movedim(ctx.dim, 0), b.t(), ctx.group, ctx.spec)
+        gb = None
+        if ctx.needs_input_grad[1]:
+            gb = a.movedim(ctx.dim, 0).flatten(0, -2).t() @ binding.gathered().flatten(0, -2)
+        return ga_sMK.movedim(0, ctx.dim), gb, None, None, None
+
+
+class AllToAllMatmul(torch.autograd.Function):
+    """``Y = all_to_all(A) @ B``: full sequence, my heads -> my sequence slice, all heads.
+
+    Shapes: A [.., W*s, .., k] (W*s at ``dim``), B [W*k, N] (replicated);
+    returns Y [.., s, .., N] = concat_over_ranks(A[my slice], -1) @ B.
+    Input grad:  dA = all_to_all(dY @ B^T), the dual GEMM -> a2a with the same method.
+    Weight grad: dB = X^T @ dY with X the exchanged input (saved from the forward).
+    Extra memory: the W-1 received blocks (k columns each), kept as X for the weight grad.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, dim, group, spec):
+        y_sMN, binding = a2a_matmul(a.movedim(dim, 0), b, group, spec)
+        x = binding.gathered() if ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(b, x)
+        ctx.dim, ctx.group, ctx.spec = dim, group, spec
+        return y_sMN.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, gy):
+        b, x = ctx.saved_tensors
+        gy_sMN = gy.movedim(ctx.dim, 0)
+        ga_SMk = matmul_a2a(gy_sMN, b.t(), ctx.group, ctx.spec)
+        gb = x.flatten(0, -2).t() @ gy_sMN.flatten(0, -2) if x is not None else None
+        return ga_SMk.movedim(0, ctx.dim), gb, None, None, None

@@ -1,0 +1,86 @@
+"""Run a function on N local ranks (real processes on gloo), for tests, the demo and training.
+
+Rendezvous is a `FileStore` in a fresh temporary directory: no fixed port, no race with other
+runs. Results come back per rank; an exception on any rank is re-raised in the parent with
+that rank's traceback, and a run that exceeds ``timeout`` is killed, never left hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, results,
+            threads: int, pg_timeout_s: float) -> None:
+    torch.set_num_threads(threads)
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        out = fn(rank, world, *args)
+        results.put((rank, True, out))
+    except BaseException:  # report everything, including KeyboardInterrupt, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0,
+              threads: int = 1, pg_timeout_s: float = 60.0) -> list[Any]:
+    """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process.
+
+    ``fn`` must be importable (a module-level function). ``threads`` sets each rank's
+    intra-op threads. Raises `RankFailed` if a rank raises, `TimeoutError` after ``timeout``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="commfuse-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(r, world_size, store, fn, args, results, threads, pg_timeout_s))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, world_size, timeout)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+
+
+def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    outs: dict[int, Any] = {}
+    while len(outs) < world_size:
+        left = (deadline - datetime.datetime.now()).total_seconds()
+        if left <= 0:
+            raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(outs))} did not "
+                               f"finish within {timeout:.0f} s")
+        try:
+            rank, ok, out = results.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in outs]
+            if dead and results.empty():
+                codes = {i: procs[i].exitcode for i in dead}
+                raise RankFailed(f"rank(s) {dead} died without reporting (exit codes {codes})")
+            continue
+        if not ok:
+            raise RankFailed(f"rank {rank} failed:\n{out}")
+        outs[rank] = out
+    return [outs[r] for r in range(world_size)]

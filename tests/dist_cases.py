@@ -1,0 +1,172 @@
+"""Multi-rank exactness cases: every op and method against an unsharded reference.
+
+Every rank rebuilds *all* ranks' inputs from the case's seed, computes the whole unsharded
+problem in float64 in one process (the reference), runs the fused op on its own inputs, and
+compares outputs and gradients of A and every B. Runs inside `commfuse.spawn.run_local`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+import commfuse
+
+OPS = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
+METHODS = (("none", {}), ("sliced", {"chunks": 2}), ("sliced", {}),
+           ("decompose", {"topology": "ring"}), ("decompose", {"topology": "direct"}),
+           ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"}))
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # norm-relative error vs float64 reference
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    method: str
+    opts: tuple
+    dim: int
+    dtype: torch.dtype
+    noncontig: bool = False
+    avg: bool = False
+
+    @property
+    def id(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.opts)
+        return (f"{self.op}-{self.method}{'[' + opts + ']' if opts else ''}-dim{self.dim}-"
+                f"{str(self.dtype)[6:]}{'-noncontig' if self.noncontig else ''}"
+                f"{'-avg' if self.avg else ''}")
+
+
+def all_cases() -> list[Case]:
+    cases = []
+    for op in OPS:
+        for method, opts in METHODS:
+            o = tuple(sorted(opts.items()))
+            for dim in (0, 1):
+                for dtype in (torch.float32, torch.bfloat16):
+                    cases.append(Case(op, method, o, dim, dtype))
+            cases.append(Case(op, method, o, 1, torch.float32, noncontig=True,
+                              avg=op == "matmul_rs"))
+    return cases
+
+
+S, MID, K, N = 3, 5, 7, 3  # per-rank slice, other leading dim, contraction, columns per rank
+
+
+def _shape(dim: int, seq: int, last: int) -> tuple[int, ...]:
+    return (seq, MID, last) if dim == 0 else (MID, seq, last)
+
+
+def _noncontig(t: torch.Tensor) -> torch.Tensor:
+    """Same values, reversed memory layout (a non-contiguous view)."""
+    out = torch.empty(tuple(reversed(t.shape)), dtype=t.dtype).permute(*reversed(range(t.dim())))
+    return out.copy_(t)
+
+
+def _inputs(case: Case, world: int):
+    """Every rank's inputs and upstream grads, in float64, from the case's seed."""
+    g = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + world)
+    rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
+    d, w = case.dim, world
+    if case.op == "ag_matmul":
+        a = [rnd(*_shape(d, S, K)) for _ in range(w)]
+        b = [[rnd(K, N), rnd(K, N + 2)] for _ in range(w)]
+    elif case.op == "matmul_rs":
+        a = [rnd(*_shape(d, w * S, K)) for _ in range(w)]
+        b = [[rnd(K, N)] for _ in range(w)]
+    elif case.op == "matmul_a2a":
+        a = [rnd(*_shape(d, S, K)) for _ in range(w)]
+        b0 = rnd(K, w * N)
+        b = [[b0.clone()] for _ in range(w)]  # replicated weight, one leaf per rank
+    else:
+        a = [rnd(*_shape(d, w * S, K)) for _ in range(w)]
+        b0 = rnd(w * K, N)
+        b = [[b0.clone()] for _ in range(w)]
+    return a, b, g
+
+
+def _reference(case: Case, world: int, a, b):
+    """Outputs per rank as a list of tensors (float64, differentiable in a and b)."""
+    d, w = case.dim, world
+    if case.op == "ag_matmul":
+        full = torch.cat(a, d)
+        return [[full] + [full @ bi for bi in b[r]] for r in range(w)]
+    if case.op == "matmul_rs":
+        c = sum(a[q] @ b[q][0] for q in range(w))
+        if case.avg:
+            c = c / w
+        return [[c.narrow(d, r * S, S)] for r in range(w)]
+    if case.op == "matmul_a2a":
+        p = [a[q] @ b[q][0] for q in range(w)]
+        return [[torch.cat([p[q][..., r * N:(r + 1) * N] for q in range(w)], d)] for r in range(w)]
+    x = [torch.cat([a[q].narrow(d, r * S, S) for q in range(w)], -1) for r in range(w)]
+    return [[x[r] @ b[r][0]] for r in range(w)]
+
+
+def _fused(case: Case, a: torch.Tensor, bs: list[torch.Tensor]) -> list[torch.Tensor]:
+    opts = dict(case.opts)
+    m = case.method
+    if case.op == "ag_matmul":
+        a_full, ys = commfuse.fused_all_gather_matmul(a, bs, case.dim, method=m, **opts)
+        return [a_full] + ys
+    if case.op == "matmul_rs":
+        return [commfuse.fused_matmul_reduce_scatter(a, bs[0], "avg" if case.avg else "sum",
+                                                     case.dim, method=m, **opts)]
+    if case.op == "matmul_a2a":
+        return [commfuse.fused_matmul_all_to_all(a, bs[0], seq_dim=case.dim, method=m, **opts)]
+    return [commfuse.fused_all_to_all_matmul(a, bs[0], seq_dim=case.dim, method=m, **opts)]
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check(case: Case, rank: int, world: int) -> str | None:
+    """None if this rank's outputs and gradients match the reference, else what differs."""
+    a64, b64, g = _inputs(case, world)
+    leaves = [t.requires_grad_() for t in a64] + [t.requires_grad_() for bs in b64 for t in bs]
+    outs_ref = _reference(case, world, a64, b64)
+    grads_out = [[torch.randn(o.shape, generator=g, dtype=torch.float64) for o in outs]
+                 for outs in outs_ref]
+    loss = sum((o * go).sum() for outs, gos in zip(outs_ref, grads_out) for o, go in zip(outs, gos))
+    loss.backward()
+
+    def run():
+        conv = (lambda t: _noncontig(t.detach().to(case.dtype))) if case.noncontig else \
+            (lambda t: t.detach().to(case.dtype))
+        a = conv(a64[rank]).requires_grad_()
+        bs = [conv(t).requires_grad_() for t in b64[rank]]
+        outs = _fused(case, a, bs)
+        sum((o * go.to(case.dtype)).sum() for o, go in zip(outs, grads_out[rank])).backward()
+        return [o.detach() for o in outs], a.grad, [t.grad for t in bs]
+
+    outs, ga, gbs = run()
+    problems = []
+    tol = TOL[case.dtype]
+    named = [(f"output {i}", o, r) for i, (o, r) in enumerate(zip(outs, outs_ref[rank]))]
+    named += [("grad A", ga, a64[rank].grad)]
+    named += [(f"grad B{i}", gb, r.grad) for i, (gb, r) in enumerate(zip(gbs, b64[rank]))]
+    for name, x, ref in named:
+        if x is None or x.shape != ref.shape:
+            problems.append(f"{name}: shape {None if x is None else tuple(x.shape)} != {tuple(ref.shape)}")
+        elif x.dtype != case.dtype:
+            problems.append(f"{name}: dtype {x.dtype}")
+        elif (e := _rel(x, ref.detach())) > tol:
+            problems.append(f"{name}: relative error {e:.2e} > {tol:.0e}")
+    outs2, ga2, gbs2 = run()  # the same call again: bitwise identical
+    for name, x, y in zip(["outputs", "grad A", "grad B"], [outs, [ga], gbs], [outs2, [ga2], gbs2]):
+        if not all(torch.equal(p, q) for p, q in zip(x, y)):
+            problems.append(f"{name} not bitwise identical on repeat")
+    return "; ".join(problems) or None
+
+
+def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, str | None]:
+    results = {}
+    for case in cases:
+        try:
+            results[case.id] = check(case, rank, world)
+        except Exception as e:  # report the case, keep going: other ranks run it too
+            results[case.id] = f"raised {type(e).__name__}: {e}"
+    return results
