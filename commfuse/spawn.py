@@ -24,11 +24,13 @@ class RankFailed(RuntimeError):
 
 
 def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, results,
-            threads: int, pg_timeout_s: float) -> None:
+            threads: int, pg_timeout_s: float, backend: str) -> None:
     torch.set_num_threads(threads)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         out = fn(rank, world, *args)
         results.put((rank, True, out))
@@ -40,18 +42,19 @@ def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, r
 
 
 def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0,
-              threads: int = 1, pg_timeout_s: float = 60.0) -> list[Any]:
+              threads: int = 1, pg_timeout_s: float = 60.0, backend: str = "gloo") -> list[Any]:
     """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process.
 
     ``fn`` must be importable (a module-level function). ``threads`` sets each rank's
-    intra-op threads. Raises `RankFailed` if a rank raises, `TimeoutError` after ``timeout``.
+    intra-op threads; with ``backend="nccl"`` rank i uses GPU i mod the GPU count. Raises `RankFailed` if a rank raises, `TimeoutError` after ``timeout``.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="commfuse-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(r, world_size, store, fn, args, results, threads, pg_timeout_s))
+                             args=(r, world_size, store, fn, args, results, threads, pg_timeout_s,
+                                   backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()

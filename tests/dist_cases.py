@@ -120,10 +120,10 @@ def _fused(case: Case, a: torch.Tensor, bs: list[torch.Tensor]) -> list[torch.Te
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return ((x.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def check(case: Case, rank: int, world: int) -> str | None:
+def check(case: Case, rank: int, world: int, device: str = "cpu") -> str | None:
     """None if this rank's outputs and gradients match the reference, else what differs."""
     a64, b64, g = _inputs(case, world)
     leaves = [t.requires_grad_() for t in a64] + [t.requires_grad_() for bs in b64 for t in bs]
@@ -134,12 +134,12 @@ def check(case: Case, rank: int, world: int) -> str | None:
     loss.backward()
 
     def run():
-        conv = (lambda t: _noncontig(t.detach().to(case.dtype))) if case.noncontig else \
-            (lambda t: t.detach().to(case.dtype))
+        conv = (lambda t: _noncontig(t.detach().to(case.dtype)).to(device)) if case.noncontig \
+            else (lambda t: t.detach().to(case.dtype).to(device))
         a = conv(a64[rank]).requires_grad_()
         bs = [conv(t).requires_grad_() for t in b64[rank]]
         outs = _fused(case, a, bs)
-        sum((o * go.to(case.dtype)).sum() for o, go in zip(outs, grads_out[rank])).backward()
+        sum((o * go.to(device, case.dtype)).sum() for o, go in zip(outs, grads_out[rank])).backward()
         return [o.detach() for o in outs], a.grad, [t.grad for t in bs]
 
     outs, ga, gbs = run()
@@ -162,11 +162,11 @@ def check(case: Case, rank: int, world: int) -> str | None:
     return "; ".join(problems) or None
 
 
-def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, str | None]:
+def run_cases(rank: int, world: int, cases: list[Case], device: str = "cpu") -> dict[str, str | None]:
     results = {}
     for case in cases:
         try:
-            results[case.id] = check(case, rank, world)
+            results[case.id] = check(case, rank, world, device)
         except Exception as e:  # report the case, keep going: other ranks run it too
             results[case.id] = f"raised {type(e).__name__}: {e}"
     return results

@@ -1,0 +1,1 @@
+"""Models in plain PyTorch: the unsharded references that parallel plans transform."""

@@ -1,0 +1,337 @@
+"""A Llama-style decoder in plain PyTorch: the unsharded reference that parallel plans transform.
+
+Pre-norm blocks of RMSNorm -> attention (RoPE, causal, grouped-query) and RMSNorm -> SwiGLU MLP,
+as in Llama 2/3. Submodule names are stable because plans address layers by them:
+`tok_emb`, `layers.<i>.attn_norm`, `layers.<i>.attn.{wq,wk,wv,wo}`, `layers.<i>.mlp_norm`,
+`layers.<i>.mlp.{w_gate,w_up,w_down}`, `norm`, `output`. Head counts are read from the weights
+(`view(B, S, -1, head_dim)`), so a plan may shard heads across ranks without touching this code.
+
+RoPE uses the rotate-half convention of Hugging Face's Llama, so `from_hf` / `to_hf` copy weights
+unchanged (Meta's original checkpoints interleave pairs; HF permutes wq/wk when converting them).
+
+Shape suffixes: B batch, S sequence, D model dim, H heads, G kv heads, K head dim, F ffn hidden,
+V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 4096
+    """Tokens in the vocabulary (rows of tok_emb, columns of output)."""
+    dim: int = 128
+    """Model (hidden) dimension D."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Query heads H; the head dim is dim // n_heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads G for grouped-query attention; must divide n_heads. None: n_heads (MHA)."""
+    ffn_hidden: int | None = None
+    """Hidden size F of the SwiGLU MLP. None: Llama's rule, 8/3 * dim rounded up to 256."""
+    max_seq_len: int = 256
+    """Longest sequence the model accepts."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (10000 in Llama 2, 500000 in Llama 3)."""
+    tie_embeddings: bool = False
+    """Share one weight between tok_emb and output (Llama 3.2 1B/3B do)."""
+    init_std: float = 0.02
+    """Std of the normal init of every weight matrix (residual outputs scaled by 1/sqrt(2L))."""
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_hidden is None:
+            self.ffn_hidden = 256 * math.ceil(int(8 * self.dim / 3) / 256)
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+                     "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LlamaConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> LlamaConfig:
+        """A named configuration from PRESETS, with any field overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+PRESETS: dict[str, dict] = {
+    # Trains on a 2-core CPU in minutes; the vocabulary is commfuse.data's tokenizer.
+    "tiny": dict(vocab_size=4096, dim=128, n_layers=4, n_heads=4, ffn_hidden=384, max_seq_len=256),
+    # About 31M parameters: a real (if short) run on a few CPUs or one GPU.
+    "small": dict(vocab_size=4096, dim=512, n_layers=8, n_heads=8, ffn_hidden=1536,
+                  max_seq_len=1024),
+    # Real shapes, for planning (FLOPs, memory, shard sizes); build them on the meta device.
+    "1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,  # Llama 3.2 1B
+               ffn_hidden=8192, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
+    "7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_hidden=11008,  # Llama 2 7B
+               max_seq_len=4096),
+    "8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,  # Llama 3 8B
+               ffn_hidden=14336, max_seq_len=8192, rope_theta=500000.0),
+    "70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,  # Llama 3 70B
+                ffn_hidden=28672, max_seq_len=8192, rope_theta=500000.0),
+}
+
+
+def matmul_params(cfg: LlamaConfig) -> int:
+    """Weights that take part in a GEMM: every Linear of every block, plus the output head."""
+    attn = cfg.dim * cfg.head_dim * 2 * (cfg.n_heads + cfg.n_kv_heads)
+    mlp = 3 * cfg.dim * cfg.ffn_hidden
+    return cfg.n_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
+
+
+def num_params(cfg: LlamaConfig) -> int:
+    """All parameters of Llama(cfg), a tied embedding counted once; no model is built."""
+    norms = (2 * cfg.n_layers + 1) * cfg.dim
+    return matmul_params(cfg) + norms + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token: 6*N + 12*L*H*Q*T.
+
+    From PaLM (Chowdhery et al. 2022, appendix B), as in nanoGPT's `estimate_mfu`: N parameters
+    in matmuls (here `matmul_params`; the embedding lookup does no matmul), L layers, H heads,
+    Q head dim, T sequence length. The attention term counts the full T x T score matrix.
+    """
+    return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x = x_BSD.float()  # normalise in float32 whatever the activation dtype, as HF does
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(x_BSD.dtype)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None):
+    """cos_SK, sin_SK of rotary embeddings for positions 0..seq_len-1 (float32, rotate-half)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    angles_SK = torch.cat((angles, angles), dim=-1)
+    return angles_SK.cos(), angles_SK.sin()
+
+
+def apply_rope(x_BSHK: torch.Tensor, cos_SK: torch.Tensor, sin_SK: torch.Tensor) -> torch.Tensor:
+    """Rotate each (x[i], x[i + K/2]) pair by its position's angle (HF's rotate_half)."""
+    x1, x2 = x_BSHK.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    cos, sin = cos_SK[:, None, :].to(x_BSHK.dtype), sin_SK[:, None, :].to(x_BSHK.dtype)
+    return x_BSHK * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, cos_SK: torch.Tensor, sin_SK: torch.Tensor):
+        B, S, _ = x_BSD.shape
+        q_BSHK = apply_rope(self.wq(x_BSD).view(B, S, -1, self.head_dim), cos_SK, sin_SK)
+        k_BSGK = apply_rope(self.wk(x_BSD).view(B, S, -1, self.head_dim), cos_SK, sin_SK)
+        v_BSGK = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q_BSHK, k_BSGK, v_BSGK))  # heads before sequence
+        n_rep = q.size(1) // k.size(1)
+        if n_rep > 1:  # GQA: query head h reads kv head h // n_rep
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        o_BHSK = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o_BHSK.transpose(1, 2).reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: w_down(silu(w_gate(x)) * w_up(x))."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w_up = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x_BSD)) * self.w_up(x_BSD))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x_BSD: torch.Tensor, cos_SK: torch.Tensor, sin_SK: torch.Tensor):
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SK, sin_SK)
+        return x_BSD + self.mlp(self.mlp_norm(x_BSD))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.init_weights()  # ties output to tok_emb if cfg.tie_embeddings
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, init_std) weights, the residual outputs (wo, w_down) scaled down by
+        sqrt(2 * n_layers) as in GPT-2, norm gains 1. Also for a model built on the meta device
+        and moved with to_empty() (which unties tied weights: they are tied again here)."""
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_emb.weight
+        residual_out = ("attn.wo.weight", "mlp.w_down.weight")
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                scale = math.sqrt(2 * self.cfg.n_layers) if name.endswith(residual_out) else 1.0
+                p.normal_(0.0, self.cfg.init_std / scale, generator=generator)
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """Logits_BSV of the next token at every position."""
+        S = tokens_BS.size(1)
+        if S > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {S} exceeds max_seq_len={self.cfg.max_seq_len}")
+        cos_SK, sin_SK = rope_cos_sin(S, self.cfg.head_dim, self.cfg.rope_theta, tokens_BS.device)
+        x_BSD = self.tok_emb(tokens_BS)
+        for layer in self.layers:
+            x_BSD = layer(x_BSD, cos_SK, sin_SK)
+        return self.output(self.norm(x_BSD))
+
+    def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (computed in float32); targets of -100 are ignored."""
+        logits_BSV = self(tokens_BS)
+        return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten(),
+                               ignore_index=-100)
+
+
+# --- Hugging Face interop (transformers is imported only here) --------------------------------
+
+_HF_BLOCK = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+             **{f"attn.w{c}": f"self_attn.{c}_proj" for c in "qkvo"},
+             **{f"mlp.w_{c}": f"mlp.{c}_proj" for c in ("gate", "up", "down")}}
+
+
+def _name_map(cfg: LlamaConfig) -> dict[str, str]:
+    """Our parameter names -> LlamaForCausalLM's."""
+    names = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    for i in range(cfg.n_layers):
+        names.update({f"layers.{i}.{ours}.weight": f"model.layers.{i}.{hf}.weight"
+                      for ours, hf in _HF_BLOCK.items()})
+    return names
+
+
+def config_from_hf(hf_config) -> LlamaConfig:
+    """Our LlamaConfig from a transformers LlamaConfig; ValueError for what we do not model."""
+    # transformers >= 5 keeps RoPE settings in rope_parameters, 4.x in rope_theta / rope_scaling
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    rope_type = (rope or {}).get("rope_type") or "default"
+    theta = (rope or {}).get("rope_theta") or getattr(hf_config, "rope_theta", 10000.0)
+    unsupported = {
+        "hidden_act != 'silu'": hf_config.hidden_act != "silu",
+        "attention_bias": getattr(hf_config, "attention_bias", False),
+        "mlp_bias": getattr(hf_config, "mlp_bias", False),
+        f"rope_type {rope_type!r}": rope_type != "default",
+        "head_dim != hidden_size / num_attention_heads":
+            getattr(hf_config, "head_dim", None) not in
+            (None, hf_config.hidden_size // hf_config.num_attention_heads),
+    }
+    if any(unsupported.values()):
+        raise ValueError(f"unsupported HF Llama config: {[k for k, v in unsupported.items() if v]}")
+    return LlamaConfig(
+        vocab_size=hf_config.vocab_size, dim=hf_config.hidden_size,
+        n_layers=hf_config.num_hidden_layers, n_heads=hf_config.num_attention_heads,
+        n_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
+        ffn_hidden=hf_config.intermediate_size, max_seq_len=hf_config.max_position_embeddings,
+        norm_eps=hf_config.rms_norm_eps, rope_theta=float(theta),
+        tie_embeddings=bool(hf_config.tie_word_embeddings),
+        init_std=getattr(hf_config, "initializer_range", 0.02) or 0.02)
+
+
+def from_hf(hf_model_or_state_dict, hf_config=None) -> Llama:
+    """Our Llama with the weights of a transformers LlamaForCausalLM (or its state dict + config).
+
+    Weights are copied unchanged (same rotate-half RoPE) and keep their dtype.
+    """
+    if isinstance(hf_model_or_state_dict, nn.Module):
+        hf_config = hf_config or hf_model_or_state_dict.config
+        state = hf_model_or_state_dict.state_dict()
+    elif hf_config is None:
+        raise ValueError("from_hf(state_dict) needs hf_config, the transformers LlamaConfig")
+    else:
+        state = hf_model_or_state_dict
+    cfg = config_from_hf(hf_config)
+    names = _name_map(cfg)
+    if cfg.tie_embeddings:
+        del names["output.weight"]  # the same tensor as tok_emb.weight; HF may omit lm_head
+    missing = [hf for hf in names.values() if hf not in state]
+    extra = {k for k in set(state) - set(names.values()) - {"lm_head.weight"}
+             if not k.endswith("rotary_emb.inv_freq")}
+    if missing or extra:
+        raise ValueError(f"HF state dict does not match: missing {missing}, unexpected {extra}")
+    with torch.device("meta"):
+        model = Llama(cfg)
+    weights = {ours: state[hf].detach().clone() for ours, hf in names.items()}
+    model.load_state_dict(weights, strict=not cfg.tie_embeddings, assign=True)
+    if cfg.tie_embeddings:
+        model.output.weight = model.tok_emb.weight
+    return model
+
+
+def to_hf(model: Llama):
+    """A transformers LlamaForCausalLM with the same config and (copied) weights as `model`."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    cfg = model.cfg
+    hf_config = HFLlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
+        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std, attention_bias=False, mlp_bias=False)
+    hf_model = LlamaForCausalLM(hf_config).to(model.tok_emb.weight.dtype)
+    ours = model.state_dict()
+    names = _name_map(cfg)
+    with torch.no_grad():
+        hf_params = dict(hf_model.named_parameters(remove_duplicate=False))
+        for our_name, hf_name in names.items():
+            hf_params[hf_name].copy_(ours[our_name])
+    return hf_model.eval()

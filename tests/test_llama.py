@@ -1,0 +1,210 @@
+"""The plain-PyTorch Llama: config validation, shapes, parameter/FLOP counts, a short training run,
+and weight-for-weight agreement with Hugging Face transformers' LlamaForCausalLM."""
+
+import copy
+
+import pytest
+import torch
+
+from commfuse.models.llama import (
+    PRESETS,
+    Llama,
+    LlamaConfig,
+    flops_per_token,
+    from_hf,
+    matmul_params,
+    num_params,
+    to_hf,
+)
+
+
+def small_cfg(**kw):
+    return LlamaConfig(**{**dict(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                 ffn_hidden=96, max_seq_len=32), **kw})
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_are_valid(name):
+    cfg = LlamaConfig.preset(name)
+    assert cfg.dim % cfg.n_heads == 0 and cfg.n_heads % cfg.n_kv_heads == 0
+    assert LlamaConfig.preset(name, n_layers=1).n_layers == 1
+
+
+def test_tiny_preset_matches_tokenizer_vocab():
+    from commfuse.data import VOCAB_SIZE
+
+    assert LlamaConfig.preset("tiny").vocab_size == VOCAB_SIZE
+
+
+def test_real_preset_sizes():
+    # Published parameter counts: Llama 2 7B, Llama 3 8B, Llama 3 70B, Llama 3.2 1B.
+    assert num_params(LlamaConfig.preset("7b")) == 6_738_415_616
+    assert num_params(LlamaConfig.preset("8b")) == 8_030_261_248
+    assert num_params(LlamaConfig.preset("70b")) == 70_553_706_496
+    assert num_params(LlamaConfig.preset("1b")) == 1_235_814_400
+
+
+def test_meta_device_build_of_a_real_size():
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.preset("7b", n_layers=2))
+    assert sum(p.numel() for p in model.parameters()) == num_params(model.cfg)
+
+
+def test_meta_build_then_materialize_keeps_tied_weights():
+    with torch.device("meta"):
+        model = Llama(small_cfg(tie_embeddings=True))
+    model.to_empty(device="cpu")
+    model.init_weights(torch.Generator().manual_seed(0))
+    assert model.output.weight is model.tok_emb.weight
+    assert torch.equal(model.norm.weight, torch.ones(64))
+    assert model.layers[0].attn.wo.weight.std() < model.layers[0].attn.wq.weight.std()
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(dim=65), "not divisible by n_heads"),
+        (dict(n_kv_heads=3), "must divide n_heads"),
+        (dict(n_layers=0), "n_layers must be a positive int"),
+        (dict(vocab_size=1.5), "vocab_size must be a positive int"),
+        (dict(norm_eps=0.0), "norm_eps must be > 0"),
+        (dict(rope_theta=-1.0), "rope_theta must be > 0"),
+        (dict(dim=12, n_heads=4), "head_dim=3 must be even"),
+    ],
+)
+def test_config_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        small_cfg(**kw)
+
+
+def test_config_defaults_and_unknown_preset():
+    cfg = LlamaConfig(dim=4096, n_heads=32)
+    assert cfg.n_kv_heads == 32 and cfg.ffn_hidden == 11008  # Llama's 8/3 rule, multiple of 256
+    with pytest.raises(ValueError, match="unknown preset"):
+        LlamaConfig.preset("13b")
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_shapes_names_and_param_count(tie):
+    cfg = small_cfg(tie_embeddings=tie)
+    model = Llama(cfg)
+    logits = model(torch.randint(0, cfg.vocab_size, (3, 17)))
+    assert logits.shape == (3, 17, cfg.vocab_size)
+    assert sum(p.numel() for p in model.parameters()) == num_params(cfg)
+    assert (model.output.weight is model.tok_emb.weight) == tie
+    names = dict(model.named_modules())
+    for n in ("tok_emb", "norm", "output", "layers.1.attn_norm", "layers.1.mlp_norm",
+              "layers.1.attn.wq", "layers.1.attn.wk", "layers.1.attn.wv", "layers.1.attn.wo",
+              "layers.1.mlp.w_gate", "layers.1.mlp.w_up", "layers.1.mlp.w_down"):
+        assert n in names
+    assert model.layers[0].attn.wk.weight.shape == (cfg.n_kv_heads * cfg.head_dim, cfg.dim)
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        model(torch.zeros(1, cfg.max_seq_len + 1, dtype=torch.long))
+
+
+def test_causal():
+    torch.manual_seed(0)
+    model = Llama(small_cfg())
+    tokens = torch.randint(0, 97, (2, 16))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 97
+    torch.testing.assert_close(model(tokens)[:, :10], model(changed)[:, :10])
+
+
+def test_flops_per_token():
+    cfg = LlamaConfig.preset("7b")
+    n = matmul_params(cfg)
+    assert n == num_params(cfg) - cfg.vocab_size * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim
+    assert flops_per_token(cfg, 4096) == 6 * n + 12 * 32 * 32 * 128 * 4096
+
+
+def test_tiny_preset_loss_decreases():
+    torch.manual_seed(0)
+    cfg = LlamaConfig.preset("tiny")
+    model = Llama(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batch = torch.randint(0, cfg.vocab_size, (4, 65))
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    losses = []
+    for _ in range(30):
+        loss = model.loss(inputs, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert abs(losses[0] - torch.log(torch.tensor(float(cfg.vocab_size))).item()) < 0.5
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+# --- Hugging Face interop --------------------------------------------------------------------
+
+
+def hf_model(tie=False, **kw):
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.LlamaConfig(
+        **{**dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=tie), **kw})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    with torch.no_grad():  # random norm gains too, so that a swapped norm would show
+        for p in model.parameters():
+            p.normal_(0.0, 0.5 if p.dim() == 1 else 0.05)
+            if p.dim() == 1:
+                p.add_(1.0)
+    return model
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_from_hf_matches_logits(tie):
+    hf = hf_model(tie)
+    ours = from_hf(hf).eval()
+    assert ours.cfg.tie_embeddings == tie and ours.cfg.rope_theta == 500000.0
+    tokens = torch.randint(0, 128, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-5, rtol=1e-5)
+    # The weights are copies: changing ours leaves the HF model as it was.
+    with torch.no_grad():
+        ours.layers[0].attn.wq.weight.zero_()
+    assert hf.model.layers[0].self_attn.q_proj.weight.abs().sum() > 0
+
+
+def test_from_hf_state_dict_needs_config():
+    hf = hf_model()
+    with pytest.raises(ValueError, match="needs hf_config"):
+        from_hf(hf.state_dict())
+    ours = from_hf(hf.state_dict(), hf.config)
+    tokens = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_from_hf_rejects_unsupported():
+    hf = hf_model()
+    config = copy.deepcopy(hf.config)
+    config.attention_bias = True
+    with pytest.raises(ValueError, match="attention_bias"):
+        from_hf(hf.state_dict(), config)
+    sd = hf.state_dict()
+    del sd["model.norm.weight"]
+    with pytest.raises(ValueError, match="missing"):
+        from_hf(sd, hf.config)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_to_hf_matches_logits(tie):
+    pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    ours = Llama(small_cfg(tie_embeddings=tie, rope_theta=10000.0)).eval()
+    with torch.no_grad():
+        for layer in ours.layers:
+            layer.attn_norm.weight.uniform_(0.5, 1.5)
+            layer.mlp_norm.weight.uniform_(0.5, 1.5)
+    hf = to_hf(ours)
+    tokens = torch.randint(0, 97, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), atol=1e-5, rtol=1e-5)
+    back = from_hf(hf)
+    assert back.cfg == ours.cfg
+    for (name, p), (name2, q) in zip(ours.state_dict().items(), back.state_dict().items()):
+        assert name == name2 and torch.equal(p, q)
