@@ -27,8 +27,8 @@ def comm_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class CudaTransport(Transport):
-    def __init__(self, group, device: torch.device, timeout_s: float):
-        super().__init__(group, device, timeout_s)
+    def __init__(self, group, device: torch.device, timeout_s: float, collective: str = "auto"):
+        super().__init__(group, device, timeout_s, collective)
         self.device = device
         self.comm = comm_stream(device)
 
@@ -40,13 +40,12 @@ class CudaTransport(Transport):
             buf.record_stream(self.comm)  # keep buffers alive until the transfer is done
         return works
 
-    def launch(self, fn, *args, **kwargs) -> Any:
+    def launch(self, kind, out, inp, tag) -> Any:
         self.comm.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.comm):
-            work = super().launch(fn, *args, **kwargs)
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                a.record_stream(self.comm)
+            work = super().launch(kind, out, inp, tag)
+        out.record_stream(self.comm)
+        inp.record_stream(self.comm)
         return work
 
     def wait(self, work: Any) -> None:

@@ -32,6 +32,35 @@ def _run_demo(args) -> int:
     return demo.main(args)
 
 
+def _bench_parser(sub) -> None:
+    from commfuse.bench import cli as bench_cli
+
+    p = sub.add_parser(
+        "bench", help="measure every method side by side on an emulated cluster",
+        description="Benchmark the fused ops or the paper's layers with every method in the "
+                    "same run, interleaved, after warm-up. Per method: median and spread of the "
+                    "step, compute alone, exposed communication, hidden fraction, fraction of the "
+                    "testbed limit, ratio to none. Ranks run in network namespaces with shaped "
+                    "links (root needed; otherwise loopback). Writes a table, JSON, a PNG chart "
+                    "and a Chrome/Perfetto trace (open in ui.perfetto.dev).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bench_cli.add_arguments(p)
+
+
+def _launch_parser(sub) -> None:
+    from commfuse import cluster
+
+    p = sub.add_parser(
+        "launch", help="run a command on N ranks of an emulated cluster",
+        description="Run a command on N ranks, each in its own network namespace with shaped "
+                    "links (tc tbf + netem), gloo bound to the rank's interface; torchrun-style "
+                    "env (RANK, WORLD_SIZE, MASTER_ADDR, ...). Everything is torn down on exit, "
+                    "Ctrl-C or crash. Example: commfuse launch --nproc 2 --link 1gbit -- "
+                    "python -m mymodule")
+    cluster.add_launch_arguments(p)
+    p.set_defaults(run=cluster.main_launch)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="commfuse",
@@ -39,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "schedules (CommFuse, arXiv 2604.24013) on any torch.distributed backend.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _demo_parser(sub)
+    _bench_parser(sub)
+    _launch_parser(sub)
     return parser
 
 

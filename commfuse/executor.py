@@ -14,21 +14,61 @@ threads while this thread runs the GEMMs. On CUDA (`commfuse._cuda`) they run on
 communication stream ordered with events, so GEMMs on the compute stream overlap them.
 Every wait has a deadline: a dead or stalled peer raises `CommFuseError` naming the op, step
 and peer instead of hanging.
+
+For measurement (``commfuse bench``) the executor has process-wide modes, set with `mode`:
+``"compute_only"`` runs the same partitioned GEMMs with no transfers, ``"comm_only"`` the same
+transfers with empty GEMMs, ``"record"`` runs normally and lists the collectives launched;
+and an optional `Tracer` records compute and transfer spans for a timeline.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from commfuse import collectives
 from commfuse.errors import CommFuseError
 from commfuse.schedule import (Collective, Compute, Post, Reduce, Schedule, Transfer, Wait,
                                WaitCollective)
 
 DEFAULT_TIMEOUT_S = 600.0  # used when the group's own timeout cannot be read
+MODES = ("normal", "compute_only", "comm_only", "record")
+_state: dict[str, Any] = {"mode": "normal", "tracer": None, "recorded": []}
+
+
+@contextlib.contextmanager
+def mode(name: str, tracer: "Tracer | None" = None):
+    """Run the ops inside in measurement mode ``name`` (see the module docstring)."""
+    if name not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {name!r}")
+    saved = dict(_state)
+    _state.update(mode=name, tracer=tracer, recorded=[])
+    try:
+        yield _state["recorded"]
+    finally:
+        _state.update(saved)
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.matmul``, or in ``comm_only`` mode an uninitialised result of the same shape."""
+    if _state["mode"] == "comm_only":
+        return out if out is not None else a.new_empty((*a.shape[:-1], b.shape[-1]))
+    return torch.matmul(a, b, out=out)
+
+
+class Tracer:
+    """Spans for a Chrome/Perfetto trace: (track, name, start s, end s) on this process."""
+
+    def __init__(self):
+        self.spans: list[tuple[str, str, float, float]] = []
+
+    def add(self, track: str, name: str, start: float, end: float) -> None:
+        self.spans.append((track, name, start, end))
 
 
 class Binding(Protocol):
@@ -47,12 +87,19 @@ def group_timeout(group: dist.ProcessGroup, device: torch.device) -> float:
         return DEFAULT_TIMEOUT_S
 
 
+class _Done:
+    def wait(self, *args) -> bool:
+        return True
+
+
 class Transport:
     """Posts transfers and collectives for one op call and waits on them with a deadline."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float,
+                 collective: str = "auto"):
         self.group = group
         self.timeout = timedelta(seconds=timeout_s)
+        self.collective = collective  # see commfuse.collectives
 
     def post(self, transfers: list[tuple[Transfer, torch.Tensor]]) -> list[Any]:
         ops = []
@@ -64,29 +111,56 @@ class Transport:
         # one work per transfer on gloo; a single work for the whole batch on NCCL
         return works if len(works) == len(ops) else [works[0]] * len(ops)
 
-    def launch(self, fn, *args, **kwargs) -> Any:
-        """Start an async collective ``fn(*args, group=..., async_op=True)``."""
-        return fn(*args, group=self.group, async_op=True, **kwargs)
+    def launch(self, kind: str, out: torch.Tensor, inp: torch.Tensor, tag: int) -> Any:
+        """Start the async collective ``kind`` (see `commfuse.collectives`)."""
+        return collectives.launch(kind, out, inp, self.group, tag, self.collective)
 
     def wait(self, work: Any) -> None:
         work.wait(self.timeout)  # bounded: a bare wait() on gloo P2P can outlive the group timeout
 
 
-def make_transport(group: dist.ProcessGroup, device: torch.device, timeout_s: float | None):
-    timeout_s = group_timeout(group, device) if timeout_s is None else timeout_s
-    if device.type == "cuda":
-        from commfuse._cuda import CudaTransport  # CUDA-only code, imported lazily
+class NullTransport(Transport):
+    """``compute_only`` mode: every transfer and collective is done at once, moving nothing."""
 
-        return CudaTransport(group, device, timeout_s)
-    return Transport(group, device, timeout_s)
+    def post(self, transfers):
+        return [_Done() for _ in transfers]
+
+    def launch(self, kind, out, inp, tag):
+        return _Done()
+
+
+class RecordingTransport(Transport):
+    """``record`` mode: runs normally and notes each collective (to replay its bytes)."""
+
+    def launch(self, kind, out, inp, tag):
+        _state["recorded"].append((kind, out.shape, inp.shape, out.dtype, tag))
+        return super().launch(kind, out, inp, tag)
+
+
+def make_transport(group: dist.ProcessGroup, device: torch.device, timeout_s: float | None,
+                   collective: str = "auto") -> Transport:
+    timeout_s = group_timeout(group, device) if timeout_s is None else timeout_s
+    if _state["mode"] == "compute_only":
+        cls = NullTransport
+    elif _state["mode"] == "record":
+        cls = RecordingTransport
+    elif device.type == "cuda":
+        from commfuse._cuda import CudaTransport as cls  # CUDA-only code, imported lazily
+    else:
+        cls = Transport
+    return cls(group, device, timeout_s, collective)
 
 
 def run(schedule: Schedule, binding: Binding, transport: Transport) -> None:
     """Execute ``schedule`` step by step; raise `CommFuseError` if a transfer fails or stalls."""
     pending: dict[Any, Any] = {}  # transfer or ("collective", slot) -> work
+    posted_at: dict[Any, float] = {}
     done: dict[int, Any] = {}  # works already waited (kept alive so ids stay unique):
     # never wait twice on one work (a batch may share one work; a double wait hung gloo)
+    tracer: Tracer | None = _state["tracer"]
+    op = schedule.op
     for index, step in enumerate(schedule.steps):
+        t0 = time.perf_counter()
         if isinstance(step, Compute):
             binding.compute(step.slot)
         elif isinstance(step, Post):
@@ -95,17 +169,40 @@ def run(schedule: Schedule, binding: Binding, transport: Transport) -> None:
             except Exception as e:
                 raise _error(schedule, index, step.transfers[0], e) from e
             pending.update(zip(step.transfers, works))
+            posted_at.update((t, t0) for t in step.transfers)
         elif isinstance(step, Wait):
             _wait(pending.pop(step.transfer), done, transport, schedule, index, step.transfer)
         elif isinstance(step, Reduce):
             binding.reduce(step.slot, step.peers)
         elif isinstance(step, Collective):
-            pending[("collective", step.slot)] = binding.collective(step.slot, transport)
+            try:
+                pending[("collective", step.slot)] = binding.collective(step.slot, transport)
+            except Exception as e:
+                raise _error(schedule, index, None, e) from e
+            posted_at[("collective", step.slot)] = t0
         elif isinstance(step, WaitCollective):
             work = pending.pop(("collective", step.slot))
             _wait(work, done, transport, schedule, index, None)
             binding.collective_done(step.slot)
+        if tracer is not None:
+            _trace(tracer, op, step, t0, time.perf_counter(), posted_at)
     assert not pending, f"schedule left transfers unwaited: {list(pending)}"
+
+
+def _trace(tracer: Tracer, op: str, step, t0: float, t1: float, posted_at: dict) -> None:
+    """Compute spans on the compute track; a transfer spans from its post to its wait's end."""
+    if isinstance(step, (Compute, Reduce)):
+        tracer.add("compute", f"{op} {type(step).__name__.lower()} {step.slot}", t0, t1)
+    elif isinstance(step, Wait):
+        t = step.transfer
+        tracer.add(f"{t.kind} {'to' if t.kind == 'send' else 'from'} {t.peer}",
+                   f"{op} slot {t.slot}", posted_at.pop(t), t1)
+        if t1 - t0 > 1e-5:
+            tracer.add("wait", f"{op} wait {t.kind} {t.slot}", t0, t1)
+    elif isinstance(step, WaitCollective):
+        tracer.add("collective", f"{op} chunk {step.slot}", posted_at.pop(("collective", step.slot)), t1)
+        if t1 - t0 > 1e-5:
+            tracer.add("wait", f"{op} wait chunk {step.slot}", t0, t1)
 
 
 def _wait(work, done: dict[int, Any], transport: Transport, schedule: Schedule, index: int,

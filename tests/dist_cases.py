@@ -15,7 +15,8 @@ import torch
 import commfuse
 
 OPS = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
-METHODS = (("none", {}), ("sliced", {"chunks": 2}), ("sliced", {}),
+METHODS = (("none", {}), ("none", {"collective": "backend"}), ("sliced", {"chunks": 2}), ("sliced", {}),
+           ("sliced", {"collective": "backend"}),
            ("decompose", {"topology": "ring"}), ("decompose", {"topology": "direct"}),
            ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"}))
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # norm-relative error vs float64 reference

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from commfuse import executor, schedule
+from commfuse import collectives, executor, schedule
 
 DEFAULT_CHUNKS = 4
 _OPTIONS = {  # the options each method accepts
-    "none": {"timeout"},
-    "sliced": {"timeout", "chunks"},
+    "none": {"timeout", "collective"},
+    "sliced": {"timeout", "chunks", "collective"},
     "decompose": {"timeout", "topology"},
     "commfuse": {"timeout", "topology"},
 }
@@ -30,6 +30,7 @@ class MethodSpec:
     topology: str = "ring"  # commfuse/decompose: "ring" (the paper) or "direct"
     chunks: int = DEFAULT_CHUNKS  # sliced: number of chunks along the gathered/scattered dim
     timeout: float | None = None  # seconds to wait for a transfer; None: the group's timeout
+    collective: str = "auto"  # none/sliced: "backend", "p2p" or "auto" (commfuse.collectives)
 
 
 def method_spec(method: str, opts: dict) -> MethodSpec:
@@ -48,7 +49,10 @@ def method_spec(method: str, opts: dict) -> MethodSpec:
     timeout = opts.get("timeout")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return MethodSpec(method, topology, chunks, timeout)
+    collective = opts.get("collective", "auto")
+    if collective not in collectives.POLICIES:
+        raise ValueError(f"collective must be one of {collectives.POLICIES}, got {collective!r}")
+    return MethodSpec(method, topology, chunks, timeout, collective)
 
 
 def resolve_group(group) -> dist.ProcessGroup:
@@ -103,13 +107,41 @@ def check_divisible(what: str, size: int, world: int) -> None:
         raise ValueError(f"{what} ({size}) must be divisible by the group size ({world})")
 
 
+class Binding:
+    """What the bindings of the four ops share: slots for P2P methods, chunks for the others.
+
+    Subclasses set ``world``, ``rank`` and ``pieces`` (None under P2P methods, else the
+    (offset, rows) of each chunk of a slice) and implement what their op's schedules use.
+    """
+
+    world: int
+    rank: int
+    pieces: list[tuple[int, int]] | None = None
+
+    def chunks(self, spec: MethodSpec) -> int:
+        return len(self.pieces) if self.pieces else self.world
+
+    def reduce(self, slot: int, peers: tuple[int, ...]) -> None:
+        raise AssertionError(f"{type(self).__name__}: this op's schedules have no reduction")
+
+    def collective_done(self, slot: int) -> None:
+        pass
+
+
 def execute(op: str, spec: MethodSpec, group: dist.ProcessGroup, binding,
             device: torch.device) -> None:
     """Build this rank's schedule for ``op`` and run it with ``binding``'s tensors."""
     world, rank = group.size(), group.rank()
     sched = schedule.build(op, spec.method, world, rank, topology=spec.topology,
                            chunks=binding.chunks(spec))
-    executor.run(sched, binding, executor.make_transport(group, device, spec.timeout))
+    executor.run(sched, binding,
+                 executor.make_transport(group, device, spec.timeout, spec.collective))
+
+
+def chunk_pieces(size: int, spec: MethodSpec) -> list[tuple[int, int]]:
+    """The chunks of a slice of ``size`` rows under ``none`` (one) or ``sliced`` (at most
+    ``spec.chunks``, never more than there are rows)."""
+    return split(size, 1 if spec.method == "none" else min(spec.chunks, max(size, 1)))
 
 
 def split(size: int, parts: int) -> list[tuple[int, int]]:

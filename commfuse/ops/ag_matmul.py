@@ -10,15 +10,13 @@ K the contraction, N a GEMM's output columns. Slot p is rank p's slice, rows [p*
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from commfuse import executor
 from commfuse.ops import _common
 from commfuse.schedule import Transfer
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-
-class _GatherBinding:
+class _GatherBinding(_common.Binding):
     """The buffers of one call: the gathered ``a_SMK`` (returned too) and the outputs."""
 
     def __init__(self, a_sMK: torch.Tensor, bs_KN, world: int, rank: int, spec):
@@ -27,15 +25,11 @@ class _GatherBinding:
         self.a_SMK = a_sMK.new_empty((world * s, *a_sMK.shape[1:]))
         self.ys_SMN = [a_sMK.new_empty((world * s, *a_sMK.shape[1:-1], b.shape[1]))
                        for b in bs_KN]
-        self.pieces = None  # sliced/none: (offset, rows) of each chunk within a slice
         if spec.method in ("none", "sliced"):
-            self.pieces = _common.split(s, 1 if spec.method == "none" else min(spec.chunks, max(s, 1)))
+            self.pieces = _common.chunk_pieces(s, spec)
             self.gathered: dict[int, torch.Tensor] = {}
         else:
             self.a_SMK[rank * s:(rank + 1) * s].copy_(a_sMK)
-
-    def chunks(self, spec) -> int:
-        return len(self.pieces) if self.pieces else self.world
 
     def rows(self, slot: int) -> slice:
         return slice(slot * self.s, (slot + 1) * self.s)
@@ -49,7 +43,7 @@ class _GatherBinding:
             return self._compute_chunk(slot)
         rows = self.rows(slot)
         for b_KN, y_SMN in zip(self.bs_KN, self.ys_SMN):
-            torch.matmul(self.a_SMK[rows], b_KN, out=y_SMN[rows])
+            executor.gemm(self.a_SMK[rows], b_KN, out=y_SMN[rows])
 
     # sliced / none: all_gather chunk j (rows [off, off+n) of every slice), then its GEMMs
     def collective(self, slot: int, transport):
@@ -57,7 +51,7 @@ class _GatherBinding:
         whole = n == self.s  # one chunk: gather straight into the result
         out = self.a_SMK if whole else self.a_sMK.new_empty((self.world * n, *self.a_sMK.shape[1:]))
         self.gathered[slot] = out
-        return transport.launch(_all_gather, out, self.a_sMK[off:off + n])
+        return transport.launch("all_gather", out, self.a_sMK[off:off + n], slot)
 
     def collective_done(self, slot: int) -> None:
         off, n = self.pieces[slot]
@@ -70,13 +64,11 @@ class _GatherBinding:
         a = self.gathered.pop(slot)
         for b_KN, y_SMN in zip(self.bs_KN, self.ys_SMN):
             if n == self.s:
-                torch.matmul(a, b_KN, out=y_SMN)
+                executor.gemm(a, b_KN, out=y_SMN)
             else:
                 y_SMN.unflatten(0, (self.world, self.s))[:, off:off + n].copy_(
-                    torch.matmul(a, b_KN).unflatten(0, (self.world, n)))
+                    executor.gemm(a, b_KN).unflatten(0, (self.world, n)))
 
-    def reduce(self, slot, peers):
-        raise AssertionError("all-gather schedules have no reduction")
 
 
 def ag_matmul(a_sMK: torch.Tensor, bs_KN, group, spec) -> tuple[torch.Tensor, list[torch.Tensor]]:

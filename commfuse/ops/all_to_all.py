@@ -12,13 +12,13 @@ Slot p: the sequence slice or column block that belongs to rank p.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from commfuse import executor
 from commfuse.ops import _common
 from commfuse.schedule import Transfer
 
 
-class _ScatterColumnsBinding:
+class _ScatterColumnsBinding(_common.Binding):
     """matmul_a2a: compute ``a_sMK @ b_KN[:, block p]`` for each p, send it to rank p."""
 
     def __init__(self, a_sMK, b_KN, world: int, rank: int, spec):
@@ -26,13 +26,9 @@ class _ScatterColumnsBinding:
         self.s, self.n = a_sMK.shape[0], b_KN.shape[1] // world
         self.y_SMn = a_sMK.new_empty((world * self.s, *a_sMK.shape[1:-1], self.n))
         self.part: dict[int, torch.Tensor] = {}
-        self.pieces = None
         if spec.method in ("none", "sliced"):
-            self.pieces = _common.split(self.s, 1 if spec.method == "none" else min(spec.chunks, max(self.s, 1)))
+            self.pieces = _common.chunk_pieces(self.s, spec)
             self.recv: dict[int, torch.Tensor] = {}
-
-    def chunks(self, spec) -> int:
-        return len(self.pieces) if self.pieces else self.world
 
     def buffer(self, t: Transfer) -> torch.Tensor:
         if t.kind == "send":
@@ -42,21 +38,21 @@ class _ScatterColumnsBinding:
     def compute(self, slot: int) -> None:
         if self.pieces:  # rows of chunk `slot`, all column blocks, laid out block-major
             off, n = self.pieces[slot]
-            y = torch.matmul(self.a[off:off + n], self.b)
+            y = executor.gemm(self.a[off:off + n], self.b)
             self.part[slot] = y.unflatten(-1, (self.world, self.n)).movedim(-2, 0).contiguous()
             return
         b_Kn = self.b[:, slot * self.n:(slot + 1) * self.n]
         if slot == self.rank:
-            torch.matmul(self.a, b_Kn, out=self.y_SMn[slot * self.s:(slot + 1) * self.s])
+            executor.gemm(self.a, b_Kn, out=self.y_SMn[slot * self.s:(slot + 1) * self.s])
         else:
-            self.part[slot] = torch.matmul(self.a, b_Kn)
+            self.part[slot] = executor.gemm(self.a, b_Kn)
 
     def collective(self, slot: int, transport):
         off, n = self.pieces[slot]
         whole = n == self.s
         out = self.y_SMn if whole else self.part[slot].new_empty((self.world * n, *self.part[slot].shape[2:]))
         self.recv[slot] = out
-        return transport.launch(dist.all_to_all_single, out, self.part[slot].flatten(0, 1))
+        return transport.launch("all_to_all", out, self.part[slot].flatten(0, 1), slot)
 
     def collective_done(self, slot: int) -> None:
         off, n = self.pieces[slot]
@@ -66,11 +62,9 @@ class _ScatterColumnsBinding:
             self.y_SMn.unflatten(0, (self.world, self.s))[:, off:off + n].copy_(
                 out.unflatten(0, (self.world, n)))
 
-    def reduce(self, slot, peers):
-        raise AssertionError("all-to-all schedules have no reduction")
 
 
-class _GatherColumnsBinding:
+class _GatherColumnsBinding(_common.Binding):
     """a2a_matmul: receive rank p's column block of my sequence slice, multiply by B's rows p."""
 
     def __init__(self, a_SMk, b_KN, world: int, rank: int, spec):
@@ -79,13 +73,9 @@ class _GatherColumnsBinding:
         self.y_sMN = a_SMk.new_empty((self.s, *a_SMk.shape[1:-1], b_KN.shape[1]))
         self.blocks: dict[int, torch.Tensor] = {rank: self.a[rank * self.s:(rank + 1) * self.s]}
         self.started = False
-        self.pieces = None
         if spec.method in ("none", "sliced"):
-            self.pieces = _common.split(self.s, 1 if spec.method == "none" else min(spec.chunks, max(self.s, 1)))
+            self.pieces = _common.chunk_pieces(self.s, spec)
             self.x_chunks: dict[int, torch.Tensor] = {}
-
-    def chunks(self, spec) -> int:
-        return len(self.pieces) if self.pieces else self.world
 
     def buffer(self, t: Transfer) -> torch.Tensor:
         if t.kind == "send":
@@ -98,9 +88,9 @@ class _GatherColumnsBinding:
             off, n = self.pieces[slot]
             x = self.x_chunks[slot].movedim(0, -2).flatten(-2)
             self.x_chunks[slot] = x
-            torch.matmul(x, self.b, out=self.y_sMN[off:off + n])
+            executor.gemm(x, self.b, out=self.y_sMN[off:off + n])
             return
-        y = torch.matmul(self.blocks[slot], self.b[slot * self.k:(slot + 1) * self.k])
+        y = executor.gemm(self.blocks[slot], self.b[slot * self.k:(slot + 1) * self.k])
         if self.started:
             self.y_sMN.add_(y)  # own block first, then r-1, r-2, ...
         else:
@@ -111,10 +101,7 @@ class _GatherColumnsBinding:
         off, n = self.pieces[slot]
         send = self.a.unflatten(0, (self.world, self.s))[:, off:off + n].contiguous()
         out = self.x_chunks[slot] = torch.empty_like(send)
-        return transport.launch(dist.all_to_all_single, out.flatten(0, 1), send.flatten(0, 1))
-
-    def collective_done(self, slot: int) -> None:
-        pass
+        return transport.launch("all_to_all", out.flatten(0, 1), send.flatten(0, 1), slot)
 
     def gathered(self) -> torch.Tensor:
         """The exchanged input ``[s, M, W*k]`` (all column blocks of my slice), for dB."""
@@ -122,8 +109,6 @@ class _GatherColumnsBinding:
             return torch.cat([self.x_chunks[j] for j in range(len(self.pieces))], 0)
         return torch.cat([self.blocks[p] for p in range(self.world)], -1)
 
-    def reduce(self, slot, peers):
-        raise AssertionError("all-to-all schedules have no reduction")
 
 
 def matmul_a2a(a_sMK, b_KN, group, spec) -> torch.Tensor:

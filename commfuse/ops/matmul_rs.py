@@ -13,41 +13,24 @@ all-gather -> GEMM (several weights, plus the gathered input's own gradient) run
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from commfuse import executor
 from commfuse.ops import _common
 from commfuse.schedule import Transfer
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-
-class _ReduceBinding:
+class _ReduceBinding(_common.Binding):
     """Partials per slot (P2P methods) or per chunk (sliced / none), and the result."""
 
-    def __init__(self, terms, extra_SMN, world: int, rank: int, spec):
-        self.terms, self.extra, self.world, self.rank = terms, extra_SMN, world, rank
-        x0 = terms[0][0]
-        self.s = s = x0.shape[0] // world
-        self.shape_sMN = (s, *x0.shape[1:-1], terms[0][1].shape[1])
+    def __init__(self, partial, shape_sMN, like: torch.Tensor, world: int, rank: int, spec):
+        self.partial, self.like, self.world, self.rank = partial, like, world, rank
+        self.s = s = shape_sMN[0]
+        self.shape_sMN = tuple(shape_sMN)
         self.part: dict[int, torch.Tensor] = {}  # slot or chunk -> partial sum
         self.recv: dict[tuple[int, int], torch.Tensor] = {}  # (slot, peer) -> received partial
-        self.pieces = None
         if spec.method in ("none", "sliced"):
-            self.pieces = _common.split(s, 1 if spec.method == "none" else min(spec.chunks, max(s, 1)))
-            self.out_sMN = x0.new_empty(self.shape_sMN)
-
-    def chunks(self, spec) -> int:
-        return len(self.pieces) if self.pieces else self.world
-
-    def partial(self, view) -> torch.Tensor:
-        """``sum_i view(x_i) @ b_i (+ view(extra))``: this rank's GEMM on a part of S."""
-        acc = None
-        for x, b in self.terms:
-            y = torch.matmul(view(x), b)
-            acc = y if acc is None else acc.add_(y)
-        if self.extra is not None:
-            acc = acc.add_(view(self.extra)) if acc is not None else view(self.extra).clone()
-        return acc
+            self.pieces = _common.chunk_pieces(s, spec)
+            self.out_sMN = like.new_empty(self.shape_sMN)
 
     def result(self) -> torch.Tensor:
         return self.out_sMN if self.pieces else self.part[self.rank]
@@ -56,7 +39,7 @@ class _ReduceBinding:
     def buffer(self, t: Transfer) -> torch.Tensor:
         if t.kind == "send":
             return self.part[t.slot]
-        buf = self.recv[(t.slot, t.peer)] = self.terms[0][0].new_empty(self.shape_sMN)
+        buf = self.recv[(t.slot, t.peer)] = self.like.new_empty(self.shape_sMN)
         return buf
 
     def compute(self, slot: int) -> None:
@@ -78,18 +61,38 @@ class _ReduceBinding:
     # sliced / none
     def collective(self, slot: int, transport):
         off, n = self.pieces[slot]
-        return transport.launch(_reduce_scatter, self.out_sMN[off:off + n],
-                                self.part[slot].flatten(0, 1))
+        return transport.launch("reduce_scatter", self.out_sMN[off:off + n],
+                                self.part[slot].flatten(0, 1), slot)
 
     def collective_done(self, slot: int) -> None:
         del self.part[slot]
 
 
+def reduce_scatter_of(partial, shape_sMN, like: torch.Tensor, group, spec) -> torch.Tensor:
+    """No autograd: ``reduce_scatter(P, 0)`` where ``partial(view)`` computes ``view(P)``.
+
+    ``view`` selects rows of the full ``[S, ...]`` operand (one slot, or one chunk of every
+    slot); ``partial`` computes this rank's contribution for exactly those rows, so any
+    computation that is row-wise in S (a GEMM, query-split attention) can be fused.
+    """
+    binding = _ReduceBinding(partial, shape_sMN, like, group.size(), group.rank(), spec)
+    _common.execute("matmul_rs", spec, group, binding, like.device)
+    return binding.result()
+
+
 def matmul_rs(terms, extra_SMN, group, spec) -> torch.Tensor:
     """No autograd: ``reduce_scatter(sum_i x_i @ b_i + extra, 0)`` (sum) under ``spec``."""
-    binding = _ReduceBinding(terms, extra_SMN, group.size(), group.rank(), spec)
-    _common.execute("matmul_rs", spec, group, binding, terms[0][0].device)
-    return binding.result()
+    x0, b0 = terms[0]
+
+    def partial(view) -> torch.Tensor:
+        acc = None
+        for x, b in terms:
+            y = executor.gemm(view(x), b)
+            acc = y if acc is None else acc.add_(y)
+        return acc.add_(view(extra_SMN)) if extra_SMN is not None else acc
+
+    shape = (x0.shape[0] // group.size(), *x0.shape[1:-1], b0.shape[1])
+    return reduce_scatter_of(partial, shape, x0, group, spec)
 
 
 class MatmulReduceScatter(torch.autograd.Function):

@@ -1,0 +1,114 @@
+"""``commfuse bench``: parse, launch the ranks (emulated cluster or loopback), measure, report."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import sys
+
+import torch
+
+from commfuse.bench import measure, report, workloads
+
+WORKER_ENV = "COMMFUSE_BENCH_WORKER"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from commfuse import cluster
+
+    p.add_argument("kind", choices=["op", "layer"],
+                   help="op: the four fused ops; layer: the TPSP MLP, TP attention (row-parallel "
+                        "Flash-RS and query-split) and the Ulysses attention block")
+    p.add_argument("--workloads", help="comma-separated subset (ops: " + ",".join(workloads.OPS) +
+                   "; layers: " + ",".join(workloads.LAYERS) + "); default all of the kind")
+    p.add_argument("--seq", default="2048",
+                   help="sequence length(s), comma-separated for a sweep (batch folded in); "
+                        "divisible by --nproc (default 2048)")
+    p.add_argument("--d-model", type=int, default=1024, help="model width (default 1024)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--pass", dest="passes", choices=["forward", "backward", "both"], default="both",
+                   help="forward, forward+backward, or both (default both)")
+    p.add_argument("--methods", default=",".join(measure.VARIANTS),
+                   help="comma-separated, from " + ",".join(measure.VARIANTS) + " (default all)")
+    p.add_argument("--iters", type=int, default=15, help="timed iterations per method (default 15)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1: "
+                   "one core per rank, as DESIGN.md asks)")
+    p.add_argument("--no-trace", dest="trace", action="store_false",
+                   help="skip the Chrome/Perfetto trace of one iteration per method")
+    p.add_argument("--out", default="bench-out", help="folder for JSON, PNG and traces "
+                   "(default ./bench-out)")
+    cluster.add_cluster_options(p)
+    p.set_defaults(run=run)
+
+
+def _list(text: str, allowed, what: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise SystemExit(f"commfuse bench: unknown {what} {bad or text!r}; choose from {list(allowed)}")
+    return items
+
+
+def run(args) -> int:
+    names = _list(args.workloads, workloads.OPS + workloads.LAYERS, "workload") if args.workloads \
+        else list(workloads.OPS if args.kind == "op" else workloads.LAYERS)
+    _list(args.methods, measure.VARIANTS, "method")
+    seqs = [int(s) for s in args.seq.split(",")]
+    if any(s % args.nproc for s in seqs):
+        raise SystemExit(f"commfuse bench: every --seq must be divisible by --nproc ({args.nproc})")
+    if "RANK" in os.environ:  # a rank: launched by us, by `commfuse launch` or by torchrun
+        return _worker(args, names, seqs)
+    from commfuse import cluster
+
+    spec = cluster.spec_from_args(args)
+    argv = [sys.executable, "-m", "commfuse.cli", "bench", *sys.argv[2:]]
+    os.environ[WORKER_ENV] = "1"
+    try:
+        return cluster.launch(spec, argv, timeout=args.timeout)
+    except cluster.EmulationUnavailable as e:
+        print(f"[bench] {e}\n[bench] FALLING BACK TO LOOPBACK: transfers cost no wire time, so "
+              f"the overlap figures mean little")
+        return cluster.launch(dataclasses.replace(spec, emulate=False, straggler_rank=None,
+                                              straggler_link=None), argv, timeout=args.timeout)
+
+
+def _worker(args, names: list[str], seqs: list[int]) -> int:
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = getattr(torch, args.dtype)
+    passes = {"forward": [False], "backward": [True], "both": [False, True]}[args.passes]
+    say = lambda msg: print(msg, flush=True) if rank == 0 else None
+    link = os.environ.get("COMMFUSE_LINK", "loopback (not emulated)")
+    say(f"[bench] {world} ranks, link {link}, {args.threads} thread(s) per rank, "
+        f"{args.iters} iterations after {args.warmup} warm-up, methods interleaved")
+    results = []
+    for name in names:
+        for seq in seqs:
+            for backward in passes:
+                if backward and name in workloads.FORWARD_ONLY:
+                    continue
+                say(f"[bench] {name} seq {seq} {'forward+backward' if backward else 'forward'} "
+                    f"({len(results) + 1} of about {len(names) * len(seqs) * len(passes)})")
+                r = measure.measure(name, seq, args.d_model, dtype, backward, args.iters,
+                                    args.warmup, args.methods.split(","), args.trace, say)
+                if r is not None:
+                    say(report.table(r) + "\n")
+                    results.append(r)
+    if rank == 0:
+        meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
+                "torch": torch.__version__, "link": link, "world": world,
+                "threads_per_rank": args.threads, "command": "commfuse bench " + " ".join(sys.argv[2:]),
+                "title": f"commfuse bench {args.kind}: {world} ranks, link {link}"}
+        stem = f"{args.kind}-{world}r"
+        for p in report.save(results, meta, args.out, stem):
+            say(f"[bench] wrote {p}")
+    dist.destroy_process_group()
+    return 0

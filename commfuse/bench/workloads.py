@@ -1,0 +1,98 @@
+"""What ``commfuse bench`` runs: the four fused ops and the paper's layers, at a given size.
+
+Each workload is built once per rank and returns ``step(method, opts, backward)``, which runs
+one forward (and backward) pass. Shapes (batch folded into the sequence S, width D, W ranks):
+
+- ``ag_matmul``   A [S/W, D] -> all-gather -> @ [D, 4D/W]     (TPSP FC1)
+- ``matmul_rs``   A [S, 4D/W] @ [4D/W, D] -> reduce-scatter   (TPSP FC2)
+- ``matmul_a2a``  A [S/W, D] @ [D, 3D] -> all-to-all           (Ulysses QKV)
+- ``a2a_matmul``  A [S, D/W] -> all-to-all -> @ [D, D]         (Ulysses out-proj)
+- ``mlp``         TPSP MLP: AG -> FC1 -> GELU -> FC2 -> RS
+- ``attn_row``    TP attention: AG -> QKV, causal attention on my heads, out-proj Flash-RS
+- ``attn_qsplit`` the same with query-split attention (forward only)
+- ``ulysses``     QKV -> a2a, attention on the full sequence for my heads, a2a -> out-proj
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import commfuse
+from commfuse.ops.attention import query_split_attention
+
+OPS = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
+LAYERS = ("mlp", "attn_row", "attn_qsplit", "ulysses")
+FORWARD_ONLY = ("attn_qsplit",)
+HEAD_DIM = 64
+
+Step = Callable[[str, dict, bool], None]
+
+
+def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype) -> Step:
+    if name not in OPS + LAYERS:
+        raise ValueError(f"unknown workload {name!r}; choose from {OPS + LAYERS}")
+    g = torch.Generator().manual_seed(rank)
+    rnd = lambda *shape: (torch.randn(*shape, generator=g) / shape[0] ** 0.5).to(dtype).requires_grad_()
+    s = seq // world
+    if name == "ag_matmul":
+        a, b = rnd(s, d), rnd(d, 4 * d // world)
+        return _grad_step(lambda m, o: commfuse.fused_all_gather_matmul(a, [b], 0, return_A=False,
+                                                                        method=m, **o)[1][0])
+    if name == "matmul_rs":
+        a, b = rnd(seq, 4 * d // world), rnd(4 * d // world, d)
+        return _grad_step(lambda m, o: commfuse.fused_matmul_reduce_scatter(a, b, "sum", 0, method=m, **o))
+    if name == "matmul_a2a":
+        a, b = rnd(s, d), rnd(d, 3 * d)
+        return _grad_step(lambda m, o: commfuse.fused_matmul_all_to_all(a, b, method=m, **o))
+    if name == "a2a_matmul":
+        a, b = rnd(seq, d // world), rnd(d, d)
+        return _grad_step(lambda m, o: commfuse.fused_all_to_all_matmul(a, b, method=m, **o))
+    x = rnd(s, d)
+    if name == "mlp":
+        w1, w2 = rnd(d, 4 * d // world), rnd(4 * d // world, d)
+
+        def mlp(m, o):
+            _, (h,) = commfuse.fused_all_gather_matmul(x, [w1], 0, return_A=False, method=m, **o)
+            return commfuse.fused_matmul_reduce_scatter(F.gelu(h), w2, "sum", 0, method=m, **o)
+        return _grad_step(mlp)
+    heads = d // HEAD_DIM // world
+    if heads < 1:
+        raise ValueError(f"d_model {d} gives no attention head per rank (head dim {HEAD_DIM})")
+    if name in ("attn_row", "attn_qsplit"):
+        wq, wk, wv = (rnd(d, heads * HEAD_DIM) for _ in range(3))
+        wo = rnd(heads * HEAD_DIM, d)
+
+        def attn(m, o):
+            _, qkv = commfuse.fused_all_gather_matmul(x, [wq, wk, wv], 0, return_A=False, method=m, **o)
+            q, k, v = (t.view(seq, 1, heads, HEAD_DIM) for t in qkv)
+            if name == "attn_qsplit":
+                return query_split_attention(q, k, v, wo, method=m, **o)
+            y = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
+                                               is_causal=True)
+            y = y.permute(2, 0, 1, 3).reshape(seq, heads * HEAD_DIM)
+            return commfuse.fused_matmul_reduce_scatter(y, wo, "sum", 0, method=m, **o)
+        return _grad_step(attn)
+    # ulysses: the QKV weight's column block p holds head group p's q, k and v
+    w_qkv, w_o = rnd(d, 3 * d), rnd(d, d)
+
+    def ulysses(m, o):
+        qkv = commfuse.fused_matmul_all_to_all(x, w_qkv, method=m, **o)  # [S, 3D/W]
+        q, k, v = (t.reshape(1, seq, heads, HEAD_DIM).transpose(1, 2) for t in qkv.chunk(3, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(seq, heads * HEAD_DIM)
+        return commfuse.fused_all_to_all_matmul(y, w_o, method=m, **o)
+    return _grad_step(ulysses)
+
+
+def _grad_step(forward: Callable) -> Step:
+    def step(method: str, opts: dict, backward: bool) -> None:
+        if backward:
+            out = forward(method, opts)
+            out.backward(torch.ones_like(out))
+        else:
+            with torch.no_grad():
+                forward(method, opts)
+    return step

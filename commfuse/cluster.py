@@ -1,0 +1,324 @@
+"""The emulated cluster: run N ranks of a command, each behind its own shaped network link.
+
+Gloo over loopback moves bytes as fast as memcpy and shows nothing about overlap. `launch`
+puts every rank in its own network namespace behind a veth and a bridge, its egress shaped by
+`tc` (tbf: bandwidth, netem: delay and jitter; topology in `commfuse.cluster_net`), optionally
+with one slower rank (a straggler). Rank r runs ``ip netns exec <its netns> argv...`` with
+torchrun's variables (MASTER_ADDR = rank 0's address, MASTER_PORT, RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE), GLOO_SOCKET_IFNAME = its interface, COMMFUSE_EMULATED=1,
+COMMFUSE_LINK (a label of the links, for results) and COMMFUSE_RUN_ID; pinned to one core
+when there are enough ("How we measure" in DESIGN.md), OMP_NUM_THREADS = its share of cores.
+
+Teardown always happens: at the end, when a rank fails (the others are stopped), on timeout,
+on SIGINT/SIGTERM/SIGHUP (forwarded to the ranks first), at interpreter exit. If the launcher
+is killed outright, its ranks die with it (PR_SET_PDEATHSIG) and the next launch removes its
+namespaces (`cleanup_stale`). Without root and iproute2, `launch` raises
+`EmulationUnavailable`; ``emulate=False`` runs the same ranks on 127.0.0.1.
+
+    commfuse launch --nproc 2 --link 1gbit --delay 50us -- python -m commfuse.bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import ctypes
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+from commfuse.cluster_net import (MAX_RANKS, EmulatedNetwork, EmulationUnavailable, LinkSpec,
+                                  check_available, cleanup_stale)
+
+__all__ = ["LinkSpec", "ClusterSpec", "EmulationUnavailable", "launch", "cleanup_stale",
+           "add_launch_arguments", "spec_from_args", "main_launch"]
+
+EMULATED_MASTER_PORT = 29500  # rank 0's namespace is fresh: nothing else can hold the port
+GRACE_S = 5.0  # how long stopped ranks get between SIGTERM (or a forwarded signal) and SIGKILL
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """How many ranks, on which links, pinned or not."""
+
+    nproc: int = 2
+    """Number of ranks (processes)."""
+    link: LinkSpec = field(default_factory=LinkSpec)
+    """Every rank's link, unless it is the straggler."""
+    straggler_rank: int | None = None
+    """A rank that gets `straggler_link` instead (None: no straggler)."""
+    straggler_link: LinkSpec | None = None
+    """The straggler's link; required with `straggler_rank`."""
+    pin: bool | None = None
+    """Pin rank i to core i % ncores; None: pin when nproc <= the cores we may run on."""
+    emulate: bool = True
+    """Emulate the network (root + iproute2); False: plain loopback, no shaping."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nproc, int) or not 1 <= self.nproc <= MAX_RANKS:
+            raise ValueError(f"nproc must be an int in 1..{MAX_RANKS}, got {self.nproc!r}")
+        if not isinstance(self.link, LinkSpec):
+            raise ValueError(f"link must be a LinkSpec, got {self.link!r}")
+        if (self.straggler_rank is None) != (self.straggler_link is None):
+            raise ValueError("straggler_rank and straggler_link go together: give both or none")
+        if self.straggler_rank is None:
+            return
+        if not isinstance(self.straggler_link, LinkSpec):
+            raise ValueError(f"straggler_link must be a LinkSpec, got {self.straggler_link!r}")
+        if not 0 <= self.straggler_rank < self.nproc:
+            raise ValueError(f"straggler_rank {self.straggler_rank} is not one of the ranks "
+                             f"0..{self.nproc - 1}")
+        if not self.emulate:
+            raise ValueError("a straggler needs emulate=True: loopback cannot be shaped")
+
+    def link_for(self, rank: int) -> LinkSpec:
+        """The link of ``rank``."""
+        return self.straggler_link if rank == self.straggler_rank else self.link
+
+    def describe(self) -> str:
+        """The COMMFUSE_LINK label, e.g. '1gbit delay 50us; rank 1: 100mbit delay 1ms'."""
+        if not self.emulate:
+            return "loopback"
+        straggler = (f"; rank {self.straggler_rank}: {self.straggler_link.describe()}"
+                     if self.straggler_link else "")
+        return self.link.describe() + straggler
+
+
+def _cores(spec: ClusterSpec) -> list[int | None]:
+    """Rank r's core: core r % n of the n we may run on, or None for all when not pinned."""
+    allowed = sorted(os.sched_getaffinity(0))
+    pin = spec.pin if spec.pin is not None else spec.nproc <= len(allowed)
+    return [allowed[r % len(allowed)] if pin else None for r in range(spec.nproc)]
+
+
+def _rank_envs(spec: ClusterSpec, net: EmulatedNetwork | None, pinned: bool) -> list[dict]:
+    """Every rank's environment: torchrun's variables, the interface, the link label."""
+    if net is None:
+        with socket.socket() as s:  # a port chosen by the OS, free on 127.0.0.1
+            s.bind(("127.0.0.1", 0))
+            port, master, label, run_id = s.getsockname()[1], "127.0.0.1", "loopback", "local"
+    else:
+        port, master, run_id = EMULATED_MASTER_PORT, net.ports[0].address, net.run_id
+        label = spec.describe() + ("" if net.delay_emulated
+                                   else " (delay not emulated: kernel lacks sch_netem)")
+    threads = 1 if pinned else max(1, len(os.sched_getaffinity(0)) // spec.nproc)
+    envs = []
+    for r in range(spec.nproc):
+        env = {"OMP_NUM_THREADS": str(threads), **os.environ}
+        env.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
+                   WORLD_SIZE=str(spec.nproc), LOCAL_WORLD_SIZE=str(spec.nproc),
+                   GLOO_SOCKET_IFNAME=net.ports[r].ifname if net else "lo",
+                   COMMFUSE_EMULATED=str(int(net is not None)), COMMFUSE_LINK=label,
+                   COMMFUSE_RUN_ID=run_id)
+        envs.append(env)
+    return envs
+
+
+def _child_setup(core: int | None, parent: int) -> None:
+    """Runs in each rank between fork and exec: die with the launcher, sit on ``core``."""
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+def _exit_code(returncode: int) -> int:
+    """Popen's -N (killed by signal N) as a shell would report it: 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _Supervisor:
+    """Starts the ranks, watches them, stops them all; forwards signals while running."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.signum: int | None = None
+
+    def on_signal(self, signum: int, _frame) -> None:
+        # A second signal means "now": skip the grace period.
+        self.send(signal.SIGKILL if self.signum is not None else signum)
+        self.signum = signum
+
+    def start(self, cmds: list[list[str]], envs: list[dict], cores: list[int | None]) -> None:
+        for cmd, env, core in zip(cmds, envs, cores):
+            if self.signum is not None:  # interrupted while starting: start no more
+                break
+            # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it
+            # once; killpg also reaches any children a rank starts.
+            self.procs.append(subprocess.Popen(
+                cmd, env=env, start_new_session=True,
+                preexec_fn=functools.partial(_child_setup, core, os.getpid())))
+
+    def send(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, first: int | None = signal.SIGTERM) -> None:
+        """``first`` (if any) to every live rank, SIGKILL to those still alive after GRACE_S."""
+        if first is not None:
+            self.send(first)
+        deadline = time.monotonic() + GRACE_S
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.send(signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
+    def wait(self, timeout: float | None) -> int:
+        """Block until the run ends; return its exit code (see `launch`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in self.procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if self.signum is not None:
+                self.stop(first=None)  # the signal was forwarded by on_signal
+                return 128 + self.signum
+            if failed:
+                rank, code = failed[0]
+                _say(f"rank {rank} exited with code {_exit_code(code)}; stopping the others")
+                self.stop()
+                return _exit_code(code)
+            if all(c == 0 for c in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                _say(f"timeout after {timeout:g} s; stopping all ranks")
+                self.stop()
+                return 124
+            time.sleep(0.02)
+
+
+def _say(msg: str) -> None:
+    print(f"commfuse launch: {msg}", file=sys.stderr, flush=True)
+
+
+def launch(spec: ClusterSpec, argv: list[str], timeout: float | None = None) -> int:
+    """Run ``argv`` as ``spec.nproc`` ranks and return the run's exit code.
+
+    0 when every rank exits 0; otherwise the code of the first rank seen failing (a rank
+    killed by signal N counts as 128 + N), 124 on ``timeout`` seconds, 128 + N when the
+    launcher got signal N. The other ranks are then stopped (SIGTERM, SIGKILL after
+    GRACE_S) and the network is removed. Raises `EmulationUnavailable` when
+    ``spec.emulate`` and this machine cannot emulate (not root, or no iproute2).
+    """
+    if not argv:
+        raise ValueError("nothing to run: argv is empty")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+    if spec.emulate:
+        check_available()
+        cleanup_stale()
+    sup, net, cores = _Supervisor(), None, _cores(spec)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, sup.on_signal) for s in _FORWARDED} if in_main else {}
+
+    def teardown() -> None:
+        sup.send(signal.SIGKILL)
+        if net is not None:
+            net.down()
+
+    atexit.register(teardown)
+    try:
+        if spec.emulate:
+            net = EmulatedNetwork([spec.link_for(r) for r in range(spec.nproc)], cores)
+            net.up()
+            if not net.delay_emulated:
+                _say("this kernel has no sch_netem: bandwidth is shaped, delay/jitter are not")
+        if sup.signum is None:  # a signal during setup ends the run before it starts
+            netns = [p.netns for p in net.ports] if net else [None] * spec.nproc
+            sup.start([(["ip", "netns", "exec", n] if n else []) + list(argv) for n in netns],
+                      _rank_envs(spec, net, cores[0] is not None), cores)
+        return sup.wait(timeout)
+    finally:
+        teardown()
+        atexit.unregister(teardown)
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `launch` options and the trailing command to ``parser``."""
+    add_cluster_options(parser)
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the command every rank runs, after --: -- python -m mymod")
+    return parser
+
+
+def add_cluster_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the emulated-cluster options (no command) to ``parser``; `spec_from_args` reads them."""
+    g = parser.add_argument_group("emulated cluster")
+    g.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
+    g.add_argument("--link", default="1gbit", metavar="RATE", help="bandwidth of every rank's "
+                   "link, in tc units: 1gbit, 200mbit, 10gbit, 125mbps (default 1gbit)")
+    g.add_argument("--delay", default="50us", help="one-way latency added to every link: 50us, "
+                   "1ms, 0 (default 50us; needs the kernel's sch_netem)")
+    g.add_argument("--jitter", default="0us", help="random +- variation of the delay, at most "
+                   "--delay (default 0us; netem may reorder packets when non-zero)")
+    g.add_argument("--straggler-rank", type=int, metavar="R",
+                   help="give rank R a different link (--straggler-link / --straggler-delay)")
+    g.add_argument("--straggler-link", metavar="RATE",
+                   help="the straggler's bandwidth (default: --link)")
+    g.add_argument("--straggler-delay", metavar="DELAY",
+                   help="the straggler's delay (default: --delay)")
+    g.add_argument("--no-emulate", dest="emulate", action="store_false",
+                   help="plain loopback (127.0.0.1), no shaping; automatic without root")
+    g.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
+                   help="pin rank i to core i %% ncores (default: pin when nproc <= ncores)")
+    g.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="kill all ranks and tear down after this long (default: no limit)")
+    return parser
+
+
+def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    """The `ClusterSpec` the parsed options describe (ValueError if they are inconsistent)."""
+    link = LinkSpec(rate=args.link, delay=args.delay, jitter=args.jitter)
+    straggler = None
+    if args.straggler_rank is not None:
+        if args.straggler_link is None and args.straggler_delay is None:
+            raise ValueError("--straggler-rank needs --straggler-link and/or --straggler-delay")
+        straggler = replace(link, rate=args.straggler_link or link.rate,
+                            delay=args.straggler_delay or link.delay)
+    elif args.straggler_link is not None or args.straggler_delay is not None:
+        raise ValueError("--straggler-link/--straggler-delay need --straggler-rank")
+    return ClusterSpec(nproc=args.nproc, link=link, straggler_rank=args.straggler_rank,
+                       straggler_link=straggler, pin=args.pin, emulate=args.emulate)
+
+
+def main_launch(args: argparse.Namespace) -> int:
+    """The `launch` command: run the command after ``--``; return the exit code."""
+    argv = list(args.command)
+    argv = argv[1:] if argv[:1] == ["--"] else argv
+    if not argv:
+        _say("no command given; usage: launch [options] -- python -m mymod")
+        return 2
+    try:
+        spec = spec_from_args(args)
+        return launch(spec, argv, timeout=args.timeout)
+    except ValueError as e:
+        _say(str(e))
+        return 2
+    except FileNotFoundError as e:  # loopback mode runs argv directly
+        _say(f"cannot run {argv[0]!r}: {e.strerror}")
+        return 127
+    except EmulationUnavailable as e:
+        _say(f"{e}\ncommfuse launch: FALLING BACK TO LOOPBACK (COMMFUSE_LINK=loopback)")
+        return launch(replace(spec, emulate=False, straggler_rank=None, straggler_link=None),
+                      argv, timeout=args.timeout)
+
+
+if __name__ == "__main__":  # python -m commfuse.cluster [options] -- command...
+    sys.exit(main_launch(add_launch_arguments(argparse.ArgumentParser(
+        prog="python -m commfuse.cluster", description=__doc__.split("\n\n")[0])).parse_args()))

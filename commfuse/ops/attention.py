@@ -1,0 +1,56 @@
+"""Query-split attention: TP attention whose out-projection reduce-scatter runs over query slices.
+
+    out = reduce_scatter(attention(Q, K, V) @ W_o, seq)
+
+Row-parallel Flash-RS fuses only the out-projection GEMM with the reduce-scatter. Query-split
+runs the whole attention (QK^T, softmax, SV) *and* the out-projection partial per query slice
+inside the Flash-RS schedule, so each step's transfer hides behind far more compute; this
+rank's own query slice last. Exact: every query row sees the same keys, in the same order.
+
+Legend: S sequence (first), B batch, H this rank's heads, d head dim, D model dim,
+s = S/W one rank's slice. Forward only (no autograd yet): used by the benchmarks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from commfuse import executor
+from commfuse.ops import _common
+from commfuse.ops.matmul_rs import reduce_scatter_of
+
+
+def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal: bool = True,
+                          method: str = "commfuse", **opts) -> torch.Tensor:
+    """``reduce_scatter(attn(q, k, v) @ wo, dim 0)`` -> ``[S/W, B, D]``, run per query slice."""
+    for name, t in (("q", q_SBHd), ("k", k_SBHd), ("v", v_SBHd)):
+        _common.check_tensor(name, t, 4)
+    if not (q_SBHd.shape == k_SBHd.shape == v_SBHd.shape):
+        raise ValueError(f"q, k, v must have one shape [S, B, H, d], got {tuple(q_SBHd.shape)}, "
+                         f"{tuple(k_SBHd.shape)}, {tuple(v_SBHd.shape)}")
+    S, B, H, d = q_SBHd.shape
+    _common.check_matmul("q (flattened heads)", q_SBHd.new_empty(0, H * d), "wo", wo_HdD)
+    spec = _common.method_spec(method, opts)
+    group = _common.resolve_group(group)
+    _common.check_divisible("q.shape[0] (sequence)", S, group.size())
+    k_BHSd, v_BHSd = k_SBHd.permute(1, 2, 0, 3), v_SBHd.permute(1, 2, 0, 3)
+    pos_S = torch.arange(S, device=q_SBHd.device)
+
+    def partial(view) -> torch.Tensor:
+        q_rows = view(q_SBHd)  # [s, B, H, d] (one slot) or [W, n, B, H, d] (sliced chunk)
+        lead = q_rows.shape[:-3]
+        q_BHRd = q_rows.reshape(-1, B, H, d).permute(1, 2, 0, 3)
+        pos_R = view(pos_S).reshape(-1)
+        if executor._state["mode"] == "comm_only":
+            return q_rows.new_empty((*lead, B, wo_HdD.shape[1]))
+        keys = int(pos_R.max()) + 1 if causal else S  # later keys are masked out anyway
+        mask = (pos_S[:keys][None, :] <= pos_R[:, None]) if causal else None
+        o_BHRd = F.scaled_dot_product_attention(q_BHRd, k_BHSd[:, :, :keys], v_BHSd[:, :, :keys],
+                                                attn_mask=mask)
+        o_RBX = o_BHRd.permute(2, 0, 1, 3).reshape(-1, B, H * d)
+        return executor.gemm(o_RBX, wo_HdD).reshape(*lead, B, wo_HdD.shape[1])
+
+    with torch.no_grad():
+        return reduce_scatter_of(partial, (S // group.size(), B, wo_HdD.shape[1]), q_SBHd,
+                                 group, spec)

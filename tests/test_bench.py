@@ -1,0 +1,69 @@
+"""The benchmark machinery on 2 loopback ranks at tiny sizes: structure, not speed.
+
+Speed is measured by `commfuse bench` on the emulated cluster (docs/benchmarks), never
+asserted here.
+"""
+
+import json
+
+import pytest
+import torch
+
+from commfuse.bench import measure, report, workloads
+from commfuse.spawn import run_local
+
+
+def _measure(rank, world, name, backward):
+    return measure.measure(name, 32, 128, torch.float32, backward, iters=2, warmup=1,
+                           variants=list(measure.VARIANTS), trace=True, say=lambda m: None)
+
+
+@pytest.mark.parametrize("name,backward", [("ag_matmul", True), ("matmul_rs", False),
+                                           ("matmul_a2a", True), ("a2a_matmul", True),
+                                           ("mlp", True), ("attn_row", False),
+                                           ("attn_qsplit", False), ("ulysses", True)])
+def test_measure_reports_every_method_and_a_trace(tmp_path, name, backward):
+    r = run_local(_measure, 2, name, backward, timeout=300)[0]
+    assert [m["method"] for m in r["methods"]] == list(measure.VARIANTS)
+    for m in r["methods"]:
+        assert m["p10_ms"] <= m["median_ms"] <= m["p90_ms"]
+        assert m["compute_ms"] > 0 and m["exposed_ms"] == pytest.approx(m["median_ms"] - m["compute_ms"])
+    assert r["methods"][0]["vs_none"] == 1.0
+    assert r["limit_ms"] > 0 and r["comm_alone_ms"] > 0
+    paths = report.save([r], {"title": "test"}, str(tmp_path), "t")
+    trace = json.load(open([p for p in paths if p.endswith(".trace.json")][0]))
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert {e["name"] for e in spans} >= set(measure.VARIANTS)  # one step span per method
+    assert any(e["name"].endswith("compute 0") for e in spans)
+    assert "commfuse" in report.table(r)
+
+
+def _query_split(rank, world, method, opts):
+    """query-split attention == attention then matmul then reduce-scatter (method none)."""
+    from commfuse.ops.attention import query_split_attention
+    import torch.nn.functional as F
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(7)
+    S, B, H, d, D = 6 * world, 2, 2, 8, 16
+    q, k, v = (torch.randn(S, B, H, d, generator=g, dtype=torch.float64) for _ in range(3))
+    wo = [torch.randn(H * d, D, generator=g, dtype=torch.float64) for _ in range(world)]
+    # reference: every rank's partial, summed, my slice
+    full = 0
+    for r in range(world):
+        qr, kr, vr = (t + r for t in (q, k, v))  # a different head group per rank
+        o = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (qr, kr, vr)), is_causal=True)
+        full = full + o.permute(2, 0, 1, 3).reshape(S, B, H * d) @ wo[r]
+    ref = full[rank * 6:(rank + 1) * 6]
+    out = query_split_attention(q + rank, k + rank, v + rank, wo[rank], method=method, **opts)
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("method,opts", [("none", {}), ("sliced", {"chunks": 4}),
+                                         ("decompose", {}), ("commfuse", {}),
+                                         ("commfuse", {"topology": "direct"})])
+def test_query_split_attention_is_exact(world, method, opts):
+    errs = run_local(_query_split, world, method, opts, timeout=120)
+    assert max(errs) < 1e-12
