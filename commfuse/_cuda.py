@@ -29,7 +29,6 @@ def comm_stream(device: torch.device) -> torch.cuda.Stream:
 class CudaTransport(Transport):
     def __init__(self, group, device: torch.device, timeout_s: float, collective: str = "auto"):
         super().__init__(group, device, timeout_s, collective)
-        self.device = device
         self.comm = comm_stream(device)
 
     def post(self, transfers):

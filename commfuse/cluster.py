@@ -15,7 +15,7 @@ is killed outright, its ranks die with it (PR_SET_PDEATHSIG) and the next launch
 namespaces (`cleanup_stale`). Without root and iproute2, `launch` raises
 `EmulationUnavailable`; ``emulate=False`` runs the same ranks on 127.0.0.1.
 
-    commfuse launch --nproc 2 --link 1gbit --delay 50us -- python -m commfuse.bench
+    commfuse launch --nproc 2 --link 1gbit --delay 50us -- python -m mymod
 """
 
 from __future__ import annotations

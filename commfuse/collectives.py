@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from commfuse import _p2p
+
 KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 POLICIES = ("auto", "backend", "p2p")
 _BACKEND = {
@@ -53,7 +55,7 @@ class _P2PCollective:
                 peer = dist.get_global_rank(group, p)
                 ops += [dist.P2POp(dist.isend, sends[p], peer, group, tag),
                         dist.P2POp(dist.irecv, recvs[p], peer, group, tag)]
-        self.works = dist.batch_isend_irecv(ops) if ops else []
+        self.works = _p2p.post(ops, out.device) if ops else []
 
     def wait(self, timeout=None) -> bool:
         for w in dict.fromkeys(self.works):  # NCCL may hand one work for the whole batch

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from commfuse import collectives
+from commfuse import _p2p, collectives
 from commfuse.errors import CommFuseError
 from commfuse.schedule import (Collective, Compute, Post, Reduce, Schedule, Transfer, Wait,
                                WaitCollective)
@@ -97,7 +97,7 @@ class Transport:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float,
                  collective: str = "auto"):
-        self.group = group
+        self.group, self.device = group, device
         self.timeout = timedelta(seconds=timeout_s)
         self.collective = collective  # see commfuse.collectives
 
@@ -107,9 +107,7 @@ class Transport:
             fn = dist.isend if t.kind == "send" else dist.irecv
             peer = dist.get_global_rank(self.group, t.peer)
             ops.append(dist.P2POp(fn, buf, peer, self.group, tag=t.tag))
-        works = dist.batch_isend_irecv(ops)
-        # one work per transfer on gloo; a single work for the whole batch on NCCL
-        return works if len(works) == len(ops) else [works[0]] * len(ops)
+        return _p2p.post(ops, self.device)
 
     def launch(self, kind: str, out: torch.Tensor, inp: torch.Tensor, tag: int) -> Any:
         """Start the async collective ``kind`` (see `commfuse.collectives`)."""
