@@ -47,6 +47,16 @@ def _bench_parser(sub) -> None:
     bench_cli.add_arguments(p)
 
 
+def _train_parser(sub) -> None:
+    from commfuse import train
+
+    p = sub.add_parser("train", help="train the tiny Llama on the shipped corpus with TP/UP/DP",
+                       description=train.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_arguments(p)
+    p.set_defaults(run=train.run)
+
+
 def _launch_parser(sub) -> None:
     from commfuse import cluster
 
@@ -67,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="commfuse: collectives fused with GEMMs as overlapped peer-to-peer "
                     "schedules (CommFuse, arXiv 2604.24013) on any torch.distributed backend.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _train_parser(sub)
     _demo_parser(sub)
     _bench_parser(sub)
     _launch_parser(sub)

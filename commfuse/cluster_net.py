@@ -132,14 +132,17 @@ def list_netns() -> list[str]:
 def tbf_params(rate_bps: int) -> tuple[int, int]:
     """(burst, limit) in bytes for a tbf at ``rate_bps``; measured with TCP over veth.
 
-    burst: 250 us of the rate, at least 16 KiB. Smaller loses rate to timer granularity
-    (16 KiB at 1gbit: 92 %); larger lets short messages through unshaped. 32 KiB at 1gbit gives
-    950 Mbit/s of TCP payload, the line rate (1448 payload bytes per 1514-byte frame: 95.6 %).
+    burst: 250 us of the rate, at least 96 KiB. Smaller loses rate to timer granularity
+    (16 KiB at 1gbit: 92 %); and below 64 KiB tbf cuts every TCP GSO super-packet (up to
+    64 KiB) into MTU-sized packets, whose trip through two veths and the bridge cost the sending
+    core 30-40 ms of CPU per 8 MB at 1gbit, against 3 ms when they pass whole (measured with
+    `time.process_time` around a gloo send): CPU the GEMM that should hide the transfer needs,
+    where a real NIC would take none. 96 KiB at 1gbit still gives 0.91-0.92 Gbit/s one way.
     limit: TCP small queues keeps ~1 ms of the *pacing* rate (not of the shaped rate) queued
     per socket: a 256 KiB queue dropped packets at 1gbit, 1 MiB never. So at least 1 MiB.
     """
     rate_bytes = rate_bps / 8
-    burst = max(16 * 1024, int(rate_bytes * 250e-6))
+    burst = max(96 * 1024, int(rate_bytes * 250e-6))
     return burst, max(1024 * 1024, int(rate_bytes * 4e-3), 4 * burst)
 
 

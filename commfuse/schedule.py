@@ -97,7 +97,7 @@ class Schedule:
     world_size: int
     rank: int
     topology: str
-    chunks: int  # number of slots the op's buffers are cut into (W for P2P, k for sliced)
+    chunks: int  # number of slots the op's buffers are cut into (W*m for P2P, k for sliced)
     steps: tuple[Step, ...]
 
     def computes(self) -> list[int]:
@@ -108,8 +108,13 @@ class Schedule:
 
 
 def build(op: str, method: str, world_size: int, rank: int, *,
-          topology: str = "ring", chunks: int = 4) -> Schedule:
-    """The schedule of ``op`` under ``method`` for ``rank`` of ``world_size`` ranks."""
+          topology: str = "ring", chunks: int = 4, splits: int = 1) -> Schedule:
+    """The schedule of ``op`` under ``method`` for ``rank`` of ``world_size`` ranks.
+
+    ``chunks``: sliced's chunk count. ``splits`` (m): decompose/commfuse cut each rank's slice
+    into m sub-slices (slot p*m + j is sub-slice j of rank p's slice), so the pipeline moves
+    and computes W*m pieces: finer steps hide more when a transfer outlasts a slice's GEMM.
+    """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if method not in METHODS:
@@ -120,6 +125,8 @@ def build(op: str, method: str, world_size: int, rank: int, *,
         raise ValueError(f"bad rank {rank} of world size {world_size}")
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
     if op in ("matmul_a2a", "a2a_matmul"):
         topology = "direct"  # an all-to-all block has one destination: nothing to forward
     if method in ("none", "sliced"):
@@ -127,11 +134,9 @@ def build(op: str, method: str, world_size: int, rank: int, *,
         steps = _collective_gather(k) if op in GATHER_SIDE else _collective_reduce(k)
         return Schedule(op, method, world_size, rank, topology, k, tuple(steps))
     sync = method == "decompose"
-    if op in GATHER_SIDE:
-        steps = _p2p_gather(op, world_size, rank, topology, sync)
-    else:
-        steps = _p2p_reduce(op, world_size, rank, topology, sync)
-    return Schedule(op, method, world_size, rank, topology, world_size, tuple(steps))
+    fn = _p2p_gather if op in GATHER_SIDE else _p2p_reduce
+    steps = fn(op, world_size, rank, topology, sync, splits)
+    return Schedule(op, method, world_size, rank, topology, world_size * splits, tuple(steps))
 
 
 def _collective_gather(k: int) -> list[Step]:
@@ -153,79 +158,102 @@ def _collective_reduce(k: int) -> list[Step]:
     return steps + [WaitCollective(j) for j in range(k)]
 
 
-def _p2p_gather(op: str, w: int, r: int, topology: str, sync: bool) -> list[Step]:
-    """Gather side: compute slots r, r-1, ..., r+1; slot r-i arrives during step i-1.
+def _p2p_gather(op: str, w: int, r: int, topology: str, sync: bool, m: int) -> list[Step]:
+    """Gather side: compute slices r, r-1, ..., r+1 (each in m sub-slices j = 0..m-1).
 
-    commfuse: post transfer i+1 as soon as its data is there, compute, and wait only for the
-    slot the next compute needs; sends are waited at the very end.
-    decompose: same order, but each step waits for all its transfers before the next.
+    commfuse: every transfer is posted as soon as its data is here (own data at the start, a
+    forwarded sub-slice on arrival), in the order it will be consumed; a receive is waited
+    only just before the compute that needs it; sends are waited at the very end.
+    decompose: the same order, but each step posts its transfer and waits for it (send and
+    receive) before the next compute.
     """
     order = [(r - i) % w for i in range(w)]
+    ring = op == "ag_matmul" and topology == "ring"
 
-    def transfer(i: int) -> tuple[Transfer, Transfer]:
-        """The transfers that bring slot order[i] here, posted during step i-1."""
+    def transfer(i: int, j: int) -> tuple[Transfer, Transfer]:
+        """The transfers that bring sub-slice j of slice order[i] here."""
+        tag = i * m + j
         if op == "a2a_matmul":  # my block for rank r+i, and rank r-i's block for me
-            send = Transfer("send", (r + i) % w, (r + i) % w, i)
-        elif topology == "ring":  # forward what I computed on last to my successor
-            send = Transfer("send", order[i - 1], (r + 1) % w, i)
+            send = Transfer("send", _slot((r + i) % w, j, m), (r + i) % w, tag)
+        elif ring:  # forward what arrived last step to my successor
+            send = Transfer("send", _slot(order[i - 1], j, m), (r + 1) % w, tag)
         else:  # direct: my own slice straight to rank r+i
-            send = Transfer("send", r, (r + i) % w, i)
-        src = (r - 1) % w if (op == "ag_matmul" and topology == "ring") else (r - i) % w
-        return send, Transfer("recv", order[i], src, i)
+            send = Transfer("send", _slot(r, j, m), (r + i) % w, tag)
+        src = (r - 1) % w if ring else (r - i) % w
+        return send, Transfer("recv", _slot(order[i], j, m), src, tag)
 
     steps: list[Step] = []
     sends: list[Transfer] = []
+
+    def post(i: int, j: int) -> None:
+        send, recv = transfer(i, j)
+        steps.append(Post((send, recv)))
+        sends.append(send)
+
+    if not sync:  # all that can start now: hides behind the own slice's compute
+        for i in range(1, 2 if ring else w):
+            for j in range(m if w > 1 else 0):
+                post(i, j)
     for i in range(w):
-        if i > 0 and not sync:
-            steps.append(Wait(transfer(i)[1]))  # the slot this step computes on
-        if i + 1 < w:
-            send, recv = transfer(i + 1)
-            steps.append(Post((send, recv)))  # hides behind Compute(order[i])
-            sends.append(send)
-        steps.append(Compute(order[i]))
-        if sync and i + 1 < w:
-            steps += [Wait(send), Wait(recv)]
+        for j in range(m):
+            if i > 0 and not sync:
+                steps.append(Wait(transfer(i, j)[1]))  # the sub-slice this compute needs
+                if ring and i + 1 < w:
+                    post(i + 1, j)  # forward it at once
+            if sync and i + 1 < w:
+                post(i + 1, j)
+            steps.append(Compute(_slot(order[i], j, m)))
+            if sync and i + 1 < w:
+                steps += [Wait(sends[-1]), Wait(transfer(i + 1, j)[1])]
     if not sync:
-        steps += [Wait(s) for s in sends]
+        steps += [Wait(t) for t in sends]
     return steps
 
 
-def _p2p_reduce(op: str, w: int, r: int, topology: str, sync: bool) -> list[Step]:
-    """Reduce side: compute the partials others own first, this rank's own slot last.
+def _p2p_reduce(op: str, w: int, r: int, topology: str, sync: bool, m: int) -> list[Step]:
+    """Reduce side: compute the partials others own first, this rank's own slice last.
 
-    ring (matmul_rs): at step i compute slot r-i-1, add the running sum from r-1, send to r+1;
-    the own slot's GEMM hides the last transfer and one add follows it.
-    direct / matmul_a2a: at step i compute the block for rank r+i+1 and send it straight there;
-    rank r-i-1's block for me arrives meanwhile; matmul_rs then sums in rank order.
+    ring (matmul_rs): at step i compute slice r-i-1 (sub-slice by sub-slice), add the running
+    sum from r-1, send it to r+1; the own slice's GEMMs hide the last transfers and one add
+    follows each. direct / matmul_a2a: at step i compute the block for rank r+i+1 and send it
+    straight there; rank r-i-1's block for me arrives meanwhile; matmul_rs sums in rank order.
+    decompose waits for each step's transfers before the next compute.
     """
     ring = op == "matmul_rs" and topology == "ring"
     order = [(r - i - 1) % w for i in range(w)] if ring else [(r + i + 1) % w for i in range(w)]
 
-    def incoming(i: int) -> Transfer:
+    def incoming(i: int, j: int) -> Transfer:
         """What arrives during step i (consumed at step i+1 on the ring, at the end otherwise)."""
         if ring:
-            return Transfer("recv", order[i + 1], (r - 1) % w, i)
+            return Transfer("recv", _slot(order[i + 1], j, m), (r - 1) % w, i * m + j)
         src = (r - i - 1) % w
-        return Transfer("recv", r if op == "matmul_rs" else src, src, i)
+        return Transfer("recv", _slot(r if op == "matmul_rs" else src, j, m), src, i * m + j)
 
     steps: list[Step] = []
     pending: list[Transfer] = []  # transfers to wait for at the end
     for i in range(w):
-        steps.append(Compute(order[i]))
-        if ring and i > 0:
-            if not sync:
-                steps.append(Wait(incoming(i - 1)))  # the running sum for this slot
-            steps.append(Reduce(order[i], ((r - 1) % w, r)))
-        if i + 1 < w:
-            send = Transfer("send", order[i], (r + 1) % w if ring else order[i], i)
-            recv = incoming(i)
-            steps.append(Post((send, recv)))  # hides behind Compute(order[i+1])
-            if sync:
-                steps += [Wait(send), Wait(recv)]
-            else:
-                pending += [send] if ring else [send, recv]
+        for j in range(m):
+            slot = _slot(order[i], j, m)
+            steps.append(Compute(slot))
+            if ring and i > 0:
+                if not sync:
+                    steps.append(Wait(incoming(i - 1, j)))  # the running sum for this slot
+                steps.append(Reduce(slot, ((r - 1) % w, r)))
+            if i + 1 < w:
+                send = Transfer("send", slot, (r + 1) % w if ring else order[i], i * m + j)
+                recv = incoming(i, j)
+                steps.append(Post((send, recv)))  # hides behind the next compute
+                if sync:
+                    steps += [Wait(send), Wait(recv)]
+                else:
+                    pending += [send] if ring else [send, recv]
     if not sync:
         steps += [Wait(t) for t in sorted(pending, key=lambda t: t.kind == "send")]
     if op == "matmul_rs" and not ring and w > 1:
-        steps.append(Reduce(r, tuple(range(w))))
+        steps += [Reduce(_slot(r, j, m), tuple(range(w))) for j in range(m)]
     return steps
+
+
+def _slot(p: int, j: int, m: int) -> int:
+    """Sub-slice j of rank p's slice, when each slice is cut into m."""
+    return p * m + j

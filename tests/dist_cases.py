@@ -18,7 +18,9 @@ OPS = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
 METHODS = (("none", {}), ("none", {"collective": "backend"}), ("sliced", {"chunks": 2}), ("sliced", {}),
            ("sliced", {"collective": "backend"}),
            ("decompose", {"topology": "ring"}), ("decompose", {"topology": "direct"}),
-           ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"}))
+           ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"}),
+           ("decompose", {"splits": 2}), ("commfuse", {"topology": "ring", "splits": 2}),
+           ("commfuse", {"topology": "direct", "splits": 4}))
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # norm-relative error vs float64 reference
 
 

@@ -8,6 +8,7 @@ from commfuse import schedule as sch
 from commfuse.schedule import Compute, Post, Reduce, Wait
 
 P2P = [(m, t) for m in ("decompose", "commfuse") for t in sch.TOPOLOGIES]
+SPLITS = (1, 3)
 WORLDS = (1, 2, 3, 4, 5, 8)
 
 
@@ -18,16 +19,18 @@ def all_ranks(op, method, w, **kw):
 @pytest.mark.parametrize("op", sch.OPS)
 @pytest.mark.parametrize("method,topology", P2P)
 @pytest.mark.parametrize("w", WORLDS)
-def test_every_slot_computed_exactly_once(op, method, topology, w):
-    for s in all_ranks(op, method, w, topology=topology):
-        assert sorted(s.computes()) == list(range(w))
+@pytest.mark.parametrize("m", SPLITS)
+def test_every_slot_computed_exactly_once(op, method, topology, w, m):
+    for s in all_ranks(op, method, w, topology=topology, splits=m):
+        assert sorted(s.computes()) == list(range(w * m)) and s.chunks == w * m
 
 
 @pytest.mark.parametrize("op", sch.OPS)
 @pytest.mark.parametrize("method,topology", P2P)
 @pytest.mark.parametrize("w", WORLDS)
-def test_every_send_matched_by_a_receive_in_the_same_order(op, method, topology, w):
-    scheds = all_ranks(op, method, w, topology=topology)
+@pytest.mark.parametrize("m", SPLITS)
+def test_every_send_matched_by_a_receive_in_the_same_order(op, method, topology, w, m):
+    scheds = all_ranks(op, method, w, topology=topology, splits=m)
     sends = Counter((s.rank, t.peer, t.tag) for s in scheds for t in s.transfers() if t.kind == "send")
     recvs = Counter((t.peer, s.rank, t.tag) for s in scheds for t in s.transfers() if t.kind == "recv")
     assert sends == recvs
@@ -43,8 +46,9 @@ def test_every_send_matched_by_a_receive_in_the_same_order(op, method, topology,
 @pytest.mark.parametrize("op", sch.OPS)
 @pytest.mark.parametrize("method,topology", P2P + [("sliced", "ring"), ("none", "ring")])
 @pytest.mark.parametrize("w", WORLDS)
-def test_every_transfer_waited_exactly_once_after_it_is_posted(op, method, topology, w):
-    for s in all_ranks(op, method, w, topology=topology):
+@pytest.mark.parametrize("m", SPLITS)
+def test_every_transfer_waited_exactly_once_after_it_is_posted(op, method, topology, w, m):
+    for s in all_ranks(op, method, w, topology=topology, splits=m):
         posted, waited = [], []
         for step in s.steps:
             if isinstance(step, Post):
@@ -58,10 +62,12 @@ def test_every_transfer_waited_exactly_once_after_it_is_posted(op, method, topol
 @pytest.mark.parametrize("op", sch.OPS)
 @pytest.mark.parametrize("topology", sch.TOPOLOGIES)
 @pytest.mark.parametrize("w", WORLDS)
-def test_commfuse_own_slot_first_on_gather_last_on_reduce(op, topology, w):
-    for s in all_ranks(op, "commfuse", w, topology=topology):
-        order = s.computes()
-        assert order[0 if op in sch.GATHER_SIDE else -1] == s.rank
+@pytest.mark.parametrize("m", SPLITS)
+def test_commfuse_own_slot_first_on_gather_last_on_reduce(op, topology, w, m):
+    for s in all_ranks(op, "commfuse", w, topology=topology, splits=m):
+        order = [slot // m for slot in s.computes()]
+        own = order[:m] if op in sch.GATHER_SIDE else order[-m:]
+        assert own == [s.rank] * m
 
 
 def _hidden_waits_violations(s):
@@ -88,8 +94,9 @@ def _hidden_waits_violations(s):
 @pytest.mark.parametrize("op", sch.OPS)
 @pytest.mark.parametrize("topology", sch.TOPOLOGIES)
 @pytest.mark.parametrize("w", WORLDS)
-def test_commfuse_never_waits_while_independent_compute_remains(op, topology, w):
-    for s in all_ranks(op, "commfuse", w, topology=topology):
+@pytest.mark.parametrize("m", SPLITS)
+def test_commfuse_never_waits_while_independent_compute_remains(op, topology, w, m):
+    for s in all_ranks(op, "commfuse", w, topology=topology, splits=m):
         assert _hidden_waits_violations(s) == []
 
 
@@ -128,6 +135,7 @@ def test_sliced_pipelines_collectives_with_compute(op, chunks):
 
 @pytest.mark.parametrize("kw,match", [({"op": "nope"}, "op"), ({"method": "fast"}, "method"),
                                       ({"topology": "tree"}, "topology"), ({"chunks": 0}, "chunks"),
+                                      ({"splits": 0}, "splits"),
                                       ({"rank": 4}, "rank")])
 def test_bad_arguments_are_named(kw, match):
     args = {"op": "ag_matmul", "method": "commfuse", "world_size": 4, "rank": 0} | kw

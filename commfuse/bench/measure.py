@@ -29,6 +29,7 @@ VARIANTS = {  # label -> (method, options)
     "sliced": ("sliced", {"chunks": 4}),
     "decompose": ("decompose", {"topology": "ring"}),
     "commfuse": ("commfuse", {"topology": "ring"}),
+    "commfuse-m4": ("commfuse", {"topology": "ring", "splits": 4}),  # 4 sub-slices per rank
     "commfuse-direct": ("commfuse", {"topology": "direct"}),
 }
 

@@ -17,8 +17,8 @@ DEFAULT_CHUNKS = 4
 _OPTIONS = {  # the options each method accepts
     "none": {"timeout", "collective"},
     "sliced": {"timeout", "chunks", "collective"},
-    "decompose": {"timeout", "topology"},
-    "commfuse": {"timeout", "topology"},
+    "decompose": {"timeout", "topology", "splits"},
+    "commfuse": {"timeout", "topology", "splits"},
 }
 
 
@@ -31,6 +31,7 @@ class MethodSpec:
     chunks: int = DEFAULT_CHUNKS  # sliced: number of chunks along the gathered/scattered dim
     timeout: float | None = None  # seconds to wait for a transfer; None: the group's timeout
     collective: str = "auto"  # none/sliced: "backend", "p2p" or "auto" (commfuse.collectives)
+    splits: int = 1  # decompose/commfuse: sub-slices per rank's slice (m in DESIGN.md)
 
 
 def method_spec(method: str, opts: dict) -> MethodSpec:
@@ -49,10 +50,13 @@ def method_spec(method: str, opts: dict) -> MethodSpec:
     timeout = opts.get("timeout")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    splits = opts.get("splits", 1)
+    if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
+        raise ValueError(f"splits must be a positive int, got {splits!r}")
     collective = opts.get("collective", "auto")
     if collective not in collectives.POLICIES:
         raise ValueError(f"collective must be one of {collectives.POLICIES}, got {collective!r}")
-    return MethodSpec(method, topology, chunks, timeout, collective)
+    return MethodSpec(method, topology, chunks, timeout, collective, splits)
 
 
 def resolve_group(group) -> dist.ProcessGroup:
@@ -116,10 +120,33 @@ class Binding:
 
     world: int
     rank: int
-    pieces: list[tuple[int, int]] | None = None
+    s: int  # rows of one rank's slice
+    pieces: list[tuple[int, int]] | None = None  # sliced / none: (offset, rows) of each chunk
+    m: int = 1  # P2P methods: sub-slices per slice; slot p*m + j is sub-slice j of slice p
+    sub: list[tuple[int, int]] = [(0, 0)]  # P2P methods: (offset, rows) of each sub-slice
+
+    def cut(self, s: int, spec: MethodSpec) -> None:
+        """Cut a slice of ``s`` rows into the chunks or sub-slices ``spec`` asks for."""
+        self.s = s
+        if spec.method in ("none", "sliced"):
+            self.pieces = chunk_pieces(s, spec)
+        else:
+            self.m = min(spec.splits, max(s, 1))
+            self.sub = split(s, self.m)
 
     def chunks(self, spec: MethodSpec) -> int:
         return len(self.pieces) if self.pieces else self.world
+
+    def sub_rows(self, slot: int) -> slice:
+        """Rows of ``slot``'s sub-slice within its rank's slice."""
+        off, n = self.sub[slot % self.m]
+        return slice(off, off + n)
+
+    def rows(self, slot: int) -> slice:
+        """Rows of ``slot`` in the full, gathered or scattered, dim."""
+        base = slot // self.m * self.s
+        r = self.sub_rows(slot)
+        return slice(base + r.start, base + r.stop)
 
     def reduce(self, slot: int, peers: tuple[int, ...]) -> None:
         raise AssertionError(f"{type(self).__name__}: this op's schedules have no reduction")
@@ -133,7 +160,7 @@ def execute(op: str, spec: MethodSpec, group: dist.ProcessGroup, binding,
     """Build this rank's schedule for ``op`` and run it with ``binding``'s tensors."""
     world, rank = group.size(), group.rank()
     sched = schedule.build(op, spec.method, world, rank, topology=spec.topology,
-                           chunks=binding.chunks(spec))
+                           chunks=binding.chunks(spec), splits=binding.m)
     executor.run(sched, binding,
                  executor.make_transport(group, device, spec.timeout, spec.collective))
 

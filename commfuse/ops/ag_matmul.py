@@ -21,20 +21,15 @@ class _GatherBinding(_common.Binding):
 
     def __init__(self, a_sMK: torch.Tensor, bs_KN, world: int, rank: int, spec):
         self.a_sMK, self.bs_KN, self.world, self.rank = a_sMK, bs_KN, world, rank
-        self.s = s = a_sMK.shape[0]
+        self.cut(s := a_sMK.shape[0], spec)
         self.a_SMK = a_sMK.new_empty((world * s, *a_sMK.shape[1:]))
         self.ys_SMN = [a_sMK.new_empty((world * s, *a_sMK.shape[1:-1], b.shape[1]))
                        for b in bs_KN]
-        if spec.method in ("none", "sliced"):
-            self.pieces = _common.chunk_pieces(s, spec)
-            self.gathered: dict[int, torch.Tensor] = {}
-        else:
+        self.gathered: dict[int, torch.Tensor] = {}
+        if not self.pieces:
             self.a_SMK[rank * s:(rank + 1) * s].copy_(a_sMK)
 
-    def rows(self, slot: int) -> slice:
-        return slice(slot * self.s, (slot + 1) * self.s)
-
-    # P2P methods: slot p of the gathered buffer travels, and is computed on in place
+    # P2P methods: a sub-slice of the gathered buffer travels, and is computed on in place
     def buffer(self, t: Transfer) -> torch.Tensor:
         return self.a_SMK[self.rows(t.slot)]
 

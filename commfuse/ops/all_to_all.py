@@ -23,17 +23,16 @@ class _ScatterColumnsBinding(_common.Binding):
 
     def __init__(self, a_sMK, b_KN, world: int, rank: int, spec):
         self.a, self.b, self.world, self.rank = a_sMK, b_KN, world, rank
-        self.s, self.n = a_sMK.shape[0], b_KN.shape[1] // world
+        self.cut(a_sMK.shape[0], spec)
+        self.n = b_KN.shape[1] // world
         self.y_SMn = a_sMK.new_empty((world * self.s, *a_sMK.shape[1:-1], self.n))
         self.part: dict[int, torch.Tensor] = {}
-        if spec.method in ("none", "sliced"):
-            self.pieces = _common.chunk_pieces(self.s, spec)
-            self.recv: dict[int, torch.Tensor] = {}
+        self.recv: dict[int, torch.Tensor] = {}
 
     def buffer(self, t: Transfer) -> torch.Tensor:
         if t.kind == "send":
             return self.part[t.slot]
-        return self.y_SMn[t.slot * self.s:(t.slot + 1) * self.s]
+        return self.y_SMn[self.rows(t.slot)]  # rank p's rows land in their place
 
     def compute(self, slot: int) -> None:
         if self.pieces:  # rows of chunk `slot`, all column blocks, laid out block-major
@@ -41,11 +40,12 @@ class _ScatterColumnsBinding(_common.Binding):
             y = executor.gemm(self.a[off:off + n], self.b)
             self.part[slot] = y.unflatten(-1, (self.world, self.n)).movedim(-2, 0).contiguous()
             return
-        b_Kn = self.b[:, slot * self.n:(slot + 1) * self.n]
-        if slot == self.rank:
-            executor.gemm(self.a, b_Kn, out=self.y_SMn[slot * self.s:(slot + 1) * self.s])
+        p = slot // self.m
+        a, b_Kn = self.a[self.sub_rows(slot)], self.b[:, p * self.n:(p + 1) * self.n]
+        if p == self.rank:
+            executor.gemm(a, b_Kn, out=self.y_SMn[self.rows(slot)])
         else:
-            self.part[slot] = executor.gemm(self.a, b_Kn)
+            self.part[slot] = executor.gemm(a, b_Kn)
 
     def collective(self, slot: int, transport):
         off, n = self.pieces[slot]
@@ -69,18 +69,19 @@ class _GatherColumnsBinding(_common.Binding):
 
     def __init__(self, a_SMk, b_KN, world: int, rank: int, spec):
         self.a, self.b, self.world, self.rank = a_SMk, b_KN, world, rank
-        self.s, self.k = a_SMk.shape[0] // world, a_SMk.shape[-1]
+        self.cut(a_SMk.shape[0] // world, spec)
+        self.k = a_SMk.shape[-1]
         self.y_sMN = a_SMk.new_empty((self.s, *a_SMk.shape[1:-1], b_KN.shape[1]))
-        self.blocks: dict[int, torch.Tensor] = {rank: self.a[rank * self.s:(rank + 1) * self.s]}
-        self.started = False
-        if spec.method in ("none", "sliced"):
-            self.pieces = _common.chunk_pieces(self.s, spec)
-            self.x_chunks: dict[int, torch.Tensor] = {}
+        own = [rank * self.m + j for j in range(self.m)]
+        self.blocks: dict[int, torch.Tensor] = {slot: self.a[self.rows(slot)] for slot in own}
+        self.started: set[int] = set()  # sub-slices whose first block is in y
+        self.x_chunks: dict[int, torch.Tensor] = {}
 
     def buffer(self, t: Transfer) -> torch.Tensor:
-        if t.kind == "send":
-            return self.a[t.slot * self.s:(t.slot + 1) * self.s]
-        buf = self.blocks[t.slot] = self.a.new_empty((self.s, *self.a.shape[1:]))
+        if t.kind == "send":  # my column block of rank p's sequence rows
+            return self.a[self.rows(t.slot)]
+        r = self.sub_rows(t.slot)
+        buf = self.blocks[t.slot] = self.a.new_empty((r.stop - r.start, *self.a.shape[1:]))
         return buf
 
     def compute(self, slot: int) -> None:
@@ -90,12 +91,14 @@ class _GatherColumnsBinding(_common.Binding):
             self.x_chunks[slot] = x
             executor.gemm(x, self.b, out=self.y_sMN[off:off + n])
             return
-        y = executor.gemm(self.blocks[slot], self.b[slot * self.k:(slot + 1) * self.k])
-        if self.started:
-            self.y_sMN.add_(y)  # own block first, then r-1, r-2, ...
+        p, j = divmod(slot, self.m)
+        y = executor.gemm(self.blocks[slot], self.b[p * self.k:(p + 1) * self.k])
+        dst = self.y_sMN[self.sub_rows(slot)]
+        if j in self.started:
+            dst.add_(y)  # own block first, then r-1, r-2, ...
         else:
-            self.y_sMN.copy_(y)
-            self.started = True
+            dst.copy_(y)
+            self.started.add(j)
 
     def collective(self, slot: int, transport):
         off, n = self.pieces[slot]
@@ -107,7 +110,8 @@ class _GatherColumnsBinding(_common.Binding):
         """The exchanged input ``[s, M, W*k]`` (all column blocks of my slice), for dB."""
         if self.pieces:
             return torch.cat([self.x_chunks[j] for j in range(len(self.pieces))], 0)
-        return torch.cat([self.blocks[p] for p in range(self.world)], -1)
+        return torch.cat([torch.cat([self.blocks[p * self.m + j] for p in range(self.world)], -1)
+                          for j in range(self.m)], 0)
 
 
 

@@ -24,22 +24,24 @@ class _ReduceBinding(_common.Binding):
 
     def __init__(self, partial, shape_sMN, like: torch.Tensor, world: int, rank: int, spec):
         self.partial, self.like, self.world, self.rank = partial, like, world, rank
-        self.s = s = shape_sMN[0]
+        self.cut(shape_sMN[0], spec)
         self.shape_sMN = tuple(shape_sMN)
-        self.part: dict[int, torch.Tensor] = {}  # slot or chunk -> partial sum
+        self.part: dict[int, torch.Tensor] = {}  # slot or chunk -> partial (running) sum
         self.recv: dict[tuple[int, int], torch.Tensor] = {}  # (slot, peer) -> received partial
-        if spec.method in ("none", "sliced"):
-            self.pieces = _common.chunk_pieces(s, spec)
-            self.out_sMN = like.new_empty(self.shape_sMN)
+        self.out_sMN = like.new_empty(self.shape_sMN)
 
     def result(self) -> torch.Tensor:
-        return self.out_sMN if self.pieces else self.part[self.rank]
+        if self.world == 1 and not self.pieces:  # no reduction ran: the partials are the result
+            for slot, part in self.part.items():
+                self.out_sMN[self.sub_rows(slot)].copy_(part)
+        return self.out_sMN
 
     # P2P methods
     def buffer(self, t: Transfer) -> torch.Tensor:
         if t.kind == "send":
             return self.part[t.slot]
-        buf = self.recv[(t.slot, t.peer)] = self.like.new_empty(self.shape_sMN)
+        r = self.sub_rows(t.slot)
+        buf = self.recv[(t.slot, t.peer)] = self.like.new_empty((r.stop - r.start, *self.shape_sMN[1:]))
         return buf
 
     def compute(self, slot: int) -> None:
@@ -48,12 +50,15 @@ class _ReduceBinding(_common.Binding):
             s = self.s
             self.part[slot] = self.partial(lambda x: x.unflatten(0, (self.world, s))[:, off:off + n])
             return
-        self.part[slot] = self.partial(lambda x: x[slot * self.s:(slot + 1) * self.s])
+        rows = self.rows(slot)
+        self.part[slot] = self.partial(lambda x: x[rows])
 
     def reduce(self, slot: int, peers: tuple[int, ...]) -> None:
-        """Sum in the schedule's order: the own partial where a peer is this rank."""
+        """Sum in the schedule's order (the own partial where a peer is this rank); this rank's
+        own slots are summed straight into the result."""
         terms = [self.part[slot] if p == self.rank else self.recv.pop((slot, p)) for p in peers]
-        acc = terms[0] + terms[1]
+        own = slot // self.m == self.rank
+        acc = torch.add(terms[0], terms[1], out=self.out_sMN[self.sub_rows(slot)] if own else None)
         for t in terms[2:]:
             acc.add_(t)
         self.part[slot] = acc

@@ -1,0 +1,135 @@
+"""Sharded data parallelism (ZeRO-3 style) over the DP group of P ranks.
+
+Every Linear weight W_OI [out, in] is kept as its rows ``[r*o, (r+1)*o)``, o = out / P (out
+must be divisible by P). The forward gathers it *fused with the GEMM*:
+
+    Y_ON = fused_all_gather_matmul(W_oI, [X_NI^T], gather_dim=0, group=dp)    (= (X @ W^T)^T)
+
+and the autograd backward of that op is the dual GEMM -> reduce-scatter, which is exactly the
+weight-gradient GEMM fused with the gradient reduce-scatter: dW_oI = RS(dY_ON @ X_NI). Each
+rank receives its gradient shard directly, with no separate collective. (The op also returns
+dX^T = W^T @ dY locally.)
+
+Not sharded: norms and the embedding stay replicated; their gradients are summed with a plain
+all-reduce (`ParallelLlama.sync_grads`). Under TP x DP / UP x DP the weight that the TP / UP
+op needs is first gathered with a plain all-gather whose backward is a reduce-scatter
+(`ShardedLinear.gather`): the TP / UP collectives are the fused ones there.
+
+The optimizer is sharded by construction: AdamW over the local parameters (each rank updates
+only its rows; the replicated norms / embedding are updated identically on every rank, from
+identical all-reduced gradients), so its state is sharded like the weights.
+
+Shape suffixes: O rows of W (out), o = O/P this rank's rows, I columns (in), N tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from commfuse.api import fused_all_gather_matmul
+from commfuse.parallel.config import mark_sharded
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def shard_rows(w_OI: torch.Tensor, group, what: str = "weight") -> torch.Tensor:
+    """This rank's rows of ``w_OI`` over ``group`` (a copy); ValueError if not divisible."""
+    world, rank = group.size(), group.rank()
+    if w_OI.shape[0] % world:
+        raise ValueError(f"{what}: {w_OI.shape[0]} rows are not divisible by the DP group "
+                         f"size {world}")
+    o = w_OI.shape[0] // world
+    return w_OI[rank * o:(rank + 1) * o].detach().clone()
+
+
+def gather_rows(t_oI: torch.Tensor, group) -> torch.Tensor:
+    """Plain all-gather of row shards (no autograd): ``[P*o, ...]`` in rank order."""
+    out = t_oI.new_empty((group.size() * t_oI.shape[0], *t_oI.shape[1:]))
+    _all_gather(out, t_oI.contiguous(), group=group)
+    return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """``W = all_gather(W_shard, 0)``; backward ``dW_shard = reduce_scatter(dW, 0)`` (sum)."""
+
+    @staticmethod
+    def forward(ctx, w_oI, group):
+        ctx.group = group
+        return gather_rows(w_oI, group)
+
+    @staticmethod
+    def backward(ctx, g_OI):
+        g = g_OI.contiguous()
+        out = g.new_empty((g.shape[0] // ctx.group.size(), *g.shape[1:]))
+        _reduce_scatter(out, g, group=ctx.group)
+        return out, None
+
+
+class ShardedLinear(nn.Module):
+    """A bias-free Linear whose ``weight`` is this rank's rows over the DP group.
+
+    ``forward(x_NI)`` is the ZeRO-3 fused path (parameter all-gather fused with the GEMM,
+    gradient reduce-scatter fused with the weight-grad GEMM). ``gather()`` returns the full
+    weight for a TP / UP op that consumes it (plain all-gather, reduce-scatter backward).
+    """
+
+    def __init__(self, weight_OI: torch.Tensor, group, op_kwargs: dict, what: str = "weight"):
+        super().__init__()
+        self.group, self.op_kwargs = group, dict(op_kwargs)
+        self.out_features = weight_OI.shape[0]
+        self.weight = mark_sharded(nn.Parameter(shard_rows(weight_OI, group, what)), "dp")
+
+    def forward(self, x_NI: torch.Tensor) -> torch.Tensor:
+        x_XI = x_NI.reshape(-1, x_NI.shape[-1])
+        # the gather of the next weight row-slice hides behind the GEMM of the current one
+        _, (y_OX,) = fused_all_gather_matmul(self.weight, [x_XI.t()], 0, self.group,
+                                             return_A=False, **self.op_kwargs)
+        return y_OX.t().reshape(*x_NI.shape[:-1], self.out_features)
+
+    def gather(self) -> torch.Tensor:
+        return _GatherRows.apply(self.weight, self.group)
+
+    def full_grad(self) -> torch.Tensor:
+        """The whole weight's gradient (collective over the DP group)."""
+        return gather_rows(self.weight.grad, self.group)
+
+    def extra_repr(self) -> str:
+        return f"rows {tuple(self.weight.shape)} of {self.out_features}, dp={self.group.size()}"
+
+
+class LocalWeight(nn.Module):
+    """A weight held whole on this rank (no DP sharding); same interface as ShardedLinear."""
+
+    def __init__(self, weight_OI: torch.Tensor, *axes: str):
+        super().__init__()
+        self.weight = mark_sharded(nn.Parameter(weight_OI.detach().clone()), *axes)
+
+    def gather(self) -> torch.Tensor:
+        return self.weight
+
+    def full_grad(self) -> torch.Tensor:
+        return self.weight.grad
+
+
+def weight(w_OI: torch.Tensor, dp_group, op_kwargs: dict, what: str, *axes: str) -> nn.Module:
+    """``w_OI`` as a module with ``.weight`` / ``.gather()``: DP-sharded if ``dp_group``."""
+    if dp_group is None:
+        return LocalWeight(w_OI, *axes)
+    mod = ShardedLinear(w_OI, dp_group, op_kwargs, what)
+    mark_sharded(mod.weight, *axes)
+    return mod
+
+
+def shard_linears(module: nn.Module, dp_group, op_kwargs: dict, prefix: str = "") -> None:
+    """Replace every bias-free ``nn.Linear`` under ``module`` by a `ShardedLinear` (in place)."""
+    for name, child in list(module.named_children()):
+        full = f"{prefix}{name}"
+        if isinstance(child, nn.Linear):
+            if child.bias is not None:
+                raise ValueError(f"{full}: Linear with bias is not supported by the DP plan")
+            setattr(module, name, ShardedLinear(child.weight, dp_group, op_kwargs, full))
+        else:
+            shard_linears(child, dp_group, op_kwargs, f"{full}.")

@@ -1,0 +1,122 @@
+"""The training job: parallel runs follow the single-process run step by step; resume is exact.
+
+A small model (not the tiny preset) on the shipped corpus. The single-process reference runs
+in this process; every 2-rank run shares one spawn (`_runs`), each building its own groups.
+"""
+
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+
+from commfuse import train
+from commfuse.spawn import run_local
+
+SMALL = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32)
+BASE = train.TrainConfig(steps=30, batch_size=4, seq_len=32, model=SMALL, progress=False,
+                         exposed_iters=0)
+LAYOUTS = {"tp2": dict(tp=2), "up2": dict(up=2), "dp2": dict(dp=2)}
+RUNS = {f"{name}-{m}": dataclasses.replace(BASE, method=m, **kw)
+        for name, kw in LAYOUTS.items() for m in ("commfuse", "none")}
+
+
+def _runs(rank, world, configs, ckpt_root):
+    out = {name: [m["loss"] for m in train.train_rank(rank, world, cfg)]
+           for name, cfg in configs.items()}
+    for layout in ("tp2", "dp2"):  # 20 straight vs 10 + resume + 10
+        d = os.path.join(ckpt_root, layout)
+        cfg = dataclasses.replace(BASE, steps=20, checkpoint_dir=d, **LAYOUTS[layout])
+        out[f"{layout}-straight"] = [m["loss"] for m in
+                                     train.train_rank(rank, world, dataclasses.replace(
+                                         cfg, checkpoint_dir=None))]
+        first = train.train_rank(rank, world, dataclasses.replace(cfg, stop_after=10))
+        second = train.train_rank(rank, world, dataclasses.replace(cfg, resume=True))
+        out[f"{layout}-resumed"] = [m["loss"] for m in first + second]
+        out[f"{layout}-resumed-steps"] = [m["step"] for m in first + second]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results(tmp: str) -> dict:
+    return run_local(_runs, 2, RUNS, tmp, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def runs(ckpt_root):
+    return results(ckpt_root)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [m["loss"] for m in train.launch(BASE)]
+
+
+def _max_rel(a, b):
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_parallel_run_matches_single_process(runs, reference, name):
+    assert _max_rel(runs[name], reference) < 1e-4
+    assert reference[-1] < reference[0] - 0.3  # it learns
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_commfuse_matches_none(runs, layout):
+    assert _max_rel(runs[f"{layout}-commfuse"], runs[f"{layout}-none"]) < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_resume_is_exact(runs, layout):
+    assert runs[f"{layout}-resumed-steps"] == list(range(1, 21))
+    assert runs[f"{layout}-resumed"] == runs[f"{layout}-straight"]
+
+
+def test_checkpoint_layout(runs, ckpt_root):
+    root = os.path.join(ckpt_root, "dp2")
+    assert open(os.path.join(root, "latest")).read() == "step-00000020"
+    assert sorted(os.listdir(root)) == ["latest", "step-00000010", "step-00000020"]
+
+
+def test_resume_rejects_other_layout(tmp_path):
+    cfg = dataclasses.replace(BASE, steps=2, checkpoint_dir=str(tmp_path))
+    train.launch(cfg)
+    with pytest.raises(ValueError, match="resharding is not supported"):
+        train.launch(dataclasses.replace(cfg, resume=True, model={**SMALL, "n_layers": 1}))
+
+
+def test_flags_and_defaults():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    train.add_arguments(p)
+    cfg = train.config_from_args(p.parse_args([]))
+    assert (cfg.tp, cfg.up, cfg.dp, cfg.method) == (2, 1, 1, "commfuse")
+    cfg = train.config_from_args(p.parse_args(["--dp", "2", "--method", "sliced", "--chunks", "2"]))
+    assert (cfg.tp, cfg.dp, cfg.method_opts()) == (1, 2, {"chunks": 2})
+    with pytest.raises(SystemExit):
+        train.config_from_args(p.parse_args(["--tp", "2", "--nproc", "3"]))
+
+
+def test_runs_under_torchrun(tmp_path):
+    out = tmp_path / "m.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "commfuse.train", "--up", "2", "--steps", "3", "--batch-size", "2",
+           "--seq-len", "32", "--metrics-json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step    3/3" in proc.stdout
+    import json
+
+    metrics = json.loads(out.read_text())
+    assert metrics["world"] == 2 and len(metrics["steps"]) == 3
