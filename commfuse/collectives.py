@@ -4,9 +4,10 @@
 ``collective="p2p"`` moves exactly the bytes a ring or pairwise schedule moves, as one batch
 of isend/irecv to every peer (the reduce-scatter sums the received chunks in rank order when
 waited). ``"auto"`` (the default) takes the backend's on CUDA (NCCL's are the best there) and
-P2P elsewhere: gloo's collectives on this project's CPU testbed took 2x (all-gather) and 3.5x
-(reduce-scatter) the time of the same bytes sent point to point (2 ranks, 4 MB, 1 Gbit/s
-emulated links: 70 and 116 ms against 35 ms), which would make every baseline look slow.
+P2P elsewhere: on this project's CPU testbed (2 ranks, 4 MB each way, emulated 1 Gbit/s
+links) gloo's reduce-scatter took 80-119 ms where the same bytes exchanged point to point took
+60-69 ms (and 116 ms against 35-39 ms with the launcher's earlier, smaller tbf burst); its
+all-gather took 48-70 ms. A slow baseline would flatter every overlap method.
 """
 
 from __future__ import annotations
