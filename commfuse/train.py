@@ -51,6 +51,9 @@ class TrainConfig:
     """decompose / commfuse: ring or direct."""
     chunks: int = 4
     """sliced: chunks per op."""
+    splits: int = 1
+    """decompose / commfuse: sub-slices per rank's slice (m; 4 hid the most in the layer
+    benchmarks of docs/benchmarks/2026-11-29.md)."""
     steps: int = 150
     """Optimizer steps of the whole run (a resumed run continues to this step)."""
     seed: int = 0
@@ -92,8 +95,8 @@ class TrainConfig:
         return self.tp * self.up * self.dp
 
     def method_opts(self) -> dict:
-        return {"sliced": {"chunks": self.chunks}, "none": {}}.get(self.method,
-                                                                  {"topology": self.topology})
+        return {"sliced": {"chunks": self.chunks}, "none": {}}.get(
+            self.method, {"topology": self.topology, "splits": self.splits})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,6 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="schedule of every fused op (default commfuse)")
     a("--topology", default="ring", choices=["ring", "direct"], help="decompose/commfuse (ring)")
     a("--chunks", type=int, default=4, help="chunks of method sliced (default 4)")
+    a("--splits", type=int, default=1, help="sub-slices per rank's slice for decompose/commfuse "
+      "(default 1, the paper's; 4 hid the most communication in our layer benchmarks)")
     a("--steps", type=int, default=150, help="optimizer steps (default 150)")
     a("--seed", type=int, default=0, help="model init and data order (default 0)")
     a("--batch-size", type=int, default=8, help="global batch in sequences (default 8)")
