@@ -1,0 +1,82 @@
+"""Property-based checks (hypothesis) of every public op on a one-rank group, in process:
+for any shapes, dims, dtypes and methods, either the exact result (and gradients) or a
+ValueError/TypeError naming the problem, raised before any communication. Multi-rank
+exactness is `test_ops_dist.py`; this hunts the edges of the argument space."""
+
+import datetime
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import commfuse
+
+METHODS = [("none", {}), ("sliced", {"chunks": 3}), ("decompose", {}),
+           ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct", "splits": 2})]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "s"), 1), rank=0,
+                                world_size=1, timeout=datetime.timedelta(seconds=30))
+        yield
+        dist.destroy_process_group()
+
+
+def _call(op, a, b, dim, method, opts):
+    if op == "ag_matmul":
+        return commfuse.fused_all_gather_matmul(a, [b], dim, method=method, **opts)[1][0]
+    if op == "matmul_rs":
+        return commfuse.fused_matmul_reduce_scatter(a, b, "sum", dim, method=method, **opts)
+    if op == "matmul_a2a":
+        return commfuse.fused_matmul_all_to_all(a, b, seq_dim=dim, method=method, **opts)
+    return commfuse.fused_all_to_all_matmul(a, b, seq_dim=dim, method=method, **opts)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(op=st.sampled_from(["ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul"]),
+       a_shape=st.lists(st.integers(0, 5), min_size=1, max_size=4),
+       b_rows_delta=st.sampled_from([0, 0, 0, 1]), n=st.integers(0, 4),
+       dim=st.integers(-4, 3), variant=st.sampled_from(METHODS),
+       a_dtype=st.sampled_from([torch.float32] * 4 + [torch.bfloat16] * 2 + [torch.int64]),
+       b_same_dtype=st.sampled_from([True] * 5 + [False]), seed=st.integers(0, 1000))
+def test_exact_or_a_clear_error(op, a_shape, b_rows_delta, n, dim, variant, a_dtype,
+                                b_same_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(*a_shape, generator=g) * 4).to(a_dtype)
+    b_dtype = a_dtype if b_same_dtype else torch.float64
+    b = (torch.randn(a_shape[-1] + b_rows_delta, n, generator=g) * 4).to(b_dtype)
+    if a.is_floating_point():
+        a.requires_grad_()
+    if b.is_floating_point():
+        b.requires_grad_()
+    method, opts = variant
+    try:
+        out = _call(op, a, b, dim, method, opts)
+    except (ValueError, TypeError) as e:
+        assert str(e), "an error must say what is wrong"
+        event(f"rejected: {type(e).__name__}")
+        return
+    event("accepted")
+    # accepted: then the arguments were valid, and with one rank every op is A @ B
+    assert a.dim() >= 2 and -a.dim() <= dim < a.dim() - 1 and b_rows_delta == 0
+    assert a.dtype == b.dtype and a.is_floating_point()
+    ref = a.detach().float() @ b.detach().float()
+    tol = 1e-5 if a.dtype == torch.float32 else 2e-2
+    assert out.shape == ref.shape and _close(out, ref, tol)
+    out.backward(torch.ones_like(out))
+    ga = torch.ones_like(ref) @ b.detach().float().t()
+    gb = a.detach().float().flatten(0, -2).t() @ torch.ones_like(ref).flatten(0, -2)
+    assert _close(a.grad, ga, tol) and _close(b.grad, gb, tol)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
+    scale = 1 + (want.abs().max().item() if want.numel() else 0.0)
+    return got.shape == want.shape and torch.allclose(got.float(), want, rtol=tol, atol=tol * scale)
