@@ -19,7 +19,7 @@ from commfuse import _p2p
 
 KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 POLICIES = ("auto", "backend", "p2p")
-_BACKEND = {
+BACKEND = {  # torch.distributed's own, by kind (the *_single names where this torch has them)
     "all_gather": getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
     "reduce_scatter": getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
     "all_to_all": dist.all_to_all_single,
@@ -29,7 +29,7 @@ _BACKEND = {
 def launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, tag: int, policy: str):
     """Start ``kind`` (out/inp laid out as torch's ``*_single`` ops) and return its work."""
     if policy == "backend" or (policy == "auto" and out.device.type == "cuda"):
-        return _BACKEND[kind](out, inp, group=group, async_op=True)
+        return BACKEND[kind](out, inp, group=group, async_op=True)
     return _P2PCollective(kind, out, inp, group, tag)
 
 

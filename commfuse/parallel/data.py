@@ -25,14 +25,13 @@ Shape suffixes: O rows of W (out), o = O/P this rank's rows, I columns (in), N t
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from commfuse.api import fused_all_gather_matmul
+from commfuse.collectives import BACKEND
 from commfuse.parallel.config import mark_sharded
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather, _reduce_scatter = BACKEND["all_gather"], BACKEND["reduce_scatter"]
 
 
 def shard_rows(w_OI: torch.Tensor, group, what: str = "weight") -> torch.Tensor:

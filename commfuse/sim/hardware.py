@@ -1,0 +1,157 @@
+"""The hardware model the simulator times schedules on, and named presets.
+
+Units: flop/s, bytes/s, seconds. Every figure is per rank (one GPU/NPU/core) and per
+direction for links. The GEMM model is a simple roofline-like one: a GEMM of m x k x n takes
+``2*m*k*n / (gemm_flops * efficiency(m, n, k))`` with
+
+    efficiency = gemm_max_efficiency / (1 + m0/m + n0/n + k0/k)
+
+so that small or thin GEMMs (the price of cutting a GEMM into slices or chunks) run at a
+lower fraction of peak; large ones approach ``gemm_max_efficiency``. This is a fit, not a
+kernel model: m0/n0/k0 play the role of the tile sizes below which a kernel wastes its tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One rank's compute, memory and links, and how they interfere."""
+
+    gemm_flops: float
+    """Peak dense GEMM throughput of one rank in the simulated dtype (flop/s)."""
+    link_bandwidth: float
+    """Bandwidth of one rank's link, each direction (bytes/s); a rank's egress (and its
+    ingress) is shared fairly by the transfers using it at the same time."""
+    link_latency: float
+    """Fixed cost of every point-to-point transfer and of every step of a collective (s)."""
+    mem_bandwidth: float = 1e12
+    """Memory bandwidth for elementwise adds (Reduce steps): an add of b bytes moves 3b (s)."""
+    gemm_max_efficiency: float = 1.0
+    """Fraction of ``gemm_flops`` that a large GEMM reaches (0..1]."""
+    m0: float = 0.0
+    """Rows at which the GEMM efficiency model loses half of its headroom (see module doc)."""
+    n0: float = 0.0
+    """Columns, likewise."""
+    k0: float = 0.0
+    """Contraction length, likewise."""
+    interference: float = 0.0
+    """Compute slowdown while a transfer or collective is in flight on the same rank: compute
+    runs at 1 / (1 + interference) of its speed (0 = none; 1 = half speed)."""
+    duplex_efficiency: float = 1.0
+    """Fraction of ``link_bandwidth`` each direction gets while a rank sends and receives at
+    the same time (1 = full duplex; the CPU testbed reaches about 0.5-1)."""
+    collective_efficiency: float = 1.0
+    """Fraction of the ring model's speed that the backend's collectives reach (0..1]; a
+    collective of b bytes over W ranks takes (W-1) * (latency + b / (W * bw)) / efficiency."""
+    compute_straggler: dict = field(default_factory=dict)
+    """rank -> factor >= 1: that rank's compute (GEMMs, adds) takes factor times longer."""
+    link_straggler: dict = field(default_factory=dict)
+    """rank -> factor >= 1: that rank's link (both directions) is factor times slower."""
+
+    def __post_init__(self):
+        for name in ("gemm_flops", "link_bandwidth", "mem_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("link_latency", "m0", "n0", "k0", "interference"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("gemm_max_efficiency", "duplex_efficiency", "collective_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        for name in ("compute_straggler", "link_straggler"):
+            for rank, f in getattr(self, name).items():
+                if not (isinstance(rank, int) and rank >= 0 and f >= 1):
+                    raise ValueError(f"{name}: want rank -> factor >= 1, got {rank!r}: {f!r}")
+
+    def gemm_efficiency(self, m: float, k: float, n: float) -> float:
+        """Fraction of ``gemm_flops`` an m x k x n GEMM reaches (module doc)."""
+        return self.gemm_max_efficiency / (1 + self.m0 / m + self.n0 / n + self.k0 / k)
+
+    def gemm_time(self, m: float, k: float, n: float, rank: int = 0) -> float:
+        """Seconds for an [m, k] @ [k, n] GEMM on ``rank`` (0 if any dim is empty)."""
+        if m <= 0 or k <= 0 or n <= 0:
+            return 0.0
+        t = 2.0 * m * k * n / (self.gemm_flops * self.gemm_efficiency(m, k, n))
+        return t * self.compute_straggler.get(rank, 1.0)
+
+    def add_time(self, nbytes: float, rank: int = 0) -> float:
+        """Seconds to add two tensors of ``nbytes`` each into a third on ``rank``."""
+        return 3.0 * nbytes / self.mem_bandwidth * self.compute_straggler.get(rank, 1.0)
+
+    def bandwidth(self, rank: int) -> float:
+        """``rank``'s link bandwidth each direction, straggler included (bytes/s)."""
+        return self.link_bandwidth / self.link_straggler.get(rank, 1.0)
+
+    def collective_time(self, kind: str, nbytes: float, world: int, ranks=None) -> float:
+        """A ring all-gather / reduce-scatter / all-to-all of ``nbytes`` in total (the whole
+        gathered or scattered buffer): (W-1) steps of latency + nbytes / (W * bw), paced by
+        the slowest link among ``ranks`` (all ranks by default)."""
+        if world <= 1:
+            return 0.0
+        slow = max(self.link_straggler.get(r, 1.0) for r in (ranks or range(world))) \
+            if self.link_straggler else 1.0
+        step = self.link_latency + nbytes / (world * self.link_bandwidth / slow)
+        return (world - 1) * step / self.collective_efficiency
+
+    def with_(self, **changes) -> "Hardware":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+# Efficiency shape shared by the accelerator presets: large bf16 GEMMs reach about 70 % of the
+# datasheet's dense peak (typical of cuBLAS/CANN on big shapes), slices under ~128 rows lose it.
+_GPU = dict(gemm_max_efficiency=0.7, m0=128.0, n0=128.0, k0=128.0, link_latency=5e-6,
+            interference=0.05)
+
+PRESETS: dict[str, Hardware] = {
+    # NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): bf16 dense 989 TFLOP/s
+    # (1979 with sparsity), HBM3 3.35 TB/s, NVLink 4 900 GB/s total = 450 GB/s each way.
+    "h100-nvlink": Hardware(gemm_flops=989e12, link_bandwidth=450e9, mem_bandwidth=3.35e12,
+                            **_GPU),
+    # NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200): bf16 dense 989 TFLOP/s,
+    # HBM3e 4.8 TB/s, NVLink 900 GB/s total = 450 GB/s each way.
+    "h200-nvlink": Hardware(gemm_flops=989e12, link_bandwidth=450e9, mem_bandwidth=4.8e12,
+                            **_GPU),
+    # NVIDIA A100 SXM 80GB datasheet (nvidia.com/en-us/data-center/a100): bf16 dense 312
+    # TFLOP/s, HBM2e 2.039 TB/s, NVLink 3 600 GB/s total = 300 GB/s each way.
+    "a100-nvlink": Hardware(gemm_flops=312e12, link_bandwidth=300e9, mem_bandwidth=2.039e12,
+                            **_GPU),
+    # Huawei Ascend 910B (hiascend.com product pages / Atlas 800T A2 datasheet, as publicly
+    # reported): about 313 TFLOP/s fp16/bf16, HBM2e about 1.6 TB/s, HCCS 7 links x 56 GB/s
+    # (392 GB/s) per NPU in an 8-NPU full mesh: one peer link is 56 GB/s (bidirectional
+    # figure; we take it per direction as the vendor quotes it, an optimistic reading).
+    "ascend910b-hccs": Hardware(gemm_flops=313e12, link_bandwidth=56e9, mem_bandwidth=1.6e12,
+                                **_GPU),
+    # PCIe-only node: NVIDIA H100 PCIe datasheet: bf16 dense 756 TFLOP/s, HBM2e 2.0 TB/s;
+    # no NVLink bridge, GPUs talk over PCIe Gen5 x16: 64 GB/s each way (PCI-SIG spec; about
+    # 50 GB/s achieved), through the host: higher latency.
+    "pcie-node": Hardware(gemm_flops=756e12, link_bandwidth=50e9, mem_bandwidth=2.0e12,
+                          **{**_GPU, "link_latency": 10e-6}),
+    # Multi-node: H100 SXM compute, one NIC per GPU (InfiniBand/RoCE line rates, e.g. NVIDIA
+    # ConnectX-7 datasheet: up to 400 Gbit/s), 1 bit = 1/8 byte; ~10 us latency across nodes.
+    **{f"multinode-{g}g": Hardware(gemm_flops=989e12, link_bandwidth=g * 1e9 / 8,
+                                   mem_bandwidth=3.35e12,
+                                   **{**_GPU, "link_latency": 10e-6})
+       for g in (100, 200, 400)},
+    # The project's CPU testbed (docs/benchmarks/2026-11-29.md): one x86_64 core of the dev
+    # VM, float32, 1 intra-op thread: `a @ b` on [1024, 2048] @ [2048, 4096] measured
+    # 85-146 GFLOP/s with torch 2.13 (2026-11-30, machine shared, load ~1.5); we take the best,
+    # 140e9, which matches the benchmark's `none` AG step (~372 ms, ~35 % of it transfers, so
+    # ~240 ms for 34.4 GFLOP). Link: tbf at 1 Gbit/s; gloo reaches 0.91 Gbit/s one way and
+    # 0.45-0.9 Gbit/s each way when both directions run at once (duplex and collective
+    # efficiency ~0.75). Transfers cost CPU on the rank's own core (interference, rough).
+    "cpu-testbed": Hardware(gemm_flops=140e9, link_bandwidth=0.91e9 / 8, link_latency=50e-6,
+                            mem_bandwidth=5e9, gemm_max_efficiency=1.0, m0=8.0, n0=8.0,
+                            k0=32.0, interference=0.3, duplex_efficiency=0.75,
+                            collective_efficiency=0.75),
+}
+
+
+def preset(name: str) -> Hardware:
+    """The named preset (see ``PRESETS``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown hardware preset {name!r}; known: {sorted(PRESETS)}")
+    return PRESETS[name]
