@@ -57,6 +57,14 @@ def _train_parser(sub) -> None:
     p.set_defaults(run=train.run)
 
 
+def _simulate_parser(sub) -> None:
+    p = sub.add_parser("simulate", add_help=False, prefix_chars="\0",
+                       help="predict every method's time on a hardware model (commfuse.sim)",
+                       description="See commfuse simulate --help.")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(run=lambda a: __import__("commfuse.sim.cli", fromlist=["x"]).main_simulate(a.args))
+
+
 def _launch_parser(sub) -> None:
     from commfuse import cluster
 
@@ -80,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _demo_parser(sub)
     _bench_parser(sub)
+    _simulate_parser(sub)
     _launch_parser(sub)
     return parser
 

@@ -51,6 +51,8 @@ class TrainConfig:
     """decompose / commfuse: ring or direct."""
     chunks: int = 4
     """sliced: chunks per op."""
+    query_split: bool = False
+    """TP attention runs attention + out-projection per query slice inside the RS ring."""
     splits: int = 1
     """decompose / commfuse: sub-slices per rank's slice (m; 4 hid the most in the layer
     benchmarks of docs/benchmarks/2026-11-29.md)."""
@@ -111,6 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="schedule of every fused op (default commfuse)")
     a("--topology", default="ring", choices=["ring", "direct"], help="decompose/commfuse (ring)")
     a("--chunks", type=int, default=4, help="chunks of method sliced (default 4)")
+    a("--query-split", action="store_true", help="with --tp: query-split attention (attention "
+      "and the out-projection partial per query slice, inside the reduce-scatter ring)")
     a("--splits", type=int, default=1, help="sub-slices per rank's slice for decompose/commfuse "
       "(default 1, the paper's; 4 hid the most communication in our layer benchmarks)")
     a("--steps", type=int, default=150, help="optimizer steps (default 150)")
@@ -203,7 +207,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     from commfuse.parallel import (ParallelDims, load_checkpoint, parallelize,
                                    save_checkpoint)
 
-    dims = ParallelDims(cfg.tp, cfg.up, cfg.dp, cfg.method, cfg.method_opts(), world_size=world)
+    dims = ParallelDims(cfg.tp, cfg.up, cfg.dp, cfg.method, cfg.method_opts(),
+                        query_split=cfg.query_split, world_size=world)
     mcfg = LlamaConfig.preset(cfg.preset, **{"max_seq_len": max(cfg.seq_len, 1), **cfg.model})
     dims.check_model(mcfg, cfg.seq_len, cfg.batch_size)
     torch.manual_seed(cfg.seed)  # the same full model on every rank; the plan cuts it

@@ -40,30 +40,32 @@ def test_measure_reports_every_method_and_a_trace(tmp_path, name, backward):
 
 
 def _query_split(rank, world, method, opts):
-    """query-split attention == attention then matmul then reduce-scatter (method none)."""
+    """query-split attention == attention, @ wo, reduce-scatter; outputs and all gradients."""
     from commfuse.ops.attention import query_split_attention
     import torch.nn.functional as F
-    import torch.distributed as dist
 
     g = torch.Generator().manual_seed(7)
     S, B, H, d, D = 6 * world, 2, 2, 8, 16
-    q, k, v = (torch.randn(S, B, H, d, generator=g, dtype=torch.float64) for _ in range(3))
-    wo = [torch.randn(H * d, D, generator=g, dtype=torch.float64) for _ in range(world)]
-    # reference: every rank's partial, summed, my slice
-    full = 0
-    for r in range(world):
-        qr, kr, vr = (t + r for t in (q, k, v))  # a different head group per rank
-        o = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (qr, kr, vr)), is_causal=True)
-        full = full + o.permute(2, 0, 1, 3).reshape(S, B, H * d) @ wo[r]
-    ref = full[rank * 6:(rank + 1) * 6]
-    out = query_split_attention(q + rank, k + rank, v + rank, wo[rank], method=method, **opts)
-    return ((out - ref).abs().max() / ref.abs().max()).item()
+    leaves = [[torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+               for shape in [(S, B, H, d)] * 3 + [(H * d, D)]] for _ in range(world)]
+    grads_out = [torch.randn(6, B, D, generator=g, dtype=torch.float64) for _ in range(world)]
+    full = 0  # reference: every rank's head group through attention and its wo rows, summed
+    for q, k, v, wo in leaves:
+        o = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
+        full = full + o.permute(2, 0, 1, 3).reshape(S, B, H * d) @ wo
+    sum((full[r * 6:(r + 1) * 6] * grads_out[r]).sum() for r in range(world)).backward()
+    mine = [t.detach().clone().requires_grad_() for t in leaves[rank]]
+    out = query_split_attention(*mine, method=method, **opts)
+    (out * grads_out[rank]).sum().backward()
+    rel = lambda x, y: ((x - y).norm() / y.norm()).item()
+    return max([rel(out, full[rank * 6:(rank + 1) * 6].detach())] +
+               [rel(m.grad, ref.grad) for m, ref in zip(mine, leaves[rank])])
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("method,opts", [("none", {}), ("sliced", {"chunks": 4}),
                                          ("decompose", {}), ("commfuse", {}),
                                          ("commfuse", {"topology": "direct"})])
-def test_query_split_attention_is_exact(world, method, opts):
+def test_query_split_attention_is_exact_with_gradients(world, method, opts):
     errs = run_local(_query_split, world, method, opts, timeout=120)
     assert max(errs) < 1e-12

@@ -25,7 +25,7 @@ CFG = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidde
 BATCH, SEQ = 4, 16
 METHODS = (("none", {}), ("sliced", {"chunks": 2}), ("decompose", {"topology": "ring"}),
            ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"}))
-LAYOUTS = {2: [dict(tp=2), dict(up=2), dict(dp=2)], 4: [dict(tp=2, dp=2), dict(up=2, dp=2)]}
+LAYOUTS = {2: [dict(tp=2), dict(tp=2, query_split=True), dict(up=2), dict(dp=2)], 4: [dict(tp=2, dp=2), dict(up=2, dp=2)]}
 # variant: (LlamaConfig overrides, dtype of the parallel model, norm-relative tolerance vs the
 # float32 reference); float32 runs every method, the others commfuse (ring) only
 VARIANTS = {"f32": ({}, torch.float32, 1e-5), "bf16": ({}, torch.bfloat16, 3e-2),
@@ -132,7 +132,7 @@ def test_matches_unsharded_model(world, case):
     (dict(dp=2, method="fast", world_size=2), "method must be one of"),
     (dict(dp=2, method="sliced", method_opts={"topology": "ring"}, world_size=2), "unknown option"),
     (dict(dp=2, method_opts={"topology": "star"}, world_size=2), "topology"),
-    (dict(tp=2, query_split=True, world_size=2), "query_split"),
+    (dict(up=2, query_split=True, world_size=2), "query_split=True needs tp"),
 ])
 def test_dims_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):

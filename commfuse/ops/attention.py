@@ -8,7 +8,12 @@ inside the Flash-RS schedule, so each step's transfer hides behind far more comp
 rank's own query slice last. Exact: every query row sees the same keys, in the same order.
 
 Legend: S sequence (first), B batch, H this rank's heads, d head dim, D model dim,
-s = S/W one rank's slice. Forward only (no autograd yet): used by the benchmarks.
+s = S/W one rank's slice, X = H*d.
+
+Differentiable: the backward gathers dOut fused with its GEMM by W_o^T (the dual all-gather ->
+GEMM, same method), recomputes the attention of the whole sequence for this rank's heads
+(like activation checkpointing: Q, K, V are saved, not the attention output) and backpropagates
+through it. The forward is where the overlap is; the backward overlaps the gather only.
 """
 
 from __future__ import annotations
@@ -34,6 +39,19 @@ def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal:
     spec = _common.method_spec(method, opts)
     group = _common.resolve_group(group)
     _common.check_divisible("q.shape[0] (sequence)", S, group.size())
+    return QuerySplitAttention.apply(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, group, spec)
+
+
+def _attention(q_SBHd, k_SBHd, v_SBHd, causal: bool) -> torch.Tensor:
+    """Plain attention of the whole sequence -> ``o_SBX`` (the reference, and the backward)."""
+    S, B, H, d = q_SBHd.shape
+    o_BHSd = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q_SBHd, k_SBHd, v_SBHd)),
+                                            is_causal=causal)
+    return o_BHSd.permute(2, 0, 1, 3).reshape(S, B, H * d)
+
+
+def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, group, spec) -> torch.Tensor:
+    S, B, H, d = q_SBHd.shape
     k_BHSd, v_BHSd = k_SBHd.permute(1, 2, 0, 3), v_SBHd.permute(1, 2, 0, 3)
     pos_S = torch.arange(S, device=q_SBHd.device)
 
@@ -43,7 +61,7 @@ def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal:
         q_BHRd = q_rows.reshape(-1, B, H, d).permute(1, 2, 0, 3)
         pos_R = view(pos_S).reshape(-1)
         if executor._state["mode"] == "comm_only":
-            return q_rows.new_empty((*lead, B, wo_HdD.shape[1]))
+            return q_rows.new_empty((*lead, B, wo_XD.shape[1]))
         keys = int(pos_R.max()) + 1 if causal else S  # later keys are masked out anyway
         prefix = causal and int(pos_R[0]) == 0 and keys == len(pos_R)  # rows 0..keys-1
         # rows from 0 are plain causal attention (SDPA's fast path, half the time of a mask)
@@ -51,8 +69,36 @@ def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal:
         o_BHRd = F.scaled_dot_product_attention(q_BHRd, k_BHSd[:, :, :keys], v_BHSd[:, :, :keys],
                                                 attn_mask=mask, is_causal=prefix)
         o_RBX = o_BHRd.permute(2, 0, 1, 3).reshape(-1, B, H * d)
-        return executor.gemm(o_RBX, wo_HdD).reshape(*lead, B, wo_HdD.shape[1])
+        return executor.gemm(o_RBX, wo_XD).reshape(*lead, B, wo_XD.shape[1])
 
-    with torch.no_grad():
-        return reduce_scatter_of(partial, (S // group.size(), B, wo_HdD.shape[1]), q_SBHd,
-                                 group, spec)
+    return reduce_scatter_of(partial, (S // group.size(), B, wo_XD.shape[1]), q_SBHd, group, spec)
+
+
+class QuerySplitAttention(torch.autograd.Function):
+    """``out = reduce_scatter(attention(q, k, v) @ wo, 0)``, the ring run over query slices.
+
+    Shapes: q, k, v [S, B, H, d] (the full sequence, this rank's heads; GQA already expanded),
+    wo [H*d, D] (this rank's rows); returns [S/W, B, D].
+    Grads: dO = all_gather(dOut) @ wo^T (dual fused op), dq, dk, dv through a recomputed
+    attention, dwo = O^T @ all_gather(dOut). Extra memory: the forward's reduce-scatter
+    partials (as GEMM -> RS); the backward holds O and the gathered dOut.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, wo, causal, group, spec):
+        ctx.save_for_backward(q, k, v, wo)
+        ctx.causal, ctx.group, ctx.spec = causal, group, spec
+        return _forward(q, k, v, wo, causal, group, spec)
+
+    @staticmethod
+    def backward(ctx, g_sBD):
+        from commfuse.ops.ag_matmul import ag_matmul
+
+        q, k, v, wo = ctx.saved_tensors
+        g_SBD, (go_SBX,) = ag_matmul(g_sBD.contiguous(), [wo.t()], ctx.group, ctx.spec)
+        with torch.enable_grad():
+            qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+            o_SBX = _attention(*qkv, ctx.causal)
+            gq, gk, gv = torch.autograd.grad(o_SBX, qkv, go_SBX)
+        gwo = o_SBX.detach().flatten(0, -2).t() @ g_SBD.flatten(0, -2)
+        return gq, gk, gv, gwo, None, None, None

@@ -70,7 +70,7 @@ def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None) -> ParallelL
         model.tok_emb = SeqShardEmbedding(model.tok_emb, mesh.seq_index, dims.seq)
     for i, layer in enumerate(model.layers):
         if dims.tp > 1:
-            layer.attn = TPAttention(layer.attn, mesh.seq_group, kw, dp)
+            layer.attn = TPAttention(layer.attn, mesh.seq_group, kw, dp, dims.query_split)
             layer.mlp = TPMLP(layer.mlp, mesh.seq_group, kw, dp)
         elif dims.up > 1:
             layer.attn = UPAttention(layer.attn, mesh.seq_group, kw, dp)

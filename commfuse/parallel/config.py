@@ -35,8 +35,8 @@ class ParallelDims:
     method_opts: dict = field(default_factory=dict)
     """Options of that method, passed to every op: topology ("ring" | "direct"), chunks, timeout."""
     query_split: bool = False
-    """Query-split TP attention (attention + out-proj inside the reduce-scatter ring). Accepted
-    in the config for forward compatibility; not implemented yet, so True raises."""
+    """Query-split TP attention: attention and the out-projection partial run per query slice
+    inside the reduce-scatter ring (`commfuse.ops.attention`); needs tp > 1."""
     world_size: int | None = None
     """Ranks in the job. None: torch.distributed's world size if initialised, else tp*up*dp."""
 
@@ -52,9 +52,8 @@ class ParallelDims:
         if not isinstance(self.method_opts, dict):
             raise ValueError(f"ParallelDims.method_opts must be a dict, got {self.method_opts!r}")
         _common.method_spec(self.method, self.method_opts)  # ValueError on bad method/options
-        if self.query_split:
-            raise ValueError("query_split=True is not implemented yet: it needs a fused "
-                             "attention + reduce-scatter op (see DESIGN.md, query-split)")
+        if self.query_split and self.tp == 1:
+            raise ValueError("query_split=True needs tp > 1: it is a TP attention schedule")
         if self.world_size is None:
             self.world_size = (dist.get_world_size() if dist.is_available() and
                                dist.is_initialized() else self.tp * self.up * self.dp)

@@ -30,16 +30,22 @@ from torch import nn
 
 from commfuse.api import fused_all_gather_matmul, fused_matmul_reduce_scatter
 from commfuse.models.llama import Attention, MLP, apply_rope
+from commfuse.ops.attention import query_split_attention
 from commfuse.parallel.data import gather_rows, weight
+
+
+def rope_and_expand(q_BSHK, k_BSGK, v_BSGK, cos_SK, sin_SK):
+    """RoPE on q and k, kv heads repeated for GQA (query head h reads kv head h // n_rep)."""
+    q_BSHK, k_BSGK = apply_rope(q_BSHK, cos_SK, sin_SK), apply_rope(k_BSGK, cos_SK, sin_SK)
+    n_rep = q_BSHK.size(2) // k_BSGK.size(2)
+    if n_rep > 1:
+        k_BSGK, v_BSGK = k_BSGK.repeat_interleave(n_rep, 2), v_BSGK.repeat_interleave(n_rep, 2)
+    return q_BSHK, k_BSGK, v_BSGK
 
 
 def causal_attention(q_BSHK, k_BSGK, v_BSGK, cos_SK, sin_SK) -> torch.Tensor:
     """The reference model's attention math (RoPE, GQA, causal SDPA) -> o_BSHK."""
-    q_BSHK, k_BSGK = apply_rope(q_BSHK, cos_SK, sin_SK), apply_rope(k_BSGK, cos_SK, sin_SK)
-    q, k, v = (t.transpose(1, 2) for t in (q_BSHK, k_BSGK, v_BSGK))  # heads before sequence
-    n_rep = q.size(1) // k.size(1)
-    if n_rep > 1:  # GQA: query head h reads kv head h // n_rep
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    q, k, v = (t.transpose(1, 2) for t in rope_and_expand(q_BSHK, k_BSGK, v_BSGK, cos_SK, sin_SK))
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
 
@@ -56,9 +62,11 @@ def _cols(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 class TPAttention(nn.Module):
     """Column-parallel q/k/v (one fused AG->GEMM) and row-parallel out-proj (GEMM->RS)."""
 
-    def __init__(self, attn: Attention, tp_group, op_kwargs: dict, dp_group=None):
+    def __init__(self, attn: Attention, tp_group, op_kwargs: dict, dp_group=None,
+                 query_split: bool = False):
         super().__init__()
         T, r = tp_group.size(), tp_group.rank()
+        self.query_split = query_split
         if attn.wk.weight.shape[0] % (T * attn.head_dim):
             raise ValueError(f"n_kv_heads ({attn.wk.weight.shape[0] // attn.head_dim}) must be "
                              f"divisible by tp ({T})")
@@ -75,8 +83,12 @@ class TPAttention(nn.Module):
         _, (q, k, v) = fused_all_gather_matmul(x_BsD, [wq.t(), wk.t(), wv.t()], 1, self.group,
                                                return_A=False, **self.op_kwargs)
         B, S, K = q.shape[0], q.shape[1], self.head_dim
-        o_BShK = causal_attention(q.view(B, S, -1, K), k.view(B, S, -1, K), v.view(B, S, -1, K),
-                                  cos_SK, sin_SK)
+        q, k, v = q.view(B, S, -1, K), k.view(B, S, -1, K), v.view(B, S, -1, K)
+        if self.query_split:  # attention + out-proj per query slice, inside the RS ring
+            q, k, v = (t.transpose(0, 1) for t in rope_and_expand(q, k, v, cos_SK, sin_SK))
+            return query_split_attention(q, k, v, wo.t(), self.group,
+                                         **self.op_kwargs).transpose(0, 1)
+        o_BShK = causal_attention(q, k, v, cos_SK, sin_SK)
         # each partial out-proj's transfer hides behind the next slice's GEMM
         return fused_matmul_reduce_scatter(o_BShK.reshape(B, S, -1), wo.t(), "sum", 1,
                                            self.group, **self.op_kwargs)

@@ -6,7 +6,8 @@ slot's output per extra term; ``Post`` registers sends/receives, a transfer (mat
 (src, dst, tag)) starts when both sides are posted, so a send never starts before the steps
 before it on its rank (its data) are done; ``Wait`` blocks the rank until that transfer is
 done; ``Collective(slot)`` starts once every rank has posted it and runs for the ring model's
-time (`Hardware.collective_time`); ``WaitCollective`` blocks until it is done.
+time (`Hardware.collective_time`), one collective at a time in launch order (one communicator
+stream, as NCCL/HCCL/gloo run them); ``WaitCollective`` blocks until it is done.
 
 Transfers are a fluid model: a transfer drains its bytes at a fair share of its source's
 egress and its destination's ingress (each split evenly among the transfers using it,
@@ -167,6 +168,7 @@ class Engine:
         self.inn: list[dict] = [{} for _ in range(w)]  # draining flows by destination
         self.ncoll = [0] * w
         self.colls: dict = {}  # key -> [arrived, done, waiters, start]
+        self.coll_queue: list = []  # ready collectives; the first one is running
         for r in range(w):
             self._advance(r)
         while self.heap:
@@ -227,8 +229,10 @@ class Engine:
             elif kind == "coll":
                 c = self.colls.setdefault(ins[1], [0, False, [], 0.0])
                 c[0] += 1
-                if c[0] == self.w:
-                    self._start_coll(ins[1], c)
+                if c[0] == self.w:  # collectives run one at a time, in launch order
+                    self.coll_queue.append(ins[1])
+                    if len(self.coll_queue) == 1:
+                        self._start_coll(ins[1], c)
             else:  # wcoll
                 c = self.colls[ins[1]]
                 if not c[1]:
@@ -335,5 +339,9 @@ class Engine:
                 self.ncoll[r] -= 1
                 self._retime_task(r)
                 self._span(r, "collective", label, c[3], self.now)
+        self.coll_queue.pop(0)
+        if self.coll_queue:
+            nxt = self.coll_queue[0]
+            self._start_coll(nxt, self.colls[nxt])
         for r in c[2]:
             self._wake(r)

@@ -1,0 +1,75 @@
+"""`commfuse simulate`: predicted time and exposed communication of every method.
+
+    commfuse simulate --op matmul_rs --world 8 --shape 65536,4096,4096 --hw h100-nvlink
+    commfuse simulate --table1
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from commfuse import sim
+
+VARIANTS = (("none", "none", {}), ("sliced", "sliced", {}), ("decompose", "decompose", {}),
+            ("commfuse", "commfuse", {}), ("commfuse-m4", "commfuse", {"splits": 4}),
+            ("commfuse-direct", "commfuse", {"topology": "direct"}))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="commfuse simulate",
+        description="Time every method's schedule on a hardware model (commfuse.sim). "
+                    "Shapes are the full logical GEMM (M, K, N); see commfuse.sim.op_costs.")
+    p.add_argument("--op", default="mlp", choices=("mlp", "ag_matmul", "matmul_rs",
+                                                   "matmul_a2a", "a2a_matmul"),
+                   help="one op, or the TPSP MLP forward (AG->FC1, FC2->RS); default mlp")
+    p.add_argument("--world", type=int, default=4, help="group size W (default 4)")
+    p.add_argument("--shape", default="8192,4096,4096", help="M,K,N for a single op")
+    p.add_argument("--tokens", type=int, default=32 * 4096, help="mlp: batch*seq")
+    p.add_argument("--d-model", type=int, default=4096, help="mlp: model width (hidden 4x)")
+    p.add_argument("--layers", type=int, default=1, help="mlp: layers back to back")
+    p.add_argument("--hw", default="h100-nvlink", choices=sorted(sim.PRESETS),
+                   help="hardware preset (default h100-nvlink)")
+    p.add_argument("--dtype-bytes", type=float, default=2, help="bytes per element (bf16: 2)")
+    p.add_argument("--chunks", type=int, default=4, help="sliced: chunk count")
+    p.add_argument("--trace", default=None,
+                   help="write each method's timeline to TRACE.<method>.json (Chrome trace)")
+    p.add_argument("--table1", action="store_true",
+                   help="print the paper's Table 1 comparison instead")
+    return p
+
+
+def main_simulate(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    if a.table1:
+        r = sim.paper_table1(chunks=a.chunks)
+        hw = r["hardware"]
+        print(f"Table 1 regime: TP=4, TPSP MLP fwd, (32, 4096, 4096), bf16; calibrated "
+              f"{hw.gemm_flops / 1e12:.1f} TFLOP/s, {hw.link_bandwidth / 1e9:.1f} GB/s")
+        print(f"{'method':<10}{'predicted ms':>14}{'paper ms':>10}{'exposed ms':>12}"
+              f"{'paper exp.':>12}")
+        for name in ("vanilla", "sliced", "commfuse"):
+            exp_paper = r["paper"]["vanilla_comm" if name == "vanilla" else name + "_exposed"]
+            print(f"{name:<10}{r[name] * 1e3:>14.1f}{r['paper'][name] * 1e3:>10.1f}"
+                  f"{r[name + '_exposed'] * 1e3:>12.1f}{exp_paper * 1e3:>12.1f}")
+        return 0
+    rows = []
+    for name, method, opts in VARIANTS:
+        opts = dict(opts, chunks=a.chunks)
+        if a.op == "mlp":
+            r = sim.simulate_layer(method, a.world, a.tokens, a.d_model, a.dtype_bytes, a.hw,
+                                   layers=a.layers, timeline=bool(a.trace), **opts)
+        else:
+            shape = tuple(int(x) for x in a.shape.split(","))
+            r = sim.simulate_op(a.op, method, a.world, shape, a.dtype_bytes, a.hw,
+                                timeline=bool(a.trace), **opts)
+        if a.trace:
+            r.write_trace(f"{a.trace}.{name}.json")
+        rows.append((name, r))
+    base = rows[0][1].total_s
+    print(f"{a.op} W={a.world} on {a.hw}")
+    print(f"{'method':<17}{'total ms':>10}{'compute ms':>12}{'exposed ms':>12}{'of none':>9}")
+    for name, r in rows:
+        print(f"{name:<17}{r.total_s * 1e3:>10.3f}{r.compute_s * 1e3:>12.3f}"
+              f"{r.exposed_comm_s * 1e3:>12.3f}{r.total_s / base:>9.2f}")
+    return 0
