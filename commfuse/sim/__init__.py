@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commfuse.sim.engine import Engine, OpSpec, Span, op_costs
+from commfuse.sim.costs import OpSpec, op_costs
+from commfuse.sim.engine import Engine, Span
 from commfuse.sim.hardware import PRESETS, Hardware, preset
 from commfuse.sim.trace import write_trace
 
