@@ -1,0 +1,49 @@
+"""Measure what the emulated links deliver: one-way and both-ways-at-once gloo transfer rates.
+
+    commfuse launch --nproc 2 --link 1gbit -- python scripts/link_probe.py
+
+Rank 1 prints, per message size, the one-way rate (rank 0 sends, timed at the receiver) and
+the rate each way when both ranks send to each other at once (what every method does at W=2).
+On the 2-core VM on 2026-11-29: one-way 0.91 Gbit/s at 1gbit; both ways 0.45-0.9 Gbit/s each,
+varying run to run (see docs/benchmarks/2026-11-29.md).
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def median_time(fn, n: int = 5) -> float:
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[n // 2]
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    r = dist.get_rank()
+    for mb in (4, 16):
+        x, y = torch.ones(mb << 18), torch.empty(mb << 18)  # mb MiB of float32
+
+        def one_way():
+            dist.send(x, 1) if r == 0 else dist.recv(y, 0)
+
+        def both_ways():
+            ops = [dist.P2POp(dist.isend, x, 1 - r), dist.P2POp(dist.irecv, y, 1 - r)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        t1, t2 = median_time(one_way), median_time(both_ways)
+        if r == 1:
+            gbit = mb * 8 * 1.048576 / 1e3
+            print(f"{mb} MiB: one-way {gbit / t1:.2f} Gbit/s, both ways {gbit / t2:.2f} Gbit/s "
+                  f"each", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
