@@ -9,6 +9,12 @@ So on CPU every send is issued from a sender thread per peer (FIFO per peer, so 
 messages keep their order); receives never block and are posted directly. On CUDA (NCCL)
 posting never blocks the host, and a send and a receive with the same peer must be grouped,
 so the batch goes to ``batch_isend_irecv`` as it is.
+
+gloo also runs one TCP connection per pair of ranks, and a pair sending to each other at once
+got 0.5-0.8 Gbit/s each way on 1 Gbit/s emulated links, where one connection per direction got
+0.95 (`scripts/link_probe.py`). `duplex(group)` adds a second communicator over the same ranks;
+then a transfer from a lower to a higher rank uses the group, the other way the twin, and each
+connection carries one direction.
 """
 
 from __future__ import annotations
@@ -20,6 +26,26 @@ import torch
 import torch.distributed as dist
 
 _SENDERS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid-stable group id, peer) -> thread
+_TWINS: dict[int, dist.ProcessGroup] = {}  # id(group) -> its reverse-direction communicator
+
+
+def duplex(group: dist.ProcessGroup | None = None) -> None:
+    """Give ``group`` a second gloo communicator for the reverse direction (see above).
+
+    Collective over the group's ranks only (every member calls it, in the same order as any
+    other group creation); a no-op for groups of one rank and for non-gloo groups.
+    """
+    group = dist.group.WORLD if group is None else group
+    if group.size() < 2 or id(group) in _TWINS or dist.get_backend(group) != "gloo":
+        return
+    ranks = dist.get_process_group_ranks(group)
+    _TWINS[id(group)] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+
+
+def _directed(group: dist.ProcessGroup, src: int, dst: int) -> dist.ProcessGroup:
+    """The communicator that carries transfers from global rank ``src`` to ``dst``."""
+    twin = _TWINS.get(id(group))
+    return group if twin is None or src < dst else twin
 
 
 def _sender(group: dist.ProcessGroup, peer: int) -> ThreadPoolExecutor:
@@ -47,11 +73,12 @@ def post(ops: list[dist.P2POp], device: torch.device) -> list:
         works = dist.batch_isend_irecv(ops)
         # one work per op on most backends; a single work for the whole batch on NCCL
         return works if len(works) == len(ops) else [works[0]] * len(ops)
-    handles = []
+    handles, me = [], dist.get_rank()
     for op in ops:
         if op.op is dist.isend:
-            handles.append(PendingSend(_sender(op.group, op.peer).submit(
-                dist.isend, op.tensor, op.peer, op.group, op.tag)))
+            group = _directed(op.group, me, op.peer)
+            handles.append(PendingSend(_sender(group, op.peer).submit(
+                dist.isend, op.tensor, op.peer, group, op.tag)))
         else:
-            handles.append(dist.irecv(op.tensor, op.peer, op.group, op.tag))
+            handles.append(dist.irecv(op.tensor, op.peer, _directed(op.group, op.peer, me), op.tag))
     return handles

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from commfuse._p2p import duplex
+
 
 class RankFailed(RuntimeError):
     """A rank raised; the message carries its traceback."""
@@ -32,6 +34,7 @@ def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, r
         store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
+        duplex()  # one connection per direction between two ranks (commfuse._p2p)
         out = fn(rank, world, *args)
         results.put((rank, True, out))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from commfuse._p2p import duplex
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -170,6 +172,7 @@ def launch(cfg: TrainConfig) -> list[dict]:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if not dist.is_initialized():
             dist.init_process_group("gloo")
+            duplex()  # one connection per direction between two ranks (commfuse._p2p)
         return train_rank(dist.get_rank(), dist.get_world_size(), cfg)
     if cfg.world == 1:
         return train_rank(0, 1, cfg)

@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from commfuse._p2p import duplex
 from commfuse.bench import measure, report, workloads
 
 WORKER_ENV = "COMMFUSE_BENCH_WORKER"
@@ -81,6 +82,7 @@ def _worker(args, names: list[str], seqs: list[int]) -> int:
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    duplex()  # one connection per direction between two ranks (commfuse._p2p)
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
     passes = {"forward": [False], "backward": [True], "both": [False, True]}[args.passes]

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from commfuse._p2p import duplex
+
 from commfuse.ops import _common
 
 
@@ -124,6 +126,9 @@ class ParallelDims:
             g = dist.new_group(ranks) if self.dp > 1 else None
             if i == inner_index:
                 dp_group = g
+        for g in (seq_group, dp_group):  # members only, in the same order on every rank
+            if g is not None:
+                duplex(g)
         return Mesh(self, rank, world, dp_index, inner_index, seq_group, dp_group,
                     dist.group.WORLD)
 
