@@ -36,11 +36,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="write each method's timeline to TRACE.<method>.json (Chrome trace)")
     p.add_argument("--table1", action="store_true",
                    help="print the paper's Table 1 comparison instead")
+    p.add_argument("--calibrate", metavar="BENCH_JSON",
+                   help="fit the --hw preset (default here: cpu-testbed) to a `commfuse bench op` "
+                        "JSON and print predicted vs measured for every op and method")
+    p.add_argument("--against", metavar="BENCH_JSON",
+                   help="with --calibrate: compare with this separate run instead of the one "
+                        "calibrated on")
     return p
 
 
 def main_simulate(argv=None) -> int:
     a = _parser().parse_args(argv)
+    if a.calibrate:
+        import json
+
+        from commfuse.sim import calibrate as cal
+
+        with open(a.calibrate) as f:
+            results = json.load(f)["results"]
+        base = a.hw if a.hw != "h100-nvlink" else "cpu-testbed"
+        hw = cal.calibrate(results, base)
+        if a.against:
+            with open(a.against) as f:
+                results = json.load(f)["results"]
+        print(cal.markdown(cal.compare(results, hw), hw))
+        return 0
     if a.table1:
         r = sim.paper_table1(chunks=a.chunks)
         hw = r["hardware"]
