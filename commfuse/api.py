@@ -2,7 +2,8 @@
 users recognise them, but they run on any torch.distributed backend, with no symmetric memory.
 
 Every op takes ``method`` = "none" | "sliced" (option ``chunks``, default 4) | "decompose" |
-"commfuse" (option ``topology`` = "ring" | "direct"), and every method takes ``timeout``
+"commfuse" (option ``topology`` = "ring" | "direct") | "auto" (`commfuse.auto`: the fastest of
+them on the cost model, per shape), and every method takes ``timeout``
 (seconds; default: the process group's timeout). All are differentiable in A and every B.
 """
 
@@ -34,6 +35,9 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     dim = _common.check_dim("gather_dim", gather_dim, "A_shard", A_shard)
     spec = _common.method_spec(method, opts)
     group = _common.resolve_group(group)
+    rows = A_shard.numel() // max(A_shard.shape[-1], 1)
+    spec = _common.resolve_auto(spec, "ag_matmul", (group.size() * rows, A_shard.shape[-1],
+                                                    sum(b.shape[1] for b in Bs)), group.size(), A_shard)
     a, *ys = AllGatherMatmul.apply(A_shard, dim, group, spec, *Bs)
     return (a if return_A else None), ys
 
@@ -54,6 +58,8 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
     spec = _common.method_spec(method, opts)
     group = _common.resolve_group(group)
     _common.check_divisible(f"A.shape[{dim}] (scatter_dim)", A.shape[dim], group.size())
+    spec = _common.resolve_auto(spec, "matmul_rs", (A.numel() // max(A.shape[-1], 1), *B.shape),
+                                group.size(), A)
     return MatmulReduceScatter.apply(A, B, dim, reduce_op == "avg", group, spec)
 
 
@@ -70,6 +76,9 @@ def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     spec = _common.method_spec(method, opts)
     group = _common.resolve_group(group)
     _common.check_divisible("B.shape[1] (columns to scatter)", B.shape[1], group.size())
+    rows = A.numel() // max(A.shape[-1], 1)
+    spec = _common.resolve_auto(spec, "matmul_a2a", (group.size() * rows, *B.shape),
+                                group.size(), A)
     return MatmulAllToAll.apply(A, B, dim, group, spec)
 
 
@@ -94,4 +103,6 @@ def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     if B.device != A.device:
         raise ValueError(f"B is on {B.device} but A is on {A.device}")
     _common.check_divisible(f"A.shape[{dim}] (seq_dim)", A.shape[dim], w)
+    spec = _common.resolve_auto(spec, "a2a_matmul", (A.numel() // max(A.shape[-1], 1), *B.shape),
+                                w, A)
     return AllToAllMatmul.apply(A, B, dim, group, spec)

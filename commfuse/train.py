@@ -99,7 +99,7 @@ class TrainConfig:
         return self.tp * self.up * self.dp
 
     def method_opts(self) -> dict:
-        return {"sliced": {"chunks": self.chunks}, "none": {}}.get(
+        return {"sliced": {"chunks": self.chunks}, "none": {}, "auto": {}}.get(
             self.method, {"topology": self.topology, "splits": self.splits})
 
 
@@ -111,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--up", type=int, help="Ulysses sequence-parallel ranks (default 1; not with --tp > 1)")
     a("--dp", type=int, help="sharded data-parallel (ZeRO-3) ranks (default 1)")
     a("--nproc", type=int, help="local ranks to spawn (default tp*up*dp; ignored under torchrun)")
-    a("--method", default="commfuse", choices=["none", "sliced", "decompose", "commfuse"],
+    a("--method", default="commfuse", choices=["none", "sliced", "decompose", "commfuse", "auto"],
       help="schedule of every fused op (default commfuse)")
     a("--topology", default="ring", choices=["ring", "direct"], help="decompose/commfuse (ring)")
     a("--chunks", type=int, default=4, help="chunks of method sliced (default 4)")

@@ -20,7 +20,7 @@ METHODS = (("none", {}), ("none", {"collective": "backend"}), ("sliced", {"chunk
            ("decompose", {"topology": "ring"}), ("decompose", {"topology": "direct"}),
            ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"}),
            ("decompose", {"splits": 2}), ("commfuse", {"topology": "ring", "splits": 2}),
-           ("commfuse", {"topology": "direct", "splits": 4}))
+           ("commfuse", {"topology": "direct", "splits": 4}), ("auto", {}))
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # norm-relative error vs float64 reference
 
 

@@ -31,6 +31,7 @@ VARIANTS = {  # label -> (method, options)
     "commfuse": ("commfuse", {"topology": "ring"}),
     "commfuse-m4": ("commfuse", {"topology": "ring", "splits": 4}),  # 4 sub-slices per rank
     "commfuse-direct": ("commfuse", {"topology": "direct"}),
+    "auto": ("auto", {}),  # commfuse.auto's choice on its cost model
 }
 
 

@@ -15,6 +15,7 @@ from commfuse import collectives, executor, schedule
 
 DEFAULT_CHUNKS = 4
 _OPTIONS = {  # the options each method accepts
+    "auto": {"timeout"},  # commfuse.auto picks a method and its options per shape
     "none": {"timeout", "collective"},
     "sliced": {"timeout", "chunks", "collective"},
     "decompose": {"timeout", "topology", "splits"},
@@ -57,6 +58,16 @@ def method_spec(method: str, opts: dict) -> MethodSpec:
     if collective not in collectives.POLICIES:
         raise ValueError(f"collective must be one of {collectives.POLICIES}, got {collective!r}")
     return MethodSpec(method, topology, chunks, timeout, collective, splits)
+
+
+def resolve_auto(spec: MethodSpec, op: str, shape, world: int, like) -> MethodSpec:
+    """``spec`` itself, or for method "auto" the method `commfuse.auto` chooses for the shape."""
+    if spec.method != "auto":
+        return spec
+    from commfuse import auto
+
+    method, opts = auto.choose(op, tuple(int(x) for x in shape), world, like)
+    return method_spec(method, {**opts, "timeout": spec.timeout} if spec.timeout else opts)
 
 
 def resolve_group(group) -> dist.ProcessGroup:

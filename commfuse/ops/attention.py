@@ -39,6 +39,8 @@ def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal:
     spec = _common.method_spec(method, opts)
     group = _common.resolve_group(group)
     _common.check_divisible("q.shape[0] (sequence)", S, group.size())
+    spec = _common.resolve_auto(spec, "matmul_rs", (S * B, H * d, wo_HdD.shape[1]), group.size(),
+                                q_SBHd)  # costed as its out-projection's GEMM -> RS
     return QuerySplitAttention.apply(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, group, spec)
 
 

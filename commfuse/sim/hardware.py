@@ -143,7 +143,10 @@ PRESETS: dict[str, Hardware] = {
     # ~240 ms for 34.4 GFLOP). Link: tbf at 1 Gbit/s; gloo reaches 0.91 Gbit/s one way and
     # 0.45-0.9 Gbit/s each way when both directions run at once (duplex and collective
     # efficiency ~0.75). Transfers cost CPU on the rank's own core (interference, rough).
-    "cpu-testbed": Hardware(gemm_flops=140e9, link_bandwidth=0.91e9 / 8, link_latency=50e-6,
+    # gemm_flops and link_bandwidth are then the fit of `commfuse simulate --calibrate` to
+    # docs/benchmarks/2026-11-29-duplex/op-forward (150.1 GFLOP/s; 1.144 Gbit/s, which with
+    # duplex efficiency 0.75 is 0.86 Gbit/s each way): see docs/sim-vs-measured.md.
+    "cpu-testbed": Hardware(gemm_flops=150.1e9, link_bandwidth=1.144e9 / 8, link_latency=50e-6,
                             mem_bandwidth=5e9, gemm_max_efficiency=1.0, m0=8.0, n0=8.0,
                             k0=32.0, interference=0.3, duplex_efficiency=0.75,
                             collective_efficiency=0.75),
