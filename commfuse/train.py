@@ -99,8 +99,11 @@ class TrainConfig:
         return self.tp * self.up * self.dp
 
     def method_opts(self) -> dict:
-        return {"sliced": {"chunks": self.chunks}, "none": {}, "auto": {}}.get(
-            self.method, {"topology": self.topology, "splits": self.splits})
+        """The method's options among the flags (only those the method accepts)."""
+        from commfuse.ops._common import OPTIONS
+
+        given = {"chunks": self.chunks, "topology": self.topology, "splits": self.splits}
+        return {k: v for k, v in given.items() if k in OPTIONS[self.method]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from commfuse import collectives, executor, schedule
 
 DEFAULT_CHUNKS = 4
-_OPTIONS = {  # the options each method accepts
+OPTIONS = {  # the options each method accepts
     "auto": {"timeout"},  # commfuse.auto picks a method and its options per shape
     "none": {"timeout", "collective"},
     "sliced": {"timeout", "chunks", "collective"},
@@ -36,12 +36,12 @@ class MethodSpec:
 
 
 def method_spec(method: str, opts: dict) -> MethodSpec:
-    if not isinstance(method, str) or method not in _OPTIONS:
-        raise ValueError(f"method must be one of {sorted(_OPTIONS)}, got {method!r}")
-    unknown = set(opts) - _OPTIONS[method]
+    if not isinstance(method, str) or method not in OPTIONS:
+        raise ValueError(f"method must be one of {sorted(OPTIONS)}, got {method!r}")
+    unknown = set(opts) - OPTIONS[method]
     if unknown:
         raise ValueError(f"unknown option(s) {sorted(unknown)} for method={method!r}; "
-                         f"it accepts {sorted(_OPTIONS[method])}")
+                         f"it accepts {sorted(OPTIONS[method])}")
     topology = opts.get("topology", "ring")
     if topology not in schedule.TOPOLOGIES:
         raise ValueError(f"topology must be one of {schedule.TOPOLOGIES}, got {topology!r}")

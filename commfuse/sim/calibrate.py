@@ -15,13 +15,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from commfuse.bench.measure import VARIANTS as BENCH_VARIANTS
 from commfuse.sim.hardware import Hardware, preset
 
-VARIANTS = {  # bench label -> (sim method, options); see commfuse.bench.measure.VARIANTS
-    "none": ("none", {}), "sliced": ("sliced", {"chunks": 4}), "decompose": ("decompose", {}),
-    "commfuse": ("commfuse", {}), "commfuse-m4": ("commfuse", {"splits": 4}),
-    "commfuse-direct": ("commfuse", {"topology": "direct"}),
-}
+# the bench's methods the simulator models (not gloo's own collectives, not auto itself)
+VARIANTS = {label: v for label, v in BENCH_VARIANTS.items() if label not in ("none-torch", "auto")}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 

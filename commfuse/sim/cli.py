@@ -10,9 +10,6 @@ import argparse
 
 from commfuse import sim
 
-VARIANTS = (("none", "none", {}), ("sliced", "sliced", {}), ("decompose", "decompose", {}),
-            ("commfuse", "commfuse", {}), ("commfuse-m4", "commfuse", {"splits": 4}),
-            ("commfuse-direct", "commfuse", {"topology": "direct"}))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,7 +71,9 @@ def main_simulate(argv=None) -> int:
                   f"{r[name + '_exposed'] * 1e3:>12.1f}{exp_paper * 1e3:>12.1f}")
         return 0
     rows = []
-    for name, method, opts in VARIANTS:
+    from commfuse.sim.calibrate import VARIANTS  # the bench's methods, by the same labels
+
+    for name, (method, opts) in VARIANTS.items():
         opts = dict(opts, chunks=a.chunks)
         if a.op == "mlp":
             r = sim.simulate_layer(method, a.world, a.tokens, a.d_model, a.dtype_bytes, a.hw,
