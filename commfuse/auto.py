@@ -7,6 +7,11 @@ lose. Choices are cached per shape and logged (logger ``commfuse.auto``, level I
 simulator is deterministic, so every rank of a group makes the same choice. The backward of
 an op reuses its forward's choice. Calibrate the model to a machine with
 ``commfuse simulate --calibrate`` and pass the result to `set_hardware`.
+
+Host time: the hardware model's host costs per launch (``Hardware.host_collective_s`` /
+``host_p2p_s``, fitted by the calibration; the `cpu-testbed` preset has them, the GPU presets
+have 0) are charged inside the simulation; ``STEP_OVERHEAD_S`` per schedule step (dispatch)
+is added to the simulated time on top.
 """
 
 from __future__ import annotations
@@ -51,15 +56,27 @@ def choose(op: str, shape: tuple[int, int, int], world: int, like: torch.Tensor)
             _CHOICES[key] = ("none", {})
         else:
             step_s = STEP_OVERHEAD_S.get(like.device.type, 50e-6)
-            timed = [(simulate_op(op, m, world, shape, like.element_size(), hw, timeline=False,
-                                  **o).total_s + step_s * _steps(op, m, world, o), i)
-                     for i, (m, o) in enumerate(CANDIDATES)]
-            _CHOICES[key] = CANDIDATES[min(timed)[1]]
+            _CHOICES[key] = fastest(op, shape, world, like.element_size(), hw, step_s)[:2]
         log.info("auto: %s M,K,N=%s on %d ranks -> %s %s", op, shape, world, *_CHOICES[key])
     return _CHOICES[key]
 
 
-def _steps(op: str, method: str, world: int, opts: dict) -> int:
-    from commfuse.schedule import build
+def fastest(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 50e-6,
+            candidates=CANDIDATES) -> tuple[str, dict, float]:
+    """(method, options, predicted seconds) of the fastest of ``candidates`` on ``hw`` (a
+    `commfuse.sim.Hardware`), ``step_s`` added per schedule step. Ties go to the earlier
+    candidate."""
+    from commfuse.sim import simulate_op
 
-    return len(build(op, method, world, 0, **opts).steps)
+    sym = not (hw.compute_straggler or hw.link_straggler)
+    timed = [(simulate_op(op, m, world, shape, dtype_bytes, hw, timeline=False, symmetric=sym,
+                          **o).total_s + step_s * _steps(op, m, world, o), i)
+             for i, (m, o) in enumerate(candidates)]
+    t, i = min(timed)
+    return candidates[i][0], candidates[i][1], t
+
+
+def _steps(op: str, method: str, world: int, opts: dict) -> int:
+    from commfuse.sim.program import schedule
+
+    return len(schedule(op, method, world, 0, **opts).steps)

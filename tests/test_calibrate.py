@@ -1,5 +1,6 @@
 """Calibration recovers a known hardware model from results the simulator itself produced."""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -25,11 +26,17 @@ def _fake_bench(hw, seq=2048, d=1024, world=2):
     return results
 
 
-def test_calibration_recovers_flops_and_bandwidth():
-    truth = replace(preset("cpu-testbed"), gemm_flops=90e9, link_bandwidth=2e9 / 8)
-    hw = cal.calibrate(_fake_bench(truth), "cpu-testbed")
+def test_calibration_recovers_flops_bandwidth_and_host_costs():
+    truth = replace(preset("cpu-testbed"), gemm_flops=90e9, link_bandwidth=2e9 / 8,
+                    host_collective_s=1.5e-3, host_p2p_s=0.5e-3)
+    hw = cal.calibrate(_fake_bench(truth), replace(truth, host_collective_s=0, host_p2p_s=0,
+                                                   gemm_flops=150e9, link_bandwidth=1e9 / 8))
     assert hw.gemm_flops == pytest.approx(truth.gemm_flops, rel=0.02)
     assert hw.link_bandwidth == pytest.approx(truth.link_bandwidth, rel=0.05)
+    assert hw.host_collective_s == pytest.approx(truth.host_collective_s, rel=0.1)
+    assert hw.host_p2p_s == pytest.approx(truth.host_p2p_s, rel=0.1)
+    kept = cal.calibrate(_fake_bench(truth), "cpu-testbed", host=False)
+    assert kept.host_p2p_s == preset("cpu-testbed").host_p2p_s
     rows = cal.compare(_fake_bench(truth, seq=4096), hw)  # a separate "run", another size
     assert max(abs(r["error"]) for r in rows) < 0.05
     assert "within 15 %" in cal.markdown(rows, hw)
@@ -38,3 +45,24 @@ def test_calibration_recovers_flops_and_bandwidth():
 def test_calibration_needs_forward_op_results():
     with pytest.raises(ValueError, match="forward op results"):
         cal.calibrate([{"workload": "mlp", "pass": "forward"}])
+
+
+def test_auto_check_against_measured_medians():
+    truth = replace(preset("cpu-testbed"), gemm_flops=90e9, link_bandwidth=2e9 / 8)
+    rows = cal.auto_check(_fake_bench(truth), truth)
+    assert [r["op"] for r in rows] == ["ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul"]
+    for r in rows:  # "measured" = the model itself: auto is off only by its per-step overhead
+        assert r["among_ratio"] <= 1.05 and r["among_measured"] in cal.VARIANTS
+        assert r["ratio"] is None or r["ratio"] == pytest.approx(r["among_ratio"])
+    assert "within 5 %" in cal.auto_markdown(rows)
+
+
+def test_calibrate_cli_auto_check(tmp_path, capsys):
+    from commfuse.sim.cli import main_simulate
+
+    truth = replace(preset("cpu-testbed"), gemm_flops=90e9, link_bandwidth=2e9 / 8)
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"results": _fake_bench(truth)}))
+    assert main_simulate(["--calibrate", str(path), "--auto-check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "host" in out and "evaluated against the measured medians of a prior run" in out

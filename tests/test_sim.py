@@ -162,3 +162,60 @@ def test_collectives_run_one_at_a_time():
     sliced = sim.simulate_op("matmul_rs", "sliced", 4, (8192, 2048, 2048), 2, slow, chunks=4)
     assert sliced.total_s >= none.exposed_comm_s
     assert sliced.total_s < none.total_s
+
+
+SYM_HW = HW.with_(interference=0.2, duplex_efficiency=0.7, collective_efficiency=0.8,
+                  host_collective_s=20e-6, host_p2p_s=10e-6)
+
+
+@pytest.mark.parametrize("method,opts", [("none", {}), ("sliced", {"chunks": 3}),
+                                         ("decompose", {}), ("commfuse", {"splits": 2}),
+                                         ("commfuse", {"topology": "direct"})])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("w", (2, 3, 5))
+def test_symmetric_run_equals_the_full_run(op, method, opts, w):
+    """Rank 0 alone, by rotation symmetry, times every rank exactly as the full run does."""
+    shape = (w * 768, 512, 1024)
+    full = sim.simulate_op(op, method, w, shape, 2, SYM_HW, timeline=False, **opts)
+    sym = sim.simulate_op(op, method, w, shape, 2, SYM_HW, symmetric=True, **opts)
+    assert sym.total_s == pytest.approx(full.total_s, rel=1e-12)
+    assert sym.compute_s == pytest.approx(full.compute_s, rel=1e-12)
+    assert sym.rank_s == pytest.approx(full.rank_s, rel=1e-12)
+    assert {s.rank for s in sym.timeline} == {0}
+
+
+def test_symmetric_needs_identical_ranks():
+    with pytest.raises(ValueError, match="stragglers"):
+        sim.simulate_op("ag_matmul", "commfuse", 4, (4096, 512, 512), 2,
+                        HW.with_(link_straggler={1: 2.0}), symmetric=True)
+
+
+def test_host_costs_are_work_before_each_launch():
+    w, shape, host = 4, (8192, 2048, 4096), 1e-3
+    base = sim.simulate_op("matmul_rs", "none", w, shape, 2, HW)
+    none = sim.simulate_op("matmul_rs", "none", w, shape, 2, HW.with_(host_collective_s=host))
+    assert none.total_s == pytest.approx(base.total_s + host, rel=1e-12)  # one launch, exposed
+    assert none.compute_s == base.compute_s  # host time is not compute alone
+    assert any(s.kind == "host" for s in none.timeline)
+    p2p = {h: sim.simulate_op("ag_matmul", "decompose", w, shape, 2, HW.with_(host_p2p_s=h))
+           for h in (0.0, host)}
+    assert p2p[host].total_s == pytest.approx(p2p[0.0].total_s + (w - 1) * host, rel=1e-9)
+    with pytest.raises(ValueError):
+        HW.with_(host_p2p_s=-1)
+
+
+def test_links_of_another_hardware():
+    inter = sim.preset("multinode-100g")
+    mixed = HW.with_links_of(inter)
+    assert mixed.gemm_flops == HW.gemm_flops and mixed.link_bandwidth == inter.link_bandwidth
+    assert mixed.link_latency == inter.link_latency
+
+
+def test_simulate_cli_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from commfuse.sim.cli import main_simulate
+
+    png = tmp_path / "t.png"
+    assert main_simulate(["--op", "ag_matmul", "--world", "2", "--shape", "2048,512,512",
+                          "--png", str(png)]) == 0
+    assert png.stat().st_size > 1000 and "wrote" in capsys.readouterr().out

@@ -7,6 +7,10 @@ hardware model (`Hardware`, presets in `PRESETS`) by a discrete-event engine.
 
 ``compute_s`` is the same schedules with free transfers and collectives, so
 ``exposed_comm_s = total_s - compute_s`` is what DESIGN.md calls exposed communication.
+
+A whole training step of a Llama-style model under TP / Ulysses / ZeRO-3 DP:
+`simulate_step` (`commfuse.sim.step`); every layout of a model on N devices, ranked:
+`commfuse.sim.plan` (``commfuse plan``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,20 @@ from commfuse.sim.hardware import PRESETS, Hardware, preset
 from commfuse.sim.trace import write_trace
 
 __all__ = ["Hardware", "PRESETS", "preset", "OpSpec", "Span", "SimResult", "op_costs",
-           "simulate_op", "simulate_ops", "simulate_layer", "paper_table1", "write_trace"]
+           "simulate_op", "simulate_ops", "simulate_layer", "paper_table1", "write_trace",
+           "simulate_step", "StepResult", "OpTimer", "MODELS"]
+
+
+def __getattr__(name):  # the whole-model step (commfuse.sim.step), imported on first use
+    if name in ("simulate_step", "StepResult", "OpTimer"):
+        from commfuse.sim import step
+
+        return getattr(step, name)
+    if name == "MODELS":
+        from commfuse.sim.model_ops import MODELS
+
+        return MODELS
+    raise AttributeError(f"module 'commfuse.sim' has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -41,9 +58,12 @@ def _hw(hw) -> Hardware:
 
 
 def simulate_ops(specs, world_size: int, dtype_bytes: float, hw, *,
-                 timeline: bool = True) -> SimResult:
+                 timeline: bool = True, symmetric: bool = False) -> SimResult:
     """Run the `OpSpec`s one after the other on every rank (each rank starts op i+1 as soon as
-    its own part of op i is done) and time them on ``hw`` (a `Hardware` or a preset name)."""
+    its own part of op i is done) and time them on ``hw`` (a `Hardware` or a preset name).
+
+    ``symmetric=True`` simulates rank 0 only and gives every rank its times (exact without
+    stragglers, see `commfuse.sim.engine`; the timeline then holds rank 0's spans only)."""
     hw, specs = _hw(hw), list(specs)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -52,18 +72,23 @@ def simulate_ops(specs, world_size: int, dtype_bytes: float, hw, *,
     for s in specs:
         if len(s.shape) != 3 or min(s.shape) <= 0:
             raise ValueError(f"shape must be (M, K, N) > 0, got {s.shape!r}")
-    finish, spans = Engine(hw, world_size, specs, dtype_bytes, True, timeline).run()
-    alone, _ = Engine(hw, world_size, specs, dtype_bytes, False, False).run()
-    total, compute = max(finish), max(alone)
+    engine = Engine(hw, world_size, specs, dtype_bytes, True, timeline, symmetric)
+    finish, spans = engine.run()
+    if symmetric:  # every rank computes at once: compute alone is rank 0's work, end to end
+        compute, finish = engine.work_s(), finish * world_size
+    else:
+        compute = max(Engine(hw, world_size, specs, dtype_bytes, False, False).run()[0])
+    total = max(finish)
     return SimResult(total, compute, total - compute, tuple(finish), tuple(spans))
 
 
 def simulate_op(op: str, method: str, world_size: int, shape, dtype_bytes: float = 2,
                 hw="h100-nvlink", *, topology: str = "ring", chunks: int = 4, splits: int = 1,
-                timeline: bool = True) -> SimResult:
+                timeline: bool = True, symmetric: bool = False) -> SimResult:
     """Time one op (``shape`` = (M, K, N), conventions in `op_costs`) under ``method``."""
     spec = OpSpec(op, method, tuple(shape), topology, chunks, splits)
-    return simulate_ops([spec], world_size, dtype_bytes, hw, timeline=timeline)
+    return simulate_ops([spec], world_size, dtype_bytes, hw, timeline=timeline,
+                        symmetric=symmetric)
 
 
 def mlp_specs(method: str, world_size: int, tokens: int, d_model: int, hidden: int | None = None,

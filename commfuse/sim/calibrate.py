@@ -4,9 +4,12 @@
 scales a base preset's ``gemm_flops`` so the simulated compute of method ``none`` matches the
 measured compute alone, and its ``link_bandwidth`` so the simulated collective of ``none``
 matches the measured communication alone (a few fixed-point rounds: time is close to
-inversely proportional to both). Everything else (efficiency curve, interference, duplex)
-stays the preset's. ``compare`` then predicts every method of every result on the fitted
-model: the "predicted vs measured" table of the simulator issue.
+inversely proportional to both). Then the host costs: ``host_collective_s`` so that the
+predicted medians of ``sliced`` (4 collectives per op) sum to the measured ones, and
+``host_p2p_s`` likewise for the P2P methods (decompose, commfuse and its variants), each by
+bisection, the whole alternated a few times. Everything else (efficiency curve, interference,
+duplex) stays the preset's. ``compare`` then predicts every method of every result on the
+fitted model: the "predicted vs measured" table of the simulator issue.
 
     commfuse simulate --calibrate docs/benchmarks/2026-11-29-duplex/op-forward/op-2r.json
 """
@@ -47,11 +50,49 @@ def _ops(results: list[dict]) -> list[dict]:
     return ops
 
 
-def calibrate(results: list[dict], base: str | Hardware = "cpu-testbed",
-              rounds: int = 4) -> Hardware:
-    """The base hardware with gemm_flops and link_bandwidth fitted to ``results``."""
+def calibrate(results: list[dict], base: str | Hardware = "cpu-testbed", rounds: int = 4,
+              host: bool = True) -> Hardware:
+    """The base hardware with gemm_flops, link_bandwidth and (``host``) the host costs fitted
+    to ``results``; ``host=False`` keeps the base's host costs."""
     hw = preset(base) if isinstance(base, str) else base
     ops = _ops(results)
+    for _ in range(3 if host else 1):
+        hw = _fit_rates(hw, ops, rounds)
+        if host:
+            hw = _fit_host(hw, ops, "host_collective_s", COLLECTIVE_LABELS)
+            hw = _fit_host(hw, ops, "host_p2p_s", P2P_LABELS)
+    return hw
+
+
+COLLECTIVE_LABELS = ("sliced",)  # the bench variants that fit each host cost
+P2P_LABELS = ("decompose", "commfuse", "commfuse-m4", "commfuse-direct")
+
+
+def _fit_host(hw: Hardware, ops: list[dict], field: str, labels, iters: int = 24) -> Hardware:
+    """``hw`` with ``field`` >= 0 set so that the predicted medians of ``labels`` sum to the
+    measured ones (0 if the model is already slower; predicted time grows with it)."""
+    pairs = [(r, m) for r in ops for m in r["methods"] if m["method"] in labels]
+    if not pairs:
+        return hw
+    measured = sum(m["median_ms"] for _, m in pairs) / 1e3
+
+    def excess(v: float) -> float:
+        h = replace(hw, **{field: v})
+        return sum(_simulate(r, m["method"], h).total_s for r, m in pairs) - measured
+
+    lo, hi = 0.0, 1e-3
+    if excess(lo) >= 0:
+        return replace(hw, **{field: 0.0})
+    while excess(hi) < 0 and hi < 10.0:
+        lo, hi = hi, 2 * hi
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if excess(mid) < 0 else (lo, mid)
+    return replace(hw, **{field: (lo + hi) / 2})
+
+
+def _fit_rates(hw: Hardware, ops: list[dict], rounds: int) -> Hardware:
+    """gemm_flops and link_bandwidth so that ``none`` matches compute and communication alone."""
     for _ in range(rounds):
         comp, comp_sim, comm, comm_sim = 0.0, 0.0, 0.0, 0.0
         for r in ops:
@@ -78,10 +119,64 @@ def compare(results: list[dict], hw: Hardware) -> list[dict]:
 
 def markdown(rows: list[dict], hw: Hardware) -> str:
     out = [f"Fitted: gemm_flops {hw.gemm_flops / 1e9:.1f} GFLOP/s, link {hw.link_bandwidth * 8 / 1e9:.3f}"
-           f" Gbit/s each way; the rest from the base preset.\n",
+           f" Gbit/s each way, host {hw.host_collective_s * 1e3:.2f} ms per collective and "
+           f"{hw.host_p2p_s * 1e3:.2f} ms per P2P post; the rest from the base preset.\n",
            "| op | method | measured ms | predicted ms | error |", "|---|---|---:|---:|---:|"]
     out += [f"| {r['op']} | {r['method']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
             f"{100 * r['error']:+.0f} % |" for r in rows]
     within = sum(abs(r["error"]) <= 0.15 for r in rows)
     out.append(f"\n{within} of {len(rows)} predictions within 15 % of the measured median.")
+    return "\n".join(out)
+
+
+def _canon(method: str, opts: dict) -> tuple:
+    """(method, options) with default options dropped, to match auto's candidates to labels."""
+    return method, tuple(sorted((k, v) for k, v in opts.items()
+                                if (k, v) not in (("topology", "ring"), ("splits", 1))))
+
+
+def auto_check(results: list[dict], hw: Hardware) -> list[dict]:
+    """What ``method="auto"`` would choose on ``hw`` for every op result, evaluated against the
+    measured medians of that (prior) run: its choice among all of auto's candidates (None
+    where that candidate was not measured), and its choice among the measured ones only."""
+    from commfuse import auto
+
+    label_of = {_canon(*v): k for k, v in VARIANTS.items()}
+    measured_only = [c for c in auto.CANDIDATES if _canon(*c) in label_of]
+    rows = []
+    for r in _ops(results):
+        med = {m["method"]: m["median_ms"] for m in r["methods"] if m["method"] in VARIANTS}
+        best = min(med, key=med.get)
+        args = (r["workload"], op_shape(r), r["world"], DTYPE_BYTES[r["dtype"]], hw,
+                auto.STEP_OVERHEAD_S["cpu"])
+        full = auto.fastest(*args)[:2]
+        choice = label_of.get(_canon(*full))
+        among = label_of[_canon(*auto.fastest(*args, candidates=measured_only)[:2])]
+        rows.append({"op": r["workload"], "seq": r["seq"], "choice": choice,
+                     "choice_name": choice or _name(*full), "best": best, "best_ms": med[best],
+                     "ratio": med[choice] / med[best] if choice else None,
+                     "among_measured": among, "among_ratio": med[among] / med[best]})
+    return rows
+
+
+def _name(method: str, opts: dict) -> str:
+    return " ".join([method] + [f"{k}={v}" for k, v in _canon(method, opts)[1]])
+
+
+def auto_markdown(rows: list[dict]) -> str:
+    """The table of `auto_check`."""
+    out = ["| op | seq | auto's choice | / best | among measured | / best | best measured | ms |",
+           "|---|---:|---|---:|---|---:|---|---:|"]
+    for r in rows:
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "not measured"
+        out.append(f"| {r['op']} | {r['seq']} | {r['choice_name']} | {ratio} | "
+                   f"{r['among_measured']} | {r['among_ratio']:.3f} | {r['best']} | "
+                   f"{r['best_ms']:.1f} |")
+    ev = [r["ratio"] for r in rows if r["ratio"] is not None]
+    am = [r["among_ratio"] for r in rows]
+    out.append(f"\nauto's choice within 5 % of the best measured fixed method in "
+               f"{sum(x <= 1.05 for x in ev)} of {len(ev)} measured cases (worst "
+               f"{max(ev, default=float('nan')):.3f}; {len(rows) - len(ev)} not measured); "
+               f"among the measured candidates only: {sum(x <= 1.05 for x in am)} of {len(am)} "
+               f"(worst {max(am):.3f}).")
     return "\n".join(out)

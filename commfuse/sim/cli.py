@@ -2,6 +2,9 @@
 
     commfuse simulate --op matmul_rs --world 8 --shape 65536,4096,4096 --hw h100-nvlink
     commfuse simulate --table1
+    commfuse simulate --calibrate FIT.json [--against OTHER.json] [--auto-check SWEEP.json]
+
+Whole-model steps and layouts: `commfuse plan` (`commfuse.sim.plan_cli`).
 """
 
 from __future__ import annotations
@@ -9,7 +12,6 @@ from __future__ import annotations
 import argparse
 
 from commfuse import sim
-
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=4, help="sliced: chunk count")
     p.add_argument("--trace", default=None,
                    help="write each method's timeline to TRACE.<method>.json (Chrome trace)")
+    p.add_argument("--png", default=None,
+                   help="write every method's timeline as one PNG Gantt chart (first 8 ranks; "
+                        "needs matplotlib)")
     p.add_argument("--table1", action="store_true",
                    help="print the paper's Table 1 comparison instead")
     p.add_argument("--calibrate", metavar="BENCH_JSON",
@@ -39,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--against", metavar="BENCH_JSON",
                    help="with --calibrate: compare with this separate run instead of the one "
                         "calibrated on")
+    p.add_argument("--auto-check", metavar="BENCH_JSON", action="append", default=[],
+                   help="with --calibrate: the method that method=\"auto\" would choose on the "
+                        "fitted model for every op and shape of this (prior) run, evaluated "
+                        "against that run's measured medians: ratio to the best fixed method "
+                        "(repeatable)")
     return p
 
 
@@ -57,6 +67,11 @@ def main_simulate(argv=None) -> int:
             with open(a.against) as f:
                 results = json.load(f)["results"]
         print(cal.markdown(cal.compare(results, hw), hw))
+        for path in a.auto_check:
+            with open(path) as f:
+                print(f"\n{path}: auto's choice evaluated against the measured medians of a "
+                      f"prior run\n")
+                print(cal.auto_markdown(cal.auto_check(json.load(f)["results"], hw)))
         return 0
     if a.table1:
         r = sim.paper_table1(chunks=a.chunks)
@@ -77,11 +92,11 @@ def main_simulate(argv=None) -> int:
         opts = dict(opts, chunks=a.chunks)
         if a.op == "mlp":
             r = sim.simulate_layer(method, a.world, a.tokens, a.d_model, a.dtype_bytes, a.hw,
-                                   layers=a.layers, timeline=bool(a.trace), **opts)
+                                   layers=a.layers, timeline=bool(a.trace or a.png), **opts)
         else:
             shape = tuple(int(x) for x in a.shape.split(","))
             r = sim.simulate_op(a.op, method, a.world, shape, a.dtype_bytes, a.hw,
-                                timeline=bool(a.trace), **opts)
+                                timeline=bool(a.trace or a.png), **opts)
         if a.trace:
             r.write_trace(f"{a.trace}.{name}.json")
         rows.append((name, r))
@@ -91,4 +106,10 @@ def main_simulate(argv=None) -> int:
     for name, r in rows:
         print(f"{name:<17}{r.total_s * 1e3:>10.3f}{r.compute_s * 1e3:>12.3f}"
               f"{r.exposed_comm_s * 1e3:>12.3f}{r.total_s / base:>9.2f}")
+    if a.png:
+        from commfuse.sim.gantt import write_gantt
+
+        write_gantt([(f"{name}: {r.total_s * 1e3:.3f} ms", r.timeline) for name, r in rows],
+                    a.png, f"{a.op} W={a.world} on {a.hw}: predicted timelines")
+        print(f"wrote {a.png}")
     return 0

@@ -46,6 +46,13 @@ class Hardware:
     collective_efficiency: float = 1.0
     """Fraction of the ring model's speed that the backend's collectives reach (0..1]; a
     collective of b bytes over W ranks takes (W-1) * (latency + b / (W * bw)) / efficiency."""
+    host_collective_s: float = 0.0
+    """Host time to launch one collective (s): work on the rank's own timeline before the
+    collective starts, nothing else running on it meanwhile. On the CPU testbed the host is
+    the core that computes (Python, gloo's batch of transfers); 0 where launches are
+    asynchronous and cheap next to the kernels (the GPU presets)."""
+    host_p2p_s: float = 0.0
+    """Host time to post one batch of P2P transfers (a schedule's ``Post``), likewise."""
     compute_straggler: dict = field(default_factory=dict)
     """rank -> factor >= 1: that rank's compute (GEMMs, adds) takes factor times longer."""
     link_straggler: dict = field(default_factory=dict)
@@ -55,7 +62,8 @@ class Hardware:
         for name in ("gemm_flops", "link_bandwidth", "mem_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("link_latency", "m0", "n0", "k0", "interference"):
+        for name in ("link_latency", "m0", "n0", "k0", "interference", "host_collective_s",
+                     "host_p2p_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("gemm_max_efficiency", "duplex_efficiency", "collective_efficiency"):
@@ -100,6 +108,14 @@ class Hardware:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 
+    def with_links_of(self, other: "Hardware") -> "Hardware":
+        """This rank's compute and host with ``other``'s links (a group that spans nodes)."""
+        return replace(self, **{k: getattr(other, k) for k in LINK_FIELDS})
+
+
+LINK_FIELDS = ("link_bandwidth", "link_latency", "duplex_efficiency", "collective_efficiency",
+               "link_straggler")
+
 
 # Efficiency shape shared by the accelerator presets: large bf16 GEMMs reach about 70 % of the
 # datasheet's dense peak (typical of cuBLAS/CANN on big shapes), slices under ~128 rows lose it.
@@ -143,13 +159,16 @@ PRESETS: dict[str, Hardware] = {
     # ~240 ms for 34.4 GFLOP). Link: tbf at 1 Gbit/s; gloo reaches 0.91 Gbit/s one way and
     # 0.45-0.9 Gbit/s each way when both directions run at once (duplex and collective
     # efficiency ~0.75). Transfers cost CPU on the rank's own core (interference, rough).
-    # gemm_flops and link_bandwidth are then the fit of `commfuse simulate --calibrate` to
-    # docs/benchmarks/2026-11-29-duplex/op-forward (150.1 GFLOP/s; 1.144 Gbit/s, which with
-    # duplex efficiency 0.75 is 0.86 Gbit/s each way): see docs/sim-vs-measured.md.
-    "cpu-testbed": Hardware(gemm_flops=150.1e9, link_bandwidth=1.144e9 / 8, link_latency=50e-6,
+    # gemm_flops, link_bandwidth and the host costs are then the fit of `commfuse simulate
+    # --calibrate` to docs/benchmarks/2026-11-29-duplex/op-forward (150.1 GFLOP/s; 1.238
+    # Gbit/s, which with duplex efficiency 0.75 is 0.93 Gbit/s each way; 3.0 ms of host time
+    # per collective launch, 2.9 ms per P2P post: fits, which also absorb the CPU that a
+    # launch's transfers take from the GEMM): see docs/sim-vs-measured.md.
+    "cpu-testbed": Hardware(gemm_flops=150.1e9, link_bandwidth=1.238e9 / 8, link_latency=50e-6,
                             mem_bandwidth=5e9, gemm_max_efficiency=1.0, m0=8.0, n0=8.0,
                             k0=32.0, interference=0.3, duplex_efficiency=0.75,
-                            collective_efficiency=0.75),
+                            collective_efficiency=0.75, host_collective_s=3.0e-3,
+                            host_p2p_s=2.9e-3),
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-_ORDER = ("compute", "reduce", "wait", "send", "recv", "collective")
+_ORDER = ("compute", "reduce", "host", "wait", "send", "recv", "collective")
 
 
 def trace_events(spans) -> list[dict]:

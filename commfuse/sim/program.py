@@ -1,0 +1,83 @@
+"""Per-rank programs for the engine: each rank's schedules (`commfuse.schedule.build`) turned
+into timed instructions, with the costs of `op_costs` on a `Hardware`.
+
+Instructions: ``("work", seconds, kind, label)`` runs on the rank (a GEMM, an add, host
+time); ``("post", ((flow key, is_send, bytes), ...))`` registers transfers; ``("wait", flow
+key)``; ``("coll", key)`` / ``("wcoll", key)`` launch / wait for a collective, whose
+(duration, label) is in the returned table. A flow key is (job, src, dst, tag); under
+symmetry (see `commfuse.sim.engine`) it is (job, 0, 0, tag): rank 0's send and receive of a
+tag are one transfer seen from both ends.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from commfuse import schedule as S
+from commfuse.sim.costs import op_costs
+from commfuse.sim.hardware import Hardware
+
+
+def compile_programs(hw: Hardware, world: int, specs, dtype_bytes: float, comm: bool = True,
+                     symmetric: bool = False) -> tuple[list[list], dict]:
+    """(programs of the simulated ranks, collective table) for the `OpSpec`s run back to back
+    on ``world`` ranks; ``comm=False``: free transfers, collectives and host costs (compute
+    alone); ``symmetric``: rank 0's program only (ValueError if ``hw`` has stragglers)."""
+    if symmetric and (hw.compute_straggler or hw.link_straggler):
+        raise ValueError("symmetric=True needs identical ranks: this hardware has stragglers")
+    ranks = 1 if symmetric else world
+    progs: list[list] = [[] for _ in range(ranks)]
+    coll_time: dict = {}
+    for job, spec in enumerate(specs):
+        for r in range(ranks):
+            sched = schedule(spec.op, spec.method, world, r, spec.topology, spec.chunks,
+                             spec.splits)
+            _compile(progs[r], coll_time, hw, world, job, spec, sched, dtype_bytes, comm,
+                     symmetric)
+    return progs, coll_time
+
+
+@lru_cache(maxsize=256)
+def schedule(op: str, method: str, world: int, rank: int, topology: str = "ring",
+             chunks: int = 4, splits: int = 1) -> S.Schedule:
+    """`commfuse.schedule.build`, memoized (schedules are immutable; a 1024-rank one is
+    thousands of steps, and repeated ops and candidates ask for the same ones)."""
+    return S.build(op, method, world, rank, topology=topology, chunks=chunks, splits=splits)
+
+
+def _compile(prog, coll_time, hw, world, job, spec, sched, d, comm, symmetric) -> None:
+    r = sched.rank
+    c = op_costs(spec, world, sched.chunks, d)
+    gemm = hw.gemm_time(*c.gemm, rank=r)
+    add = hw.add_time(c.reduce_bytes, rank=r)
+    xb = c.transfer_bytes if comm else 0.0
+    host_c, host_p = (hw.host_collective_s, hw.host_p2p_s) if comm else (0.0, 0.0)
+
+    def key(t: S.Transfer) -> tuple:
+        if symmetric:
+            return (job, 0, 0, t.tag)
+        return (job, r, t.peer, t.tag) if t.kind == "send" else (job, t.peer, r, t.tag)
+
+    for st in sched.steps:
+        if isinstance(st, S.Compute):
+            prog.append(("work", gemm, "compute", f"{job}:{spec.op} slot {st.slot}"))
+        elif isinstance(st, S.Reduce):
+            prog.append(("work", add * (len(st.peers) - 1), "reduce",
+                         f"{job}:{spec.op} add slot {st.slot}"))
+        elif isinstance(st, S.Post):
+            if host_p:
+                prog.append(("work", host_p, "host", f"{job}:{spec.op} post"))
+            prog.append(("post", tuple((key(t), t.kind == "send", xb) for t in st.transfers)))
+        elif isinstance(st, S.Wait):
+            prog.append(("wait", key(st.transfer)))
+        elif isinstance(st, S.Collective):
+            if host_c:
+                prog.append(("work", host_c, "host", f"{job}:{spec.op} launch {st.slot}"))
+            k = (job, st.slot)
+            if k not in coll_time:
+                coll_time[k] = (hw.collective_time(c.collective, c.collective_bytes, world)
+                                if comm else 0.0,
+                                f"{job}:{spec.op} {c.collective} chunk {st.slot}")
+            prog.append(("coll", k))
+        else:
+            prog.append(("wcoll", (job, st.slot)))
