@@ -65,6 +65,16 @@ def _simulate_parser(sub) -> None:
     p.set_defaults(run=lambda a: __import__("commfuse.sim.cli", fromlist=["x"]).main_simulate(a.args))
 
 
+def _plan_parser(sub) -> None:
+    p = sub.add_parser("plan", add_help=False, prefix_chars="\0",
+                       help="rank every TP/UP/DP layout and method of a model by predicted step "
+                            "time (commfuse.sim)",
+                       description="See commfuse plan --help.")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(run=lambda a: __import__("commfuse.sim.plan_cli",
+                                            fromlist=["x"]).main_plan(a.args))
+
+
 def _launch_parser(sub) -> None:
     from commfuse import cluster
 
@@ -89,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     _bench_parser(sub)
     _simulate_parser(sub)
+    _plan_parser(sub)
     _launch_parser(sub)
     return parser
 

@@ -1,0 +1,186 @@
+"""One training step of a whole model, timed: `simulate_step`.
+
+    from commfuse import sim
+    from commfuse.parallel.config import ParallelDims
+    r = sim.simulate_step("70b", ParallelDims(tp=8, dp=128, method="commfuse"), "h100-nvlink",
+                          seq=4096, batch=1024, inter_hw="multinode-400g")
+    r.step_s, r.mfu, r.exposed_comm_s, r.breakdown
+
+The step's ops (`commfuse.sim.model_ops`) are timed one by one and summed along the step.
+The approximation, stated: each fused op is simulated alone on its own group (tp, up or dp
+ranks) as if nothing else ran, and ops follow each other with no overlap between them (the
+engine would let a rank start op i+1 while its peers finish op i: a little more overlap than
+here). Ops on different groups do not share links or compute here, which is exact as long as
+they run one after the other, as they do in the plans. A group within one node
+(``node_size`` consecutive ranks; TP/UP ranks are neighbours, DP strides over them, as
+`ParallelDims.build_mesh` lays them out) uses ``hw``; one that spans nodes uses ``hw`` with
+``inter_hw``'s links. Plain collectives take the ring model's time (`Hardware.collective_time`,
+all-reduce = reduce-scatter + all-gather), local GEMMs `Hardware.gemm_time`.
+
+Scale: layers are identical, so each distinct (op, shape, method, group size, hardware) is
+simulated once (`OpTimer` memoizes across layers, micro-batches and plans), and without
+stragglers the engine runs rank 0 only (``symmetric``, exact by rotation symmetry): an 80-layer
+step on 1024 ranks costs a few dozen single-rank simulations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from commfuse.sim.costs import OpSpec
+from commfuse.sim.engine import Span
+from commfuse.sim.hardware import Hardware, preset
+from commfuse.sim.model_ops import (FUSED, StepOp, block_ops, grad_sync_ops, head_ops,
+                                    model_config)
+
+
+def _hw(hw) -> Hardware:
+    return preset(hw) if isinstance(hw, str) else hw
+
+
+class OpTimer:
+    """Times `StepOp`s (seconds: total, compute alone), each distinct one once.
+
+    A fused op runs the given method; method "auto" takes the fastest of `commfuse.auto`'s
+    candidates for that shape (``auto_step_s`` per schedule step added, as `auto` does)."""
+
+    def __init__(self, dtype_bytes: float = 2, auto_step_s: float = 10e-6):
+        self.dtype_bytes, self.auto_step_s = dtype_bytes, auto_step_s
+        self.cache: dict = {}
+        self.simulations = 0  # distinct fused-op simulations run
+
+    def time(self, op: StepOp, method: str, opts: dict, world: int, hw: Hardware):
+        """(total s, compute-alone s, label) of one ``op`` on a group of ``world`` ranks."""
+        if op.kind == "gemm":
+            t = hw.gemm_time(*op.shape)
+            return t, t, ""
+        key = (op.kind, op.shape, method, tuple(sorted(opts.items())), world, repr(hw))
+        if key not in self.cache:
+            self.cache[key] = self._time(op, method, opts, world, hw)
+        return self.cache[key]
+
+    def _time(self, op, method, opts, world, hw):
+        if op.kind not in FUSED:  # a plain collective on `world` ranks
+            kind = "reduce_scatter" if op.kind == "all_reduce" else op.kind
+            t = hw.collective_time(kind, op.shape[0], world) * (2 if op.kind == "all_reduce"
+                                                                 else 1)
+            return t, 0.0, op.kind
+        if world == 1:
+            t = hw.gemm_time(*op.shape)
+            return t, t, "local"
+        from commfuse.sim import simulate_ops
+
+        if method == "auto":
+            from commfuse import auto
+
+            method, opts, _ = auto.fastest(op.kind, op.shape, world, self.dtype_bytes, hw,
+                                           self.auto_step_s)
+        sym = not (hw.compute_straggler or hw.link_straggler)
+        spec = OpSpec(op.kind, method, op.shape, **_spec_opts(opts))
+        r = simulate_ops([spec], world, self.dtype_bytes, hw, timeline=False, symmetric=sym)
+        self.simulations += 1
+        return r.total_s, r.compute_s, " ".join([method] + [f"{k}={v}" for k, v in opts.items()])
+
+
+def _spec_opts(opts: dict) -> dict:
+    return {k: v for k, v in opts.items() if k in ("topology", "chunks", "splits")}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Predicted times (seconds) of one training step, and where they go."""
+
+    step_s: float  # the whole step: micro_batches x (forward + backward) + gradient sync
+    compute_s: float  # the same with free communication (fused ops' compute alone, GEMMs)
+    exposed_comm_s: float  # step_s - compute_s
+    micro_batches: int  # forward+backward passes per step on each DP replica
+    tokens: int  # tokens per step (global batch x sequence)
+    mfu: float  # model FLOPs utilisation (see `simulate_step`)
+    breakdown: dict  # axis -> seconds per step: "tp", "up", "dp", "world", "local"
+    rows: tuple  # (StepOp, times per step, total s, compute s, label) of each distinct op
+    timeline: tuple  # Spans of one micro-batch and the gradient sync (timeline=True)
+    simulations: int  # fused-op simulations this call ran (the rest came from the memo)
+
+    def write_trace(self, path: str) -> None:
+        from commfuse.sim.trace import write_trace
+
+        write_trace(self.timeline, path)
+
+
+def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | None = None,
+                  micro_batch: int = 1, dtype_bytes: float = 2, backward: bool = True,
+                  inter_hw=None, node_size: int = 8, timeline: bool = False,
+                  timer: OpTimer | None = None) -> StepResult:
+    """Time one training step of ``model`` (a `LlamaConfig` or a name in `MODELS`) under
+    ``parallel`` (a `commfuse.parallel.config.ParallelDims`: tp, up, dp, method and its options;
+    method "auto" allowed) on ``hw`` (a `Hardware` or a preset name).
+
+    ``batch`` global sequences of ``seq`` tokens per step (default dp * micro_batch), in
+    micro-batches of ``micro_batch`` sequences per DP replica. ``inter_hw``: the links of groups
+    that span nodes of ``node_size`` ranks (None: ``hw``'s everywhere). ``backward=False``:
+    forward only. MFU = flops_per_token * tokens / step_s / (ranks * hw.gemm_flops), with
+    `commfuse.models.llama.flops_per_token` (6N + 12*L*H*Q*T, PaLM appendix B, as
+    ``commfuse train`` reports it), the preset's dense peak in the denominator.
+    """
+    from commfuse.models.llama import flops_per_token
+
+    cfg, hw = model_config(model), _hw(hw)
+    tp, up, dp = parallel.tp, parallel.up, parallel.dp
+    if parallel.query_split:
+        raise ValueError("query-split attention is not modelled by simulate_step")
+    batch = dp * micro_batch if batch is None else batch
+    parallel.check_model(cfg, seq, batch)
+    if micro_batch < 1 or batch % (dp * micro_batch):
+        raise ValueError(f"global batch {batch} is not a whole number of micro-batches of "
+                         f"{micro_batch} sequences on each of dp={dp} replicas")
+    timer = timer or OpTimer(dtype_bytes)
+    before = timer.simulations
+    inner, world = tp * up, tp * up * dp
+    inter = _hw(inter_hw) if inter_hw is not None else hw
+    group = {"local": (1, hw), "tp": (tp, hw), "up": (up, hw), "dp": (dp, hw),
+             "world": (world, hw)}
+    for axis, span in (("tp", inner), ("up", inner), ("dp", inner * dp), ("world", world)):
+        if span > node_size:
+            group[axis] = (group[axis][0], hw.with_links_of(inter))
+    fwd, bwd = block_ops(cfg, tp, up, dp, seq, micro_batch, backward, dtype_bytes)
+    hf, hb = head_ops(cfg, tp, up, dp, seq, micro_batch, backward)
+    per_mb = [(op, cfg.n_layers) for op in fwd + bwd] + [(op, 1) for op in hf + hb]
+    sync = grad_sync_ops(cfg, tp, up, dp, dtype_bytes) if backward else []
+    n_mb = batch // (dp * micro_batch)
+    times, breakdown = {}, {}
+    total = compute = 0.0
+    for op, reps in per_mb + [(op, 1 / n_mb) for op in sync]:
+        w, h = group[op.axis]
+        if op not in times:
+            times[op] = timer.time(op, parallel.method, parallel.method_opts, w, h)
+        t, c, _ = times[op]
+        k = reps * n_mb * op.count
+        total, compute = total + k * t, compute + k * c
+        breakdown[op.axis] = breakdown.get(op.axis, 0.0) + k * t
+    rows = tuple((op, reps * n_mb * op.count, *times[op])
+                 for op, reps in per_mb + [(op, 1 / n_mb) for op in sync])
+    spans = _timeline(cfg, fwd, bwd, hf, hb, sync, times) if timeline else ()
+    mfu = flops_per_token(cfg, seq) * batch * seq / total / (world * hw.gemm_flops)
+    return StepResult(total, compute, total - compute, n_mb, batch * seq, mfu, breakdown,
+                      rows, spans, timer.simulations - before)
+
+
+def _timeline(cfg, fwd, bwd, hf, hb, sync, times) -> tuple:
+    """Rank 0's predicted micro-batch (every block forward, head, every block backward) and the
+    gradient sync: each op as a span on its group's lane, its exposed part on "exposed"."""
+    order = [(f"L{i} fwd ", op) for i in range(cfg.n_layers) for op in fwd]
+    order += [("head ", op) for op in hf + hb]
+    order += [(f"L{i} bwd ", op) for i in reversed(range(cfg.n_layers)) for op in bwd]
+    order += [("", op) for op in sync]
+    spans, t = [], 0.0
+    for prefix, op in order:
+        total, comp, label = times[op]
+        d = total * op.count
+        lane = "compute" if op.kind == "gemm" else (op.axis if op.kind in FUSED else "collective")
+        name = f"{prefix}{op.name} ({op.kind}{', ' + label if label and op.kind in FUSED else ''})"
+        spans.append(Span(0, lane, name, t, t + d))
+        if op.kind in FUSED and total > comp:
+            spans.append(Span(0, "exposed", f"{prefix}{op.name} exposed", t + comp * op.count,
+                              t + d))
+        t += d
+    return tuple(spans)
