@@ -39,10 +39,10 @@ class CudaTransport(Transport):
             buf.record_stream(self.comm)  # keep buffers alive until the transfer is done
         return works
 
-    def launch(self, kind, out, inp, tag) -> Any:
+    def launch(self, kind, out, inp, tag, **parts) -> Any:
         self.comm.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.comm):
-            work = super().launch(kind, out, inp, tag)
+            work = super().launch(kind, out, inp, tag, **parts)
         out.record_stream(self.comm)
         inp.record_stream(self.comm)
         return work

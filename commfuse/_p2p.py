@@ -19,7 +19,9 @@ connection carries one direction.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 
 import torch
@@ -62,9 +64,15 @@ class PendingSend:
         self.future = future
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        secs = None if timeout is None else timeout.total_seconds()
-        work = self.future.result(secs)  # raises TimeoutError if the post itself is stuck
-        return work.wait(timeout) if timeout is not None else work.wait()
+        if timeout is None:
+            return self.future.result().wait()
+        deadline = time.monotonic() + timeout.total_seconds()
+        try:  # the post itself blocks while the peer does not take the message
+            work = self.future.result(timeout.total_seconds())
+        except FutureTimeout:
+            raise TimeoutError(f"the peer did not take the message within "
+                               f"{timeout.total_seconds():g} s") from None
+        return work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
 
 
 def post(ops: list[dist.P2POp], device: torch.device) -> list:

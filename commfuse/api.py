@@ -21,11 +21,14 @@ from commfuse.ops.matmul_rs import MatmulReduceScatter
 
 def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], gather_dim: int,
                             group=None, *, return_A: bool = True, method: str = "commfuse",
+                            sizes: Sequence[int] | None = None,
                             **opts) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """``A = all_gather(A_shard, gather_dim)``; returns ``(A or None, [A @ B for B in Bs])``.
 
     ``gather_dim`` is any dim of ``A_shard`` but the last; each rank passes its own ``Bs``
-    (its column shards of the weights), each ``[k, n_i]``.
+    (its column shards of the weights), each ``[k, n_i]``. ``sizes``: the rows every rank's
+    shard has along ``gather_dim`` (the same list on every rank) when they differ; default:
+    all equal to this rank's.
     """
     _common.check_tensor("A_shard", A_shard)
     if isinstance(Bs, torch.Tensor) or not isinstance(Bs, (list, tuple)) or not Bs:
@@ -35,20 +38,21 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     dim = _common.check_dim("gather_dim", gather_dim, "A_shard", A_shard)
     spec = _common.method_spec(method, opts)
     group = _common.resolve_group(group)
-    rows = A_shard.numel() // max(A_shard.shape[-1], 1)
-    spec = _common.resolve_auto(spec, "ag_matmul", (group.size() * rows, A_shard.shape[-1],
+    sizes = _common.check_sizes(sizes, group.size(), group.rank(), local=A_shard.shape[dim])
+    rows = sum(sizes) * _common.other_rows(A_shard, dim)  # the same on every rank (for auto)
+    spec = _common.resolve_auto(spec, "ag_matmul", (rows, A_shard.shape[-1],
                                                     sum(b.shape[1] for b in Bs)), group.size(), A_shard)
-    a, *ys = AllGatherMatmul.apply(A_shard, dim, group, spec, *Bs)
+    a, *ys = AllGatherMatmul.apply(A_shard, dim, sizes, group, spec, *Bs)
     return (a if return_A else None), ys
 
 
 def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str,
                                 scatter_dim: int, group=None, *, method: str = "commfuse",
-                                **opts) -> torch.Tensor:
+                                sizes: Sequence[int] | None = None, **opts) -> torch.Tensor:
     """``reduce_scatter(A @ B, scatter_dim)`` with ``reduce_op`` "sum" or "avg".
 
-    ``scatter_dim`` is any dim of ``A`` but the last; its size must be divisible by the group
-    size. Returns this rank's slice.
+    ``scatter_dim`` is any dim of ``A`` but the last. Returns this rank's slice: ``sizes[rank]``
+    rows, ``sizes`` defaulting to `commfuse.even_sizes` (10 rows over 4 ranks: 3, 3, 2, 2).
     """
     _common.check_tensor("A", A)
     _common.check_matmul("A", A, "B", B)
@@ -57,18 +61,21 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
     dim = _common.check_dim("scatter_dim", scatter_dim, "A", A)
     spec = _common.method_spec(method, opts)
     group = _common.resolve_group(group)
-    _common.check_divisible(f"A.shape[{dim}] (scatter_dim)", A.shape[dim], group.size())
+    sizes = _common.check_sizes(sizes, group.size(), group.rank(), total=A.shape[dim])
     spec = _common.resolve_auto(spec, "matmul_rs", (A.numel() // max(A.shape[-1], 1), *B.shape),
                                 group.size(), A)
-    return MatmulReduceScatter.apply(A, B, dim, reduce_op == "avg", group, spec)
+    return MatmulReduceScatter.apply(A, B, dim, reduce_op == "avg", sizes, group, spec)
 
 
 def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq_dim: int = 0,
-                            method: str = "commfuse", **opts) -> torch.Tensor:
+                            method: str = "commfuse", sizes: Sequence[int] | None = None,
+                            **opts) -> torch.Tensor:
     """Ulysses, before attention: ``all_to_all(A @ B)``.
 
     ``A`` is this rank's sequence slice (``seq_dim``), ``B`` is ``[k, n]`` with ``n`` divisible
     by the group size. Returns the full sequence of this rank's column block (head group).
+    ``sizes``: every rank's sequence slice length when they differ (default: all equal to
+    this rank's).
     """
     _common.check_tensor("A", A)
     _common.check_matmul("A", A, "B", B)
@@ -76,18 +83,20 @@ def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     spec = _common.method_spec(method, opts)
     group = _common.resolve_group(group)
     _common.check_divisible("B.shape[1] (columns to scatter)", B.shape[1], group.size())
-    rows = A.numel() // max(A.shape[-1], 1)
-    spec = _common.resolve_auto(spec, "matmul_a2a", (group.size() * rows, *B.shape),
-                                group.size(), A)
-    return MatmulAllToAll.apply(A, B, dim, group, spec)
+    sizes = _common.check_sizes(sizes, group.size(), group.rank(), local=A.shape[dim])
+    rows = sum(sizes) * _common.other_rows(A, dim)
+    spec = _common.resolve_auto(spec, "matmul_a2a", (rows, *B.shape), group.size(), A)
+    return MatmulAllToAll.apply(A, B, dim, sizes, group, spec)
 
 
 def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq_dim: int = 0,
-                            method: str = "commfuse", **opts) -> torch.Tensor:
+                            method: str = "commfuse", sizes: Sequence[int] | None = None,
+                            **opts) -> torch.Tensor:
     """Ulysses, after attention: ``concat_over_ranks(A, dim=-1) @ B`` on my sequence slice.
 
-    ``A`` is the full sequence (``seq_dim``, divisible by the group size) of this rank's column
-    block ``[.., k]``; ``B`` is ``[W*k, n]``. Returns this rank's sequence slice ``[.., n]``.
+    ``A`` is the full sequence (``seq_dim``) of this rank's column block ``[.., k]``; ``B`` is
+    ``[W*k, n]``. Returns this rank's sequence slice ``[.., n]``: ``sizes[rank]`` rows, ``sizes``
+    defaulting to `commfuse.even_sizes`.
     """
     _common.check_tensor("A", A)
     _common.check_tensor("B", B, 2)
@@ -102,7 +111,7 @@ def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
         raise TypeError(f"B has dtype {B.dtype} but A has {A.dtype}")
     if B.device != A.device:
         raise ValueError(f"B is on {B.device} but A is on {A.device}")
-    _common.check_divisible(f"A.shape[{dim}] (seq_dim)", A.shape[dim], w)
+    sizes = _common.check_sizes(sizes, w, group.rank(), total=A.shape[dim])
     spec = _common.resolve_auto(spec, "a2a_matmul", (A.numel() // max(A.shape[-1], 1), *B.shape),
                                 w, A)
-    return AllToAllMatmul.apply(A, B, dim, group, spec)
+    return AllToAllMatmul.apply(A, B, dim, sizes, group, spec)

@@ -12,6 +12,9 @@ all-gather took 48-70 ms. A slow baseline would flatter every overlap method.
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -26,41 +29,104 @@ BACKEND = {  # torch.distributed's own, by kind (the *_single names where this t
 }
 
 
-def launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, tag: int, policy: str):
-    """Start ``kind`` (out/inp laid out as torch's ``*_single`` ops) and return its work."""
+def launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, tag: int, policy: str,
+           sizes=None, in_sizes=None):
+    """Start ``kind`` (out/inp laid out as torch's ``*_single`` ops) and return its work.
+
+    Rows (dim 0) per rank may differ: ``sizes`` are the rows of each rank's part of the
+    gathered side (all_gather's ``out``, reduce_scatter's ``inp``, all_to_all's ``out``) and
+    ``in_sizes`` those of all_to_all's ``inp``; None means equal parts.
+    """
+    w = group.size()
+    sizes = list(sizes) if sizes is not None else [_rows(out if kind != "reduce_scatter" else inp, w)] * w
+    in_sizes = list(in_sizes) if in_sizes is not None else [_rows(inp, w)] * w
     if policy == "backend" or (policy == "auto" and out.device.type == "cuda"):
-        return BACKEND[kind](out, inp, group=group, async_op=True)
-    return _P2PCollective(kind, out, inp, group, tag)
+        if kind == "all_to_all":
+            return BACKEND[kind](out, inp, sizes, in_sizes, group=group, async_op=True)
+        if len(set(sizes)) == 1:
+            return BACKEND[kind](out, inp, group=group, async_op=True)
+        return _Padded(kind, out, inp, group, sizes)
+    return _P2PCollective(kind, out, inp, group, tag, sizes, in_sizes)
+
+
+def _rows(t: torch.Tensor, w: int) -> int:
+    return t.shape[0] // w if t.dim() else 0
+
+
+class _Padded:
+    """The backend's all_gather / reduce_scatter on uneven parts: every part padded to the
+    longest with zeros, the even collective, then the real rows copied out on ``wait``."""
+
+    def __init__(self, kind: str, out: torch.Tensor, inp: torch.Tensor, group, sizes):
+        w, r, longest = group.size(), group.rank(), max(sizes)
+        self.out, self.sizes, self.r = out, sizes, r
+        if kind == "all_gather":
+            src = inp.new_zeros((longest, *inp.shape[1:]))
+            src[:sizes[r]].copy_(inp)
+            self.tmp, self.kind = out.new_empty((w * longest, *out.shape[1:])), kind
+        else:
+            src = inp.new_zeros((w * longest, *inp.shape[1:]))
+            for p, part in enumerate(inp.split(sizes)):
+                src[p * longest:p * longest + sizes[p]].copy_(part)
+            self.tmp, self.kind = out.new_empty((longest, *out.shape[1:])), kind
+        self.longest = longest
+        self.work = BACKEND[kind](self.tmp, src, group=group, async_op=True)
+
+    def wait(self, timeout=None) -> bool:
+        self.work.wait(timeout) if timeout is not None else self.work.wait()
+        if self.kind == "all_gather":
+            for p, part in enumerate(self.out.split(self.sizes)):
+                part.copy_(self.tmp[p * self.longest:p * self.longest + self.sizes[p]])
+        else:
+            self.out.copy_(self.tmp[:self.sizes[self.r]])
+        return True
 
 
 class _P2PCollective:
-    """A collective as one batch of P2P transfers with every peer; ``wait`` finishes it."""
+    """A collective as one batch of P2P transfers with every peer; ``wait`` finishes it.
+    Empty parts are not sent (every rank knows the sizes, so both sides skip them)."""
 
-    def __init__(self, kind: str, out: torch.Tensor, inp: torch.Tensor, group, tag: int):
+    def __init__(self, kind: str, out: torch.Tensor, inp: torch.Tensor, group, tag: int,
+                 sizes: list[int], in_sizes: list[int]):
         w, r = group.size(), group.rank()
         self.kind, self.out, self.rank = kind, out, r
-        outs, ins = out.chunk(w) if kind != "reduce_scatter" else None, inp.chunk(w)
-        if kind == "all_gather":  # my input to everyone, everyone's into its chunk of out
+        if kind == "all_gather":  # my input to everyone, everyone's into its part of out
+            outs = out.split(sizes)
             outs[r].copy_(inp)
             sends, recvs = [inp] * w, list(outs)
-        elif kind == "all_to_all":  # my chunk p to rank p, rank q's chunk for me into out[q]
+        elif kind == "all_to_all":  # my part p to rank p, rank q's part for me into out[q]
+            outs, ins = out.split(sizes), inp.split(in_sizes)
             outs[r].copy_(ins[r])
             sends, recvs = list(ins), list(outs)
-        else:  # reduce_scatter: my partial of chunk p to rank p; theirs of mine, summed later
+        else:  # reduce_scatter: my partial of part p to rank p; theirs of mine, summed later
+            ins = inp.split(sizes)
             sends = list(ins)
             recvs = [torch.empty_like(out) if p != r else ins[r] for p in range(w)]
         self.parts = recvs
-        ops = []
+        ops, self.what = [], []
         for p in range(w):
             if p != r:
                 peer = dist.get_global_rank(group, p)
-                ops += [dist.P2POp(dist.isend, sends[p], peer, group, tag),
-                        dist.P2POp(dist.irecv, recvs[p], peer, group, tag)]
+                if sends[p].numel():
+                    ops.append(dist.P2POp(dist.isend, sends[p], peer, group, tag))
+                    self.what.append(f"its send to rank {p}")
+                if recvs[p].numel():
+                    ops.append(dist.P2POp(dist.irecv, recvs[p], peer, group, tag))
+                    self.what.append(f"its receive from rank {p}")
         self.works = _p2p.post(ops, out.device) if ops else []
 
     def wait(self, timeout=None) -> bool:
-        for w in dict.fromkeys(self.works):  # NCCL may hand one work for the whole batch
-            w.wait(timeout) if timeout is not None else w.wait()
+        """Wait for every transfer, all within ``timeout`` (a timedelta) from now; a failure
+        names the peer."""
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        for w, what in dict(zip(self.works, self.what)).items():  # NCCL: one work per batch
+            try:
+                if deadline is None:
+                    w.wait()
+                else:
+                    w.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            except Exception as e:
+                raise RuntimeError(f"{what}: {e}") from e
         if self.kind == "reduce_scatter":
             acc = self.parts[0].clone() if len(self.parts) > 1 else self.parts[0]
             for part in self.parts[1:]:

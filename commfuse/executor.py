@@ -109,9 +109,10 @@ class Transport:
             ops.append(dist.P2POp(fn, buf, peer, self.group, tag=t.tag))
         return _p2p.post(ops, self.device)
 
-    def launch(self, kind: str, out: torch.Tensor, inp: torch.Tensor, tag: int) -> Any:
-        """Start the async collective ``kind`` (see `commfuse.collectives`)."""
-        return collectives.launch(kind, out, inp, self.group, tag, self.collective)
+    def launch(self, kind: str, out: torch.Tensor, inp: torch.Tensor, tag: int, **parts) -> Any:
+        """Start the async collective ``kind``; ``parts``: its ``sizes``/``in_sizes`` rows per
+        rank where they differ (see `commfuse.collectives.launch`)."""
+        return collectives.launch(kind, out, inp, self.group, tag, self.collective, **parts)
 
     def wait(self, work: Any) -> None:
         work.wait(self.timeout)  # bounded: a bare wait() on gloo P2P can outlive the group timeout
@@ -123,16 +124,16 @@ class NullTransport(Transport):
     def post(self, transfers):
         return [_Done() for _ in transfers]
 
-    def launch(self, kind, out, inp, tag):
+    def launch(self, kind, out, inp, tag, **parts):
         return _Done()
 
 
 class RecordingTransport(Transport):
     """``record`` mode: runs normally and notes each collective (to replay its bytes)."""
 
-    def launch(self, kind, out, inp, tag):
-        _state["recorded"].append((kind, out.shape, inp.shape, out.dtype, tag))
-        return super().launch(kind, out, inp, tag)
+    def launch(self, kind, out, inp, tag, **parts):
+        _state["recorded"].append((kind, out.shape, inp.shape, out.dtype, tag, parts))
+        return super().launch(kind, out, inp, tag, **parts)
 
 
 def make_transport(group: dist.ProcessGroup, device: torch.device, timeout_s: float | None,
@@ -163,7 +164,10 @@ def run(schedule: Schedule, binding: Binding, transport: Transport) -> None:
             binding.compute(step.slot)
         elif isinstance(step, Post):
             try:
-                works = transport.post([(t, binding.buffer(t)) for t in step.transfers])
+                bufs = [(t, binding.buffer(t)) for t in step.transfers]
+                # empty slices (more ranks than rows) move nothing: both sides know the sizes
+                works = iter(transport.post([(t, b) for t, b in bufs if b.numel()]))
+                works = [next(works) if b.numel() else _Done() for _, b in bufs]
             except Exception as e:
                 raise _error(schedule, index, step.transfers[0], e) from e
             pending.update(zip(step.transfers, works))

@@ -45,11 +45,15 @@ def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, r
 
 
 def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0,
-              threads: int = 1, pg_timeout_s: float = 60.0, backend: str = "gloo") -> list[Any]:
+              threads: int = 1, pg_timeout_s: float = 60.0, backend: str = "gloo",
+              victims: tuple[int, ...] = ()) -> list[Any]:
     """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process.
 
     ``fn`` must be importable (a module-level function). ``threads`` sets each rank's
-    intra-op threads; with ``backend="nccl"`` rank i uses GPU i mod the GPU count. Raises `RankFailed` if a rank raises, `TimeoutError` after ``timeout``.
+    intra-op threads; with ``backend="nccl"`` rank i uses GPU i mod the GPU count. Raises
+    `RankFailed` if a rank raises, `TimeoutError` after ``timeout``. ``victims`` (fault
+    injection) may die, hang or raise: the run returns once every other rank has reported,
+    with None for a victim that has not (it is then killed).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -62,7 +66,7 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0,
         for p in procs:
             p.start()
         try:
-            return _collect(procs, results, world_size, timeout)
+            return _collect(procs, results, world_size, timeout, set(victims))
         finally:
             for p in procs:
                 if p.is_alive():
@@ -70,23 +74,24 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0,
                 p.join(5)
 
 
-def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
+def _collect(procs, results, world_size: int, timeout: float, victims: set[int]) -> list[Any]:
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
     outs: dict[int, Any] = {}
-    while len(outs) < world_size:
+    needed = set(range(world_size)) - victims
+    while not needed <= set(outs):
         left = (deadline - datetime.datetime.now()).total_seconds()
         if left <= 0:
-            raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(outs))} did not "
+            raise TimeoutError(f"ranks {sorted(needed - set(outs))} did not "
                                f"finish within {timeout:.0f} s")
         try:
             rank, ok, out = results.get(timeout=min(left, 1.0))
         except queue.Empty:
-            dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in outs]
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and i in needed - set(outs)]
             if dead and results.empty():
                 codes = {i: procs[i].exitcode for i in dead}
                 raise RankFailed(f"rank(s) {dead} died without reporting (exit codes {codes})")
             continue
-        if not ok:
+        if not ok and rank not in victims:
             raise RankFailed(f"rank {rank} failed:\n{out}")
-        outs[rank] = out
-    return [outs[r] for r in range(world_size)]
+        outs[rank] = out if ok else None
+    return [outs.get(r) for r in range(world_size)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
 import statistics
@@ -93,6 +94,9 @@ class TrainConfig:
     """fwd+bwd pairs (normal / compute_only) timed after training; 0: not measured."""
     progress: bool = True
     """Rank 0 prints a header, progress lines and a summary."""
+    timeout: float = 60.0
+    """Seconds a rank waits for a peer (every op's ``timeout`` and the process group's) before
+    the run fails with an error naming the op, step and peer."""
 
     @property
     def world(self) -> int:
@@ -102,7 +106,8 @@ class TrainConfig:
         """The method's options among the flags (only those the method accepts)."""
         from commfuse.ops._common import OPTIONS
 
-        given = {"chunks": self.chunks, "topology": self.topology, "splits": self.splits}
+        given = {"chunks": self.chunks, "topology": self.topology, "splits": self.splits,
+                 "timeout": self.timeout}
         return {k: v for k, v in given.items() if k in OPTIONS[self.method]}
 
 
@@ -136,6 +141,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--checkpoint-every", type=int, default=0, metavar="N",
       help="save every N steps and at the end (default: only at the end, if --checkpoint-dir)")
     a("--resume", action="store_true", help="continue from DIR/latest (same tp/up/dp)")
+    a("--timeout", type=float, default=60.0, metavar="S", help="seconds a rank waits for a "
+      "peer before the run fails naming the op, step and peer (default 60)")
     a("--compare-none", action="store_true", help="after the run, re-run the same steps with "
       "--method none (no checkpoints) and print the loss difference and step-time ratio")
 
@@ -152,9 +159,23 @@ def config_from_args(args) -> TrainConfig:
 
 
 def run(args) -> int:
-    """``commfuse train``: train, then (--compare-none) the same steps again with method none."""
+    """``commfuse train``: train, then (--compare-none) the same steps again with method none.
+
+    A failed rank (a dead or stalled peer, any exception) ends the run with exit code 1 and
+    a message naming the last complete checkpoint to ``--resume`` from."""
+    from commfuse.errors import CommFuseError
+    from commfuse.spawn import RankFailed
+
     cfg = config_from_args(args)
-    first = launch(cfg)
+    try:
+        first = launch(cfg)
+    except (RankFailed, CommFuseError, TimeoutError) as e:
+        print(f"commfuse train: failed: {e}", file=sys.stderr)
+        latest = Path(cfg.checkpoint_dir or "", "latest")
+        print(f"commfuse train: last complete checkpoint: "
+              f"{latest.parent / latest.read_text().strip() if latest.is_file() else 'none'}"
+              f"{' (continue with --resume)' if latest.is_file() else ''}", file=sys.stderr)
+        return 1
     if getattr(args, "compare_none", False) and cfg.method != "none":
         base = launch(dataclasses.replace(cfg, method="none", checkpoint_dir=None, resume=False,
                                           metrics_json=None))
@@ -174,7 +195,7 @@ def launch(cfg: TrainConfig) -> list[dict]:
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if not dist.is_initialized():
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout))
             duplex()  # one connection per direction between two ranks (commfuse._p2p)
         return train_rank(dist.get_rank(), dist.get_world_size(), cfg)
     if cfg.world == 1:
@@ -182,7 +203,8 @@ def launch(cfg: TrainConfig) -> list[dict]:
     from commfuse.spawn import run_local
 
     threads = max(1, (os.cpu_count() or 1) // cfg.world)
-    return run_local(train_rank, cfg.world, cfg, threads=threads, timeout=24 * 3600)[0]
+    return run_local(train_rank, cfg.world, cfg, threads=threads, timeout=24 * 3600,
+                     pg_timeout_s=cfg.timeout)[0]
 
 
 def measure_matmul_flops(n: int = 512, seconds: float = 0.3, dtype=torch.float32) -> float:
@@ -340,11 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="commfuse train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    rc = run(parser.parse_args(argv))
+    if rc == 0 and dist.is_initialized():  # after a failure, tearing down could wait on the dead
+        dist.destroy_process_group()
+    return rc
 
 
 if __name__ == "__main__":

@@ -33,13 +33,21 @@ class Case:
     dtype: torch.dtype
     noncontig: bool = False
     avg: bool = False
+    uneven: str = ""  # "" even slices; see UNEVEN
+
+    def sizes(self, world: int) -> tuple[int, ...]:
+        """Rows of each rank's slice of the gathered/scattered dim."""
+        if self.uneven == "skewed":  # explicit, not the default split
+            return tuple(S - 1 if p % 2 == 0 else S + 2 for p in range(world))
+        total = {"": world * S, "short": world * S - 1, "tiny": world - 1}[self.uneven]
+        return commfuse.even_sizes(total, world)
 
     @property
     def id(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.opts)
         return (f"{self.op}-{self.method}{'[' + opts + ']' if opts else ''}-dim{self.dim}-"
                 f"{str(self.dtype)[6:]}{'-noncontig' if self.noncontig else ''}"
-                f"{'-avg' if self.avg else ''}")
+                f"{'-avg' if self.avg else ''}{'-' + self.uneven if self.uneven else ''}")
 
 
 def all_cases() -> list[Case]:
@@ -52,7 +60,14 @@ def all_cases() -> list[Case]:
                     cases.append(Case(op, method, o, dim, dtype))
             cases.append(Case(op, method, o, 1, torch.float32, noncontig=True,
                               avg=op == "matmul_rs"))
+            for uneven in UNEVEN:
+                cases.append(Case(op, method, o, 1, torch.float32, avg=op == "matmul_rs",
+                                  uneven=uneven))
     return cases
+
+
+UNEVEN = ("short", "tiny", "skewed")  # W*S-1 rows (even_sizes); W-1 rows (one rank has none);
+# explicit sizes alternating S-1, S+2
 
 
 S, MID, K, N = 3, 5, 7, 3  # per-rank slice, other leading dim, contraction, columns per rank
@@ -72,19 +87,19 @@ def _inputs(case: Case, world: int):
     """Every rank's inputs and upstream grads, in float64, from the case's seed."""
     g = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + world)
     rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
-    d, w = case.dim, world
+    d, w, sizes = case.dim, world, case.sizes(world)
     if case.op == "ag_matmul":
-        a = [rnd(*_shape(d, S, K)) for _ in range(w)]
+        a = [rnd(*_shape(d, sizes[p], K)) for p in range(w)]
         b = [[rnd(K, N), rnd(K, N + 2)] for _ in range(w)]
     elif case.op == "matmul_rs":
-        a = [rnd(*_shape(d, w * S, K)) for _ in range(w)]
+        a = [rnd(*_shape(d, sum(sizes), K)) for _ in range(w)]
         b = [[rnd(K, N)] for _ in range(w)]
     elif case.op == "matmul_a2a":
-        a = [rnd(*_shape(d, S, K)) for _ in range(w)]
+        a = [rnd(*_shape(d, sizes[p], K)) for p in range(w)]
         b0 = rnd(K, w * N)
         b = [[b0.clone()] for _ in range(w)]  # replicated weight, one leaf per rank
     else:
-        a = [rnd(*_shape(d, w * S, K)) for _ in range(w)]
+        a = [rnd(*_shape(d, sum(sizes), K)) for _ in range(w)]
         b0 = rnd(w * K, N)
         b = [[b0.clone()] for _ in range(w)]
     return a, b, g
@@ -92,7 +107,8 @@ def _inputs(case: Case, world: int):
 
 def _reference(case: Case, world: int, a, b):
     """Outputs per rank as a list of tensors (float64, differentiable in a and b)."""
-    d, w = case.dim, world
+    d, w, sizes = case.dim, world, case.sizes(world)
+    offs = [sum(sizes[:p]) for p in range(w)]
     if case.op == "ag_matmul":
         full = torch.cat(a, d)
         return [[full] + [full @ bi for bi in b[r]] for r in range(w)]
@@ -100,16 +116,18 @@ def _reference(case: Case, world: int, a, b):
         c = sum(a[q] @ b[q][0] for q in range(w))
         if case.avg:
             c = c / w
-        return [[c.narrow(d, r * S, S)] for r in range(w)]
+        return [[c.narrow(d, offs[r], sizes[r])] for r in range(w)]
     if case.op == "matmul_a2a":
         p = [a[q] @ b[q][0] for q in range(w)]
         return [[torch.cat([p[q][..., r * N:(r + 1) * N] for q in range(w)], d)] for r in range(w)]
-    x = [torch.cat([a[q].narrow(d, r * S, S) for q in range(w)], -1) for r in range(w)]
+    x = [torch.cat([a[q].narrow(d, offs[r], sizes[r]) for q in range(w)], -1) for r in range(w)]
     return [[x[r] @ b[r][0]] for r in range(w)]
 
 
-def _fused(case: Case, a: torch.Tensor, bs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _fused(case: Case, a: torch.Tensor, bs: list[torch.Tensor], world: int) -> list[torch.Tensor]:
     opts = dict(case.opts)
+    if case.uneven in ("skewed",) or (case.uneven and case.op in ("ag_matmul", "matmul_a2a")):
+        opts["sizes"] = case.sizes(world)  # else the default: even_sizes of the full dim
     m = case.method
     if case.op == "ag_matmul":
         a_full, ys = commfuse.fused_all_gather_matmul(a, bs, case.dim, method=m, **opts)
@@ -141,7 +159,7 @@ def check(case: Case, rank: int, world: int, device: str = "cpu") -> str | None:
             else (lambda t: t.detach().to(case.dtype).to(device))
         a = conv(a64[rank]).requires_grad_()
         bs = [conv(t).requires_grad_() for t in b64[rank]]
-        outs = _fused(case, a, bs)
+        outs = _fused(case, a, bs, world)
         sum((o * go.to(device, case.dtype)).sum() for o, go in zip(outs, grads_out[rank])).backward()
         return [o.detach() for o in outs], a.grad, [t.grad for t in bs]
 

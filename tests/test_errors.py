@@ -22,12 +22,20 @@ def _bad_calls():
         ("gather_dim must be an int", lambda: commfuse.fused_all_gather_matmul(a2, [b], 0.0)),
         ("Bs\\[0\\] has dtype", lambda: commfuse.fused_all_gather_matmul(a2, [b.double()], 0)),
         ("reduce_op", lambda: commfuse.fused_matmul_reduce_scatter(a2, b, "max", 0)),
-        ("divisible by the group size", lambda: commfuse.fused_matmul_reduce_scatter(
-            torch.ones(3, 8), b, "sum", 0)),
+        ("one entry per rank", lambda: commfuse.fused_matmul_reduce_scatter(
+            torch.ones(3, 8), b, "sum", 0, sizes=[3])),
+        ("sum to 2 but the dim has 3", lambda: commfuse.fused_matmul_reduce_scatter(
+            torch.ones(3, 8), b, "sum", 0, sizes=[1, 1])),
+        ("non-negative", lambda: commfuse.fused_all_to_all_matmul(
+            torch.ones(3, 4), torch.ones(8, 5), sizes=[-1, 4])),
+        ("this rank's slice has 4 rows", lambda: commfuse.fused_all_gather_matmul(
+            a2, [b], 0, sizes=[3, 3])),
+        ("sizes must be a list", lambda: commfuse.fused_matmul_all_to_all(
+            a2, torch.ones(8, 6), sizes=4)),
         ("scatter_dim cannot be the last", lambda: commfuse.fused_matmul_reduce_scatter(a2, b, "sum", -1)),
         ("columns to scatter", lambda: commfuse.fused_matmul_all_to_all(a2, torch.ones(8, 5))),
         ("B must be \\[group size", lambda: commfuse.fused_all_to_all_matmul(a2, torch.ones(8, 5))),
-        ("seq_dim", lambda: commfuse.fused_all_to_all_matmul(torch.ones(3, 4), torch.ones(8, 5))),
+        ("seq_dim", lambda: commfuse.fused_all_to_all_matmul(torch.ones(3, 4), torch.ones(8, 5), seq_dim=1)),
         ("method must be one of", lambda: commfuse.fused_all_gather_matmul(a2, [b], 0, method="fast")),
         ("unknown option", lambda: commfuse.fused_all_gather_matmul(a2, [b], 0, method="none", chunks=2)),
         ("topology must be", lambda: commfuse.fused_all_gather_matmul(a2, [b], 0, topology="tree")),
@@ -53,7 +61,7 @@ def _raise_each(rank, world):
 
 
 def test_bad_input_raises_clear_errors_on_every_rank():
-    # two ranks, so "divisible by the group size" is meaningful; if any call communicated
+    # two ranks, so the sizes checks are meaningful; if any call communicated
     # before failing, the ranks would desynchronise and the next collective would time out
     out = run_local(_raise_each, 2, timeout=120)
     assert out[0] == out[1] == [None] * len(_bad_calls())

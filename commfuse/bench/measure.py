@@ -40,11 +40,11 @@ def _limit_fn(step, backward: bool):
     with executor.mode("record") as recorded:
         step("none", {}, backward)
     transport = executor.make_transport(dist.group.WORLD, torch.device("cpu"), None)
-    calls = [(kind, torch.zeros(out, dtype=dtype), torch.zeros(inp, dtype=dtype), tag)
-             for kind, out, inp, dtype, tag in recorded]
+    calls = [(kind, torch.zeros(out, dtype=dtype), torch.zeros(inp, dtype=dtype), tag, parts)
+             for kind, out, inp, dtype, tag, parts in recorded]
 
     def launch_all():
-        return [transport.launch(*call) for call in calls]
+        return [transport.launch(*call, **parts) for *call, parts in calls]
 
     def comm_alone():
         for w in launch_all():

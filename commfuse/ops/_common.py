@@ -6,6 +6,7 @@ with a message naming the argument instead of leaving peers waiting.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -117,47 +118,120 @@ def check_dim(name: str, dim, a_name: str, a: torch.Tensor) -> int:
     return dim
 
 
+def other_rows(t: torch.Tensor, dim: int) -> int:
+    """The product of ``t``'s dims other than ``dim`` and the last (GEMM rows per row of dim)."""
+    return math.prod(t.shape[i] for i in range(t.dim() - 1) if i != dim)
+
+
 def check_divisible(what: str, size: int, world: int) -> None:
     if size % world:
         raise ValueError(f"{what} ({size}) must be divisible by the group size ({world})")
 
 
-class Binding:
-    """What the bindings of the four ops share: slots for P2P methods, chunks for the others.
+def even_sizes(total: int, world: int) -> tuple[int, ...]:
+    """Rows per rank of ``total`` rows over ``world`` ranks, as even as possible, the first
+    ranks one longer (10 over 4: 3, 3, 2, 2): the split every op assumes by default."""
+    return tuple(n for _, n in split(total, world))
 
-    Subclasses set ``world``, ``rank`` and ``pieces`` (None under P2P methods, else the
-    (offset, rows) of each chunk of a slice) and implement what their op's schedules use.
+
+def check_sizes(sizes, world: int, rank: int, *, local: int | None = None,
+                total: int | None = None, what: str = "sizes") -> tuple[int, ...]:
+    """``sizes`` (rows of each rank's slice) validated against this rank's slice ``local``
+    and the full dim ``total``, or the default: ``local`` on every rank, else `even_sizes`."""
+    if sizes is None:
+        return (local,) * world if local is not None else even_sizes(total, world)
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__"):
+        raise TypeError(f"{what} must be a list or tuple of ints (rows per rank), got {sizes!r}")
+    sizes = tuple(sizes)
+    if len(sizes) != world:
+        raise ValueError(f"{what} must have one entry per rank of the group ({world}), "
+                         f"got {len(sizes)}: {sizes}")
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in sizes):
+        raise ValueError(f"{what} must be non-negative ints, got {sizes}")
+    if local is not None and sizes[rank] != local:
+        raise ValueError(f"{what}[{rank}] = {sizes[rank]} but this rank's slice has {local} rows")
+    if total is not None and sum(sizes) != total:
+        raise ValueError(f"{what} sum to {sum(sizes)} but the dim has {total} rows: {sizes}")
+    return sizes
+
+
+class Binding:
+    """What the bindings of the four ops share: which rows each slot or chunk is.
+
+    Rank p's slice of the gathered/scattered dim has ``sizes[p]`` rows at ``offs[p]`` (slices
+    may differ by any amount; `even_sizes` is the default). P2P methods cut each slice into
+    ``m`` sub-slices (slot p*m + j is sub-slice j of slice p); ``none``/``sliced`` cut each into
+    the same number of chunks (chunk j of every slice moves in one collective). Subclasses set
+    ``world`` and ``rank``, call `cut`, and implement what their op's schedules use.
     """
 
     world: int
     rank: int
-    s: int  # rows of one rank's slice
-    pieces: list[tuple[int, int]] | None = None  # sliced / none: (offset, rows) of each chunk
-    m: int = 1  # P2P methods: sub-slices per slice; slot p*m + j is sub-slice j of slice p
-    sub: list[tuple[int, int]] = [(0, 0)]  # P2P methods: (offset, rows) of each sub-slice
+    sizes: tuple[int, ...]  # rows of each rank's slice
+    offs: tuple[int, ...]  # where each rank's slice starts in the full dim
+    s: int  # rows of this rank's slice
+    total: int  # rows of the full dim
+    even: bool  # every slice has s rows (chunks are strided views, no gathering copies)
+    pieces: list[list[tuple[int, int]]] | None = None  # sliced / none: [rank][chunk] (off, rows)
+    m: int = 1  # P2P methods: sub-slices per slice
+    subs: list[list[tuple[int, int]]] = [[(0, 0)]]  # P2P methods: [rank][j] (off, rows)
 
-    def cut(self, s: int, spec: MethodSpec) -> None:
-        """Cut a slice of ``s`` rows into the chunks or sub-slices ``spec`` asks for."""
-        self.s = s
+    def cut(self, sizes: tuple[int, ...], spec: MethodSpec) -> None:
+        """Cut every rank's slice into the chunks or sub-slices ``spec`` asks for (the same
+        count for every slice, never more than the shortest has rows)."""
+        self.sizes, self.s, self.total = sizes, sizes[self.rank], sum(sizes)
+        self.offs = tuple(off for off, _ in _runs(sizes))
+        self.even = len(set(sizes)) == 1
+        shortest = max(min(sizes), 1)
         if spec.method in ("none", "sliced"):
-            self.pieces = chunk_pieces(s, spec)
+            k = 1 if spec.method == "none" else min(spec.chunks, shortest)
+            self.pieces = [split(n, k) for n in sizes]
         else:
-            self.m = min(spec.splits, max(s, 1))
-            self.sub = split(s, self.m)
+            self.m = min(spec.splits, shortest)
+            self.subs = [split(n, self.m) for n in sizes]
 
     def chunks(self, spec: MethodSpec) -> int:
-        return len(self.pieces) if self.pieces else self.world
+        return len(self.pieces[0]) if self.pieces else self.world
 
-    def sub_rows(self, slot: int) -> slice:
-        """Rows of ``slot``'s sub-slice within its rank's slice."""
-        off, n = self.sub[slot % self.m]
+    def sub_rows(self, slot: int, rank: int | None = None) -> slice:
+        """Rows of sub-slice ``slot % m`` within the slice of ``rank`` (default: the slot's
+        owner ``slot // m``)."""
+        off, n = self.subs[slot // self.m if rank is None else rank][slot % self.m]
         return slice(off, off + n)
 
     def rows(self, slot: int) -> slice:
         """Rows of ``slot`` in the full, gathered or scattered, dim."""
-        base = slot // self.m * self.s
-        r = self.sub_rows(slot)
+        base, r = self.offs[slot // self.m], self.sub_rows(slot)
         return slice(base + r.start, base + r.stop)
+
+    # sliced / none: chunk j is rows pieces[p][j] of every rank p's slice
+    def piece(self, j: int) -> tuple[int, int]:
+        """(offset in this rank's slice, rows) of chunk ``j``."""
+        return self.pieces[self.rank][j]
+
+    def chunk_sizes(self, j: int) -> list[int]:
+        return [self.pieces[p][j][1] for p in range(self.world)]
+
+    def chunk_rows(self, x: torch.Tensor, j: int) -> torch.Tensor:
+        """Chunk ``j`` of every slice of ``x``'s full dim 0: a strided ``[W, n, ...]`` view when
+        the slices are even, else their rows concatenated in rank order ``[sum n_p, ...]``."""
+        if len(self.pieces[0]) == 1:
+            return x.unflatten(0, (self.world, self.s)) if self.even else x
+        if self.even:
+            off, n = self.piece(j)
+            return x.unflatten(0, (self.world, self.s))[:, off:off + n]
+        return torch.cat([x[self.offs[p] + off:self.offs[p] + off + n]
+                          for p, (off, n) in enumerate(self.pieces[q][j] for q in range(self.world))])
+
+    def flat(self, chunk: torch.Tensor) -> torch.Tensor:
+        """A `chunk_rows`-shaped result as ``[sum n_p, ...]``."""
+        return chunk.flatten(0, 1) if self.even else chunk
+
+    def place(self, dst: torch.Tensor, j: int, src: torch.Tensor) -> None:
+        """Copy ``src`` (chunk ``j``'s rows of every slice, in rank order) into full ``dst``."""
+        for p, part in enumerate(src.split(self.chunk_sizes(j))):
+            off, n = self.pieces[p][j]
+            dst[self.offs[p] + off:self.offs[p] + off + n].copy_(part)
 
     def reduce(self, slot: int, peers: tuple[int, ...]) -> None:
         raise AssertionError(f"{type(self).__name__}: this op's schedules have no reduction")
@@ -176,18 +250,16 @@ def execute(op: str, spec: MethodSpec, group: dist.ProcessGroup, binding,
                  executor.make_transport(group, device, spec.timeout, spec.collective))
 
 
-def chunk_pieces(size: int, spec: MethodSpec) -> list[tuple[int, int]]:
-    """The chunks of a slice of ``size`` rows under ``none`` (one) or ``sliced`` (at most
-    ``spec.chunks``, never more than there are rows)."""
-    return split(size, 1 if spec.method == "none" else min(spec.chunks, max(size, 1)))
-
-
 def split(size: int, parts: int) -> list[tuple[int, int]]:
     """(offset, length) of ``parts`` near-equal pieces of ``size`` (the first ones longer)."""
     base, extra = divmod(size, parts)
+    return _runs([base + (i < extra) for i in range(parts)])
+
+
+def _runs(lengths) -> list[tuple[int, int]]:
+    """(offset, length) of consecutive runs of ``lengths``."""
     out, off = [], 0
-    for i in range(parts):
-        n = base + (i < extra)
+    for n in lengths:
         out.append((off, n))
         off += n
     return out

@@ -3,8 +3,8 @@
     A = all_gather(A_shard, gather_dim);  Y_i = A @ B_i
 
 Legend (suffixes of tensor names): W group size, r this rank, s one rank's slice of the
-gathered dim, S = W*s the gathered dim (moved to the front), M the other leading dims,
-K the contraction, N a GEMM's output columns. Slot p is rank p's slice, rows [p*s, (p+1)*s).
+gathered dim, S the gathered dim (moved to the front; W*s when the slices are even), M the
+other leading dims, K the contraction, N a GEMM's output columns. Slot p is rank p's slice.
 """
 
 from __future__ import annotations
@@ -19,15 +19,16 @@ from commfuse.schedule import Transfer
 class _GatherBinding(_common.Binding):
     """The buffers of one call: the gathered ``a_SMK`` (returned too) and the outputs."""
 
-    def __init__(self, a_sMK: torch.Tensor, bs_KN, world: int, rank: int, spec):
+    def __init__(self, a_sMK: torch.Tensor, bs_KN, sizes, world: int, rank: int, spec):
         self.a_sMK, self.bs_KN, self.world, self.rank = a_sMK, bs_KN, world, rank
-        self.cut(s := a_sMK.shape[0], spec)
-        self.a_SMK = a_sMK.new_empty((world * s, *a_sMK.shape[1:]))
-        self.ys_SMN = [a_sMK.new_empty((world * s, *a_sMK.shape[1:-1], b.shape[1]))
+        self.cut(sizes, spec)
+        self.a_SMK = a_sMK.new_empty((self.total, *a_sMK.shape[1:]))
+        self.ys_SMN = [a_sMK.new_empty((self.total, *a_sMK.shape[1:-1], b.shape[1]))
                        for b in bs_KN]
         self.gathered: dict[int, torch.Tensor] = {}
+        self.whole = bool(self.pieces) and len(self.pieces[0]) == 1  # one chunk: the result
         if not self.pieces:
-            self.a_SMK[rank * s:(rank + 1) * s].copy_(a_sMK)
+            self.a_SMK[self.offs[rank]:self.offs[rank] + self.s].copy_(a_sMK)
 
     # P2P methods: a sub-slice of the gathered buffer travels, and is computed on in place
     def buffer(self, t: Transfer) -> torch.Tensor:
@@ -40,35 +41,32 @@ class _GatherBinding(_common.Binding):
         for b_KN, y_SMN in zip(self.bs_KN, self.ys_SMN):
             executor.gemm(self.a_SMK[rows], b_KN, out=y_SMN[rows])
 
-    # sliced / none: all_gather chunk j (rows [off, off+n) of every slice), then its GEMMs
+    # sliced / none: all_gather chunk j (rows pieces[p][j] of every slice), then its GEMMs
     def collective(self, slot: int, transport):
-        off, n = self.pieces[slot]
-        whole = n == self.s  # one chunk: gather straight into the result
-        out = self.a_SMK if whole else self.a_sMK.new_empty((self.world * n, *self.a_sMK.shape[1:]))
+        off, n = self.piece(slot)
+        out = self.a_SMK if self.whole else self.a_sMK.new_empty(
+            (sum(self.chunk_sizes(slot)), *self.a_sMK.shape[1:]))
         self.gathered[slot] = out
-        return transport.launch("all_gather", out, self.a_sMK[off:off + n], slot)
+        return transport.launch("all_gather", out, self.a_sMK[off:off + n], slot,
+                                sizes=self.chunk_sizes(slot))
 
     def collective_done(self, slot: int) -> None:
-        off, n = self.pieces[slot]
-        if n != self.s:
-            self.a_SMK.unflatten(0, (self.world, self.s))[:, off:off + n].copy_(
-                self.gathered[slot].unflatten(0, (self.world, n)))
+        if not self.whole:
+            self.place(self.a_SMK, slot, self.gathered[slot])
 
     def _compute_chunk(self, slot: int) -> None:
-        off, n = self.pieces[slot]
         a = self.gathered.pop(slot)
         for b_KN, y_SMN in zip(self.bs_KN, self.ys_SMN):
-            if n == self.s:
+            if self.whole:
                 executor.gemm(a, b_KN, out=y_SMN)
             else:
-                y_SMN.unflatten(0, (self.world, self.s))[:, off:off + n].copy_(
-                    executor.gemm(a, b_KN).unflatten(0, (self.world, n)))
+                self.place(y_SMN, slot, executor.gemm(a, b_KN))
 
 
-
-def ag_matmul(a_sMK: torch.Tensor, bs_KN, group, spec) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """No autograd: ``(all_gather(a_sMK, 0), [A @ b for b in bs_KN])`` under ``spec``."""
-    binding = _GatherBinding(a_sMK.contiguous(), bs_KN, group.size(), group.rank(), spec)
+def ag_matmul(a_sMK: torch.Tensor, bs_KN, sizes, group, spec) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """No autograd: ``(all_gather(a_sMK, 0), [A @ b for b in bs_KN])`` under ``spec``; rank p's
+    slice has ``sizes[p]`` rows."""
+    binding = _GatherBinding(a_sMK.contiguous(), bs_KN, sizes, group.size(), group.rank(), spec)
     _common.execute("ag_matmul", spec, group, binding, a_sMK.device)
     return binding.a_SMK, binding.ys_SMN
 
@@ -76,18 +74,18 @@ def ag_matmul(a_sMK: torch.Tensor, bs_KN, group, spec) -> tuple[torch.Tensor, li
 class AllGatherMatmul(torch.autograd.Function):
     """``A = all_gather(A_shard, dim)``, ``Y_i = A @ B_i``.
 
-    Shapes: A_shard [.., s, .., K] (s at ``dim``), B_i [K, N_i] (this rank's column shard);
-    returns A [.., W*s, .., K] and Y_i [.., W*s, .., N_i].
+    Shapes: A_shard [.., s, .., K] (s at ``dim``; rank p's has ``sizes[p]`` rows), B_i [K, N_i]
+    (this rank's column shard); returns A [.., S, .., K] and Y_i [.., S, .., N_i], S = sum(sizes).
     Input grad:  dA_shard = reduce_scatter(dA + sum_i dY_i @ B_i^T, dim), run as the dual
     GEMM -> reduce-scatter with the same method.  Weight grad: dB_i = A^T @ dY_i (local).
     Extra memory: none beyond the outputs (receives land in A); A is saved for backward.
     """
 
     @staticmethod
-    def forward(ctx, a_shard, dim, group, spec, *bs):
-        a_SMK, ys = ag_matmul(a_shard.movedim(dim, 0), bs, group, spec)
+    def forward(ctx, a_shard, dim, sizes, group, spec, *bs):
+        a_SMK, ys = ag_matmul(a_shard.movedim(dim, 0), bs, sizes, group, spec)
         ctx.save_for_backward(a_SMK, *bs)
-        ctx.dim, ctx.group, ctx.spec = dim, group, spec
+        ctx.dim, ctx.sizes, ctx.group, ctx.spec = dim, sizes, group, spec
         return (a_SMK.movedim(0, dim), *(y.movedim(0, dim) for y in ys))
 
     @staticmethod
@@ -99,9 +97,9 @@ class AllGatherMatmul(torch.autograd.Function):
         ga_shard = None
         if ctx.needs_input_grad[0]:
             terms = [(g, b.t()) for g, b in zip(gys_SMN, bs)]
-            ga_shard = matmul_rs(terms, ga.movedim(ctx.dim, 0), ctx.group, ctx.spec)
+            ga_shard = matmul_rs(terms, ga.movedim(ctx.dim, 0), ctx.sizes, ctx.group, ctx.spec)
             ga_shard = ga_shard.movedim(0, ctx.dim)
         a_XK = a_SMK.flatten(0, -2)
         gbs = [a_XK.t() @ g.flatten(0, -2) if need else None
-               for g, need in zip(gys_SMN, ctx.needs_input_grad[4:])]
-        return (ga_shard, None, None, None, *gbs)
+               for g, need in zip(gys_SMN, ctx.needs_input_grad[5:])]
+        return (ga_shard, None, None, None, None, *gbs)

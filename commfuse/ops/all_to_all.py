@@ -4,9 +4,10 @@
     a2a_matmul:  Y = all_to_all(A) @ B   scatter the sequence, gather the columns
 
 Legend (suffixes of tensor names): W group size, r this rank, s one rank's sequence slice,
-S = W*s the full sequence (moved to the front), M the other leading dims, K the contraction,
+S the full sequence (moved to the front), M the other leading dims, K the contraction,
 N the full column count, n = N/W one rank's column block (head group), k = K/W likewise.
-Slot p: the sequence slice or column block that belongs to rank p.
+Slot p: the sequence slice or column block that belongs to rank p. Sequence slices may be
+uneven (rank p's has sizes[p] rows; S = sum(sizes)); column blocks are always N/W.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from commfuse.schedule import Transfer
 class _ScatterColumnsBinding(_common.Binding):
     """matmul_a2a: compute ``a_sMK @ b_KN[:, block p]`` for each p, send it to rank p."""
 
-    def __init__(self, a_sMK, b_KN, world: int, rank: int, spec):
+    def __init__(self, a_sMK, b_KN, sizes, world: int, rank: int, spec):
         self.a, self.b, self.world, self.rank = a_sMK, b_KN, world, rank
-        self.cut(a_sMK.shape[0], spec)
+        self.cut(sizes, spec)
         self.n = b_KN.shape[1] // world
-        self.y_SMn = a_sMK.new_empty((world * self.s, *a_sMK.shape[1:-1], self.n))
+        self.y_SMn = a_sMK.new_empty((self.total, *a_sMK.shape[1:-1], self.n))
         self.part: dict[int, torch.Tensor] = {}
         self.recv: dict[int, torch.Tensor] = {}
 
@@ -36,43 +37,41 @@ class _ScatterColumnsBinding(_common.Binding):
 
     def compute(self, slot: int) -> None:
         if self.pieces:  # rows of chunk `slot`, all column blocks, laid out block-major
-            off, n = self.pieces[slot]
+            off, n = self.piece(slot)
             y = executor.gemm(self.a[off:off + n], self.b)
             self.part[slot] = y.unflatten(-1, (self.world, self.n)).movedim(-2, 0).contiguous()
             return
-        p = slot // self.m
-        a, b_Kn = self.a[self.sub_rows(slot)], self.b[:, p * self.n:(p + 1) * self.n]
+        p = slot // self.m  # my sub-slice slot % m, rank p's column block
+        a, b_Kn = self.a[self.sub_rows(slot, self.rank)], self.b[:, p * self.n:(p + 1) * self.n]
         if p == self.rank:
             executor.gemm(a, b_Kn, out=self.y_SMn[self.rows(slot)])
         else:
             self.part[slot] = executor.gemm(a, b_Kn)
 
     def collective(self, slot: int, transport):
-        off, n = self.pieces[slot]
-        whole = n == self.s
-        out = self.y_SMn if whole else self.part[slot].new_empty((self.world * n, *self.part[slot].shape[2:]))
+        sizes = self.chunk_sizes(slot)
+        whole = len(self.pieces[0]) == 1
+        out = self.y_SMn if whole else self.y_SMn.new_empty((sum(sizes), *self.y_SMn.shape[1:]))
         self.recv[slot] = out
-        return transport.launch("all_to_all", out, self.part[slot].flatten(0, 1), slot)
+        return transport.launch("all_to_all", out, self.part[slot].flatten(0, 1), slot,
+                                sizes=sizes, in_sizes=[self.piece(slot)[1]] * self.world)
 
     def collective_done(self, slot: int) -> None:
-        off, n = self.pieces[slot]
         del self.part[slot]
         out = self.recv.pop(slot)
-        if n != self.s:
-            self.y_SMn.unflatten(0, (self.world, self.s))[:, off:off + n].copy_(
-                out.unflatten(0, (self.world, n)))
-
+        if out is not self.y_SMn:
+            self.place(self.y_SMn, slot, out)
 
 
 class _GatherColumnsBinding(_common.Binding):
     """a2a_matmul: receive rank p's column block of my sequence slice, multiply by B's rows p."""
 
-    def __init__(self, a_SMk, b_KN, world: int, rank: int, spec):
+    def __init__(self, a_SMk, b_KN, sizes, world: int, rank: int, spec):
         self.a, self.b, self.world, self.rank = a_SMk, b_KN, world, rank
-        self.cut(a_SMk.shape[0] // world, spec)
+        self.cut(sizes, spec)
         self.k = a_SMk.shape[-1]
         self.y_sMN = a_SMk.new_empty((self.s, *a_SMk.shape[1:-1], b_KN.shape[1]))
-        own = [rank * self.m + j for j in range(self.m)]
+        own = [] if self.pieces else [rank * self.m + j for j in range(self.m)]
         self.blocks: dict[int, torch.Tensor] = {slot: self.a[self.rows(slot)] for slot in own}
         self.started: set[int] = set()  # sub-slices whose first block is in y
         self.x_chunks: dict[int, torch.Tensor] = {}
@@ -80,20 +79,20 @@ class _GatherColumnsBinding(_common.Binding):
     def buffer(self, t: Transfer) -> torch.Tensor:
         if t.kind == "send":  # my column block of rank p's sequence rows
             return self.a[self.rows(t.slot)]
-        r = self.sub_rows(t.slot)
+        r = self.sub_rows(t.slot, self.rank)  # rank p's column block of my rows
         buf = self.blocks[t.slot] = self.a.new_empty((r.stop - r.start, *self.a.shape[1:]))
         return buf
 
     def compute(self, slot: int) -> None:
         if self.pieces:  # chunk `slot`: all column blocks side by side, one GEMM
-            off, n = self.pieces[slot]
+            off, n = self.piece(slot)
             x = self.x_chunks[slot].movedim(0, -2).flatten(-2)
             self.x_chunks[slot] = x
             executor.gemm(x, self.b, out=self.y_sMN[off:off + n])
             return
         p, j = divmod(slot, self.m)
         y = executor.gemm(self.blocks[slot], self.b[p * self.k:(p + 1) * self.k])
-        dst = self.y_sMN[self.sub_rows(slot)]
+        dst = self.y_sMN[self.sub_rows(slot, self.rank)]
         if j in self.started:
             dst.add_(y)  # own block first, then r-1, r-2, ...
         else:
@@ -101,30 +100,33 @@ class _GatherColumnsBinding(_common.Binding):
             self.started.add(j)
 
     def collective(self, slot: int, transport):
-        off, n = self.pieces[slot]
-        send = self.a.unflatten(0, (self.world, self.s))[:, off:off + n].contiguous()
-        out = self.x_chunks[slot] = torch.empty_like(send)
-        return transport.launch("all_to_all", out.flatten(0, 1), send.flatten(0, 1), slot)
+        sizes = self.chunk_sizes(slot)
+        send = self.flat(self.chunk_rows(self.a, slot)).contiguous()
+        n = self.piece(slot)[1]
+        out = self.x_chunks[slot] = send.new_empty((self.world, n, *send.shape[1:]))
+        return transport.launch("all_to_all", out.flatten(0, 1), send, slot,
+                                sizes=[n] * self.world, in_sizes=sizes)
 
     def gathered(self) -> torch.Tensor:
         """The exchanged input ``[s, M, W*k]`` (all column blocks of my slice), for dB."""
         if self.pieces:
-            return torch.cat([self.x_chunks[j] for j in range(len(self.pieces))], 0)
+            return torch.cat([self.x_chunks[j] for j in range(len(self.pieces[0]))], 0)
         return torch.cat([torch.cat([self.blocks[p * self.m + j] for p in range(self.world)], -1)
                           for j in range(self.m)], 0)
 
 
-
-def matmul_a2a(a_sMK, b_KN, group, spec) -> torch.Tensor:
-    """No autograd: ``all_to_all(a_sMK @ b_KN)`` -> ``[W*s, M, N/W]`` under ``spec``."""
-    binding = _ScatterColumnsBinding(a_sMK, b_KN, group.size(), group.rank(), spec)
+def matmul_a2a(a_sMK, b_KN, sizes, group, spec) -> torch.Tensor:
+    """No autograd: ``all_to_all(a_sMK @ b_KN)`` -> ``[S, M, N/W]`` under ``spec``; rank p's
+    sequence slice has ``sizes[p]`` rows."""
+    binding = _ScatterColumnsBinding(a_sMK, b_KN, sizes, group.size(), group.rank(), spec)
     _common.execute("matmul_a2a", spec, group, binding, a_sMK.device)
     return binding.y_SMn
 
 
-def a2a_matmul(a_SMk, b_KN, group, spec) -> tuple[torch.Tensor, _GatherColumnsBinding]:
-    """No autograd: ``all_to_all(a_SMk) @ b_KN`` -> ``[s, M, N]``, and the binding (for dB)."""
-    binding = _GatherColumnsBinding(a_SMk.contiguous(), b_KN, group.size(), group.rank(), spec)
+def a2a_matmul(a_SMk, b_KN, sizes, group, spec) -> tuple[torch.Tensor, _GatherColumnsBinding]:
+    """No autograd: ``all_to_all(a_SMk) @ b_KN`` -> ``[sizes[rank], M, N]``, and the binding
+    (for dB)."""
+    binding = _GatherColumnsBinding(a_SMk.contiguous(), b_KN, sizes, group.size(), group.rank(), spec)
     _common.execute("a2a_matmul", spec, group, binding, a_SMk.device)
     return binding.y_sMN, binding
 
@@ -132,52 +134,52 @@ def a2a_matmul(a_SMk, b_KN, group, spec) -> tuple[torch.Tensor, _GatherColumnsBi
 class MatmulAllToAll(torch.autograd.Function):
     """``Y = all_to_all(A @ B)``: my sequence slice, all heads -> full sequence, my heads.
 
-    Shapes: A [.., s, .., K] (s at ``dim``), B [K, N] (replicated), N divisible by W;
-    returns Y [.., W*s, .., N/W].
+    Shapes: A [.., s, .., K] (s at ``dim``; rank p's has ``sizes[p]`` rows), B [K, N]
+    (replicated), N divisible by W; returns Y [.., S, .., N/W], S = sum(sizes).
     Input grad:  dA = all_to_all(dY) @ B^T, the dual a2a -> GEMM with the same method.
     Weight grad: dB = A^T @ all_to_all(dY) (this rank's contribution; reduce over the group
     as for any replicated weight).  Extra memory: W-1 column blocks in flight (N/W each).
     """
 
     @staticmethod
-    def forward(ctx, a, b, dim, group, spec):
-        y_SMn = matmul_a2a(a.movedim(dim, 0), b, group, spec)
+    def forward(ctx, a, b, dim, sizes, group, spec):
+        y_SMn = matmul_a2a(a.movedim(dim, 0), b, sizes, group, spec)
         ctx.save_for_backward(a, b)
-        ctx.dim, ctx.group, ctx.spec = dim, group, spec
+        ctx.dim, ctx.sizes, ctx.group, ctx.spec = dim, sizes, group, spec
         return y_SMn.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, gy):
         a, b = ctx.saved_tensors
-        ga_sMK, binding = a2a_matmul(gy.movedim(ctx.dim, 0), b.t(), ctx.group, ctx.spec)
+        ga_sMK, binding = a2a_matmul(gy.movedim(ctx.dim, 0), b.t(), ctx.sizes, ctx.group, ctx.spec)
         gb = None
         if ctx.needs_input_grad[1]:
             gb = a.movedim(ctx.dim, 0).flatten(0, -2).t() @ binding.gathered().flatten(0, -2)
-        return ga_sMK.movedim(0, ctx.dim), gb, None, None, None
+        return ga_sMK.movedim(0, ctx.dim), gb, None, None, None, None
 
 
 class AllToAllMatmul(torch.autograd.Function):
     """``Y = all_to_all(A) @ B``: full sequence, my heads -> my sequence slice, all heads.
 
-    Shapes: A [.., W*s, .., k] (W*s at ``dim``), B [W*k, N] (replicated);
-    returns Y [.., s, .., N] = concat_over_ranks(A[my slice], -1) @ B.
+    Shapes: A [.., S, .., k] (S at ``dim``), B [W*k, N] (replicated); returns Y [.., s, .., N]
+    = concat_over_ranks(A[my slice], -1) @ B, my slice being ``sizes[rank]`` rows of S.
     Input grad:  dA = all_to_all(dY @ B^T), the dual GEMM -> a2a with the same method.
     Weight grad: dB = X^T @ dY with X the exchanged input (saved from the forward).
     Extra memory: the W-1 received blocks (k columns each), kept as X for the weight grad.
     """
 
     @staticmethod
-    def forward(ctx, a, b, dim, group, spec):
-        y_sMN, binding = a2a_matmul(a.movedim(dim, 0), b, group, spec)
+    def forward(ctx, a, b, dim, sizes, group, spec):
+        y_sMN, binding = a2a_matmul(a.movedim(dim, 0), b, sizes, group, spec)
         x = binding.gathered() if ctx.needs_input_grad[1] else None
         ctx.save_for_backward(b, x)
-        ctx.dim, ctx.group, ctx.spec = dim, group, spec
+        ctx.dim, ctx.sizes, ctx.group, ctx.spec = dim, sizes, group, spec
         return y_sMN.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, gy):
         b, x = ctx.saved_tensors
         gy_sMN = gy.movedim(ctx.dim, 0)
-        ga_SMk = matmul_a2a(gy_sMN, b.t(), ctx.group, ctx.spec)
+        ga_SMk = matmul_a2a(gy_sMN, b.t(), ctx.sizes, ctx.group, ctx.spec)
         gb = x.flatten(0, -2).t() @ gy_sMN.flatten(0, -2) if x is not None else None
-        return ga_SMk.movedim(0, ctx.dim), gb, None, None, None
+        return ga_SMk.movedim(0, ctx.dim), gb, None, None, None, None

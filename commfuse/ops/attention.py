@@ -27,8 +27,9 @@ from commfuse.ops.matmul_rs import reduce_scatter_of
 
 
 def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal: bool = True,
-                          method: str = "commfuse", **opts) -> torch.Tensor:
-    """``reduce_scatter(attn(q, k, v) @ wo, dim 0)`` -> ``[S/W, B, D]``, run per query slice."""
+                          method: str = "commfuse", sizes=None, **opts) -> torch.Tensor:
+    """``reduce_scatter(attn(q, k, v) @ wo, dim 0)`` -> ``[sizes[rank], B, D]``, run per query
+    slice; ``sizes`` (rows of the sequence each rank keeps) defaults to `even_sizes`."""
     for name, t in (("q", q_SBHd), ("k", k_SBHd), ("v", v_SBHd)):
         _common.check_tensor(name, t, 4)
     if not (q_SBHd.shape == k_SBHd.shape == v_SBHd.shape):
@@ -38,10 +39,10 @@ def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal:
     _common.check_matmul("q (flattened heads)", q_SBHd.new_empty(0, H * d), "wo", wo_HdD)
     spec = _common.method_spec(method, opts)
     group = _common.resolve_group(group)
-    _common.check_divisible("q.shape[0] (sequence)", S, group.size())
+    sizes = _common.check_sizes(sizes, group.size(), group.rank(), total=S)
     spec = _common.resolve_auto(spec, "matmul_rs", (S * B, H * d, wo_HdD.shape[1]), group.size(),
                                 q_SBHd)  # costed as its out-projection's GEMM -> RS
-    return QuerySplitAttention.apply(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, group, spec)
+    return QuerySplitAttention.apply(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, sizes, group, spec)
 
 
 def _attention(q_SBHd, k_SBHd, v_SBHd, causal: bool) -> torch.Tensor:
@@ -52,13 +53,13 @@ def _attention(q_SBHd, k_SBHd, v_SBHd, causal: bool) -> torch.Tensor:
     return o_BHSd.permute(2, 0, 1, 3).reshape(S, B, H * d)
 
 
-def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, group, spec) -> torch.Tensor:
+def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, sizes, group, spec) -> torch.Tensor:
     S, B, H, d = q_SBHd.shape
     k_BHSd, v_BHSd = k_SBHd.permute(1, 2, 0, 3), v_SBHd.permute(1, 2, 0, 3)
     pos_S = torch.arange(S, device=q_SBHd.device)
 
     def partial(view) -> torch.Tensor:
-        q_rows = view(q_SBHd)  # [s, B, H, d] (one slot) or [W, n, B, H, d] (sliced chunk)
+        q_rows = view(q_SBHd)  # [s, B, H, d] (a slot or uneven chunk) or [W, n, B, H, d] (chunk)
         lead = q_rows.shape[:-3]
         q_BHRd = q_rows.reshape(-1, B, H, d).permute(1, 2, 0, 3)
         pos_R = view(pos_S).reshape(-1)
@@ -73,34 +74,34 @@ def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, group, spec) -> torch.
         o_RBX = o_BHRd.permute(2, 0, 1, 3).reshape(-1, B, H * d)
         return executor.gemm(o_RBX, wo_XD).reshape(*lead, B, wo_XD.shape[1])
 
-    return reduce_scatter_of(partial, (S // group.size(), B, wo_XD.shape[1]), q_SBHd, group, spec)
+    return reduce_scatter_of(partial, sizes, (B, wo_XD.shape[1]), q_SBHd, group, spec)
 
 
 class QuerySplitAttention(torch.autograd.Function):
     """``out = reduce_scatter(attention(q, k, v) @ wo, 0)``, the ring run over query slices.
 
     Shapes: q, k, v [S, B, H, d] (the full sequence, this rank's heads; GQA already expanded),
-    wo [H*d, D] (this rank's rows); returns [S/W, B, D].
+    wo [H*d, D] (this rank's rows); returns [sizes[rank], B, D] (S/W rows when even).
     Grads: dO = all_gather(dOut) @ wo^T (dual fused op), dq, dk, dv through a recomputed
     attention, dwo = O^T @ all_gather(dOut). Extra memory: the forward's reduce-scatter
     partials (as GEMM -> RS); the backward holds O and the gathered dOut.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, wo, causal, group, spec):
+    def forward(ctx, q, k, v, wo, causal, sizes, group, spec):
         ctx.save_for_backward(q, k, v, wo)
-        ctx.causal, ctx.group, ctx.spec = causal, group, spec
-        return _forward(q, k, v, wo, causal, group, spec)
+        ctx.causal, ctx.sizes, ctx.group, ctx.spec = causal, sizes, group, spec
+        return _forward(q, k, v, wo, causal, sizes, group, spec)
 
     @staticmethod
     def backward(ctx, g_sBD):
         from commfuse.ops.ag_matmul import ag_matmul
 
         q, k, v, wo = ctx.saved_tensors
-        g_SBD, (go_SBX,) = ag_matmul(g_sBD.contiguous(), [wo.t()], ctx.group, ctx.spec)
+        g_SBD, (go_SBX,) = ag_matmul(g_sBD.contiguous(), [wo.t()], ctx.sizes, ctx.group, ctx.spec)
         with torch.enable_grad():
             qkv = [t.detach().requires_grad_() for t in (q, k, v)]
             o_SBX = _attention(*qkv, ctx.causal)
             gq, gk, gv = torch.autograd.grad(o_SBX, qkv, go_SBX)
         gwo = o_SBX.detach().flatten(0, -2).t() @ g_SBD.flatten(0, -2)
-        return gq, gk, gv, gwo, None, None, None
+        return gq, gk, gv, gwo, None, None, None, None

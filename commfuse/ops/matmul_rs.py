@@ -3,8 +3,8 @@
     C = reduce_scatter(A @ B, scatter_dim)   (sum, or avg = sum / W)
 
 Legend (suffixes of tensor names): W group size, r this rank, s one rank's slice of the
-scattered dim, S = W*s the scattered dim (moved to the front), M the other leading dims,
-K the contraction, N output columns. Slot p is the slice rank p keeps, rows [p*s, (p+1)*s).
+scattered dim, S the scattered dim (moved to the front; W*s when the slices are even), M the
+other leading dims, K the contraction, N output columns. Slot p is the slice rank p keeps.
 
 Internally the GEMM is a sum of terms ``sum_i x_i @ b_i (+ extra)``, so the backward of
 all-gather -> GEMM (several weights, plus the gathered input's own gradient) runs as one op.
@@ -22,10 +22,10 @@ from commfuse.schedule import Transfer
 class _ReduceBinding(_common.Binding):
     """Partials per slot (P2P methods) or per chunk (sliced / none), and the result."""
 
-    def __init__(self, partial, shape_sMN, like: torch.Tensor, world: int, rank: int, spec):
+    def __init__(self, partial, sizes, shape_MN, like: torch.Tensor, world: int, rank: int, spec):
         self.partial, self.like, self.world, self.rank = partial, like, world, rank
-        self.cut(shape_sMN[0], spec)
-        self.shape_sMN = tuple(shape_sMN)
+        self.cut(sizes, spec)
+        self.shape_sMN = (self.s, *shape_MN)
         self.part: dict[int, torch.Tensor] = {}  # slot or chunk -> partial (running) sum
         self.recv: dict[tuple[int, int], torch.Tensor] = {}  # (slot, peer) -> received partial
         self.out_sMN = like.new_empty(self.shape_sMN)
@@ -46,9 +46,7 @@ class _ReduceBinding(_common.Binding):
 
     def compute(self, slot: int) -> None:
         if self.pieces:  # sliced / none: chunk `slot` of every rank's slice
-            off, n = self.pieces[slot]
-            s = self.s
-            self.part[slot] = self.partial(lambda x: x.unflatten(0, (self.world, s))[:, off:off + n])
+            self.part[slot] = self.flat(self.partial(lambda x: self.chunk_rows(x, slot)))
             return
         rows = self.rows(slot)
         self.part[slot] = self.partial(lambda x: x[rows])
@@ -65,28 +63,31 @@ class _ReduceBinding(_common.Binding):
 
     # sliced / none
     def collective(self, slot: int, transport):
-        off, n = self.pieces[slot]
-        return transport.launch("reduce_scatter", self.out_sMN[off:off + n],
-                                self.part[slot].flatten(0, 1), slot)
+        off, n = self.piece(slot)
+        return transport.launch("reduce_scatter", self.out_sMN[off:off + n], self.part[slot],
+                                slot, sizes=self.chunk_sizes(slot))
 
     def collective_done(self, slot: int) -> None:
         del self.part[slot]
 
 
-def reduce_scatter_of(partial, shape_sMN, like: torch.Tensor, group, spec) -> torch.Tensor:
-    """No autograd: ``reduce_scatter(P, 0)`` where ``partial(view)`` computes ``view(P)``.
+def reduce_scatter_of(partial, sizes, shape_MN, like: torch.Tensor, group, spec) -> torch.Tensor:
+    """No autograd: ``reduce_scatter(P, 0)`` -> ``[sizes[rank], *shape_MN]``, where
+    ``partial(view)`` computes ``view(P)``.
 
     ``view`` selects rows of the full ``[S, ...]`` operand (one slot, or one chunk of every
     slot); ``partial`` computes this rank's contribution for exactly those rows, so any
-    computation that is row-wise in S (a GEMM, query-split attention) can be fused.
+    computation that is row-wise in S (a GEMM, query-split attention) can be fused. Its result
+    keeps the view's leading dims (``[W, n, ...]`` for an even chunk).
     """
-    binding = _ReduceBinding(partial, shape_sMN, like, group.size(), group.rank(), spec)
+    binding = _ReduceBinding(partial, sizes, shape_MN, like, group.size(), group.rank(), spec)
     _common.execute("matmul_rs", spec, group, binding, like.device)
     return binding.result()
 
 
-def matmul_rs(terms, extra_SMN, group, spec) -> torch.Tensor:
-    """No autograd: ``reduce_scatter(sum_i x_i @ b_i + extra, 0)`` (sum) under ``spec``."""
+def matmul_rs(terms, extra_SMN, sizes, group, spec) -> torch.Tensor:
+    """No autograd: ``reduce_scatter(sum_i x_i @ b_i + extra, 0)`` (sum) under ``spec``; rank p
+    keeps ``sizes[p]`` rows."""
     x0, b0 = terms[0]
 
     def partial(view) -> torch.Tensor:
@@ -96,15 +97,14 @@ def matmul_rs(terms, extra_SMN, group, spec) -> torch.Tensor:
             acc = y if acc is None else acc.add_(y)
         return acc.add_(view(extra_SMN)) if extra_SMN is not None else acc
 
-    shape = (x0.shape[0] // group.size(), *x0.shape[1:-1], b0.shape[1])
-    return reduce_scatter_of(partial, shape, x0, group, spec)
+    return reduce_scatter_of(partial, sizes, (*x0.shape[1:-1], b0.shape[1]), x0, group, spec)
 
 
 class MatmulReduceScatter(torch.autograd.Function):
     """``C = reduce_scatter(A @ B, dim)``, summed (or averaged) over the group.
 
-    Shapes: A [.., W*s, .., K] (W*s at ``dim``), B [K, N] (this rank's row shard);
-    returns C [.., s, .., N], this rank's slice.
+    Shapes: A [.., S, .., K] (S at ``dim``), B [K, N] (this rank's row shard);
+    returns C [.., s, .., N], this rank's slice (``sizes[rank]`` rows of S = sum(sizes)).
     Input grad:  dA = all_gather(dC, dim) @ B^T, run as the dual all-gather -> GEMM with the
     same method (dC / W for avg).  Weight grad: dB = A^T @ all_gather(dC, dim).
     Extra memory: ring: one partial and one receive buffer of C's size per step in flight;
@@ -112,12 +112,12 @@ class MatmulReduceScatter(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, a, b, dim, avg, group, spec):
-        c_sMN = matmul_rs([(a.movedim(dim, 0), b)], None, group, spec)
+    def forward(ctx, a, b, dim, avg, sizes, group, spec):
+        c_sMN = matmul_rs([(a.movedim(dim, 0), b)], None, sizes, group, spec)
         if avg:
             c_sMN = c_sMN.div_(group.size())
         ctx.save_for_backward(a, b)
-        ctx.dim, ctx.avg, ctx.group, ctx.spec = dim, avg, group, spec
+        ctx.dim, ctx.avg, ctx.sizes, ctx.group, ctx.spec = dim, avg, sizes, group, spec
         return c_sMN.movedim(0, dim)
 
     @staticmethod
@@ -128,8 +128,8 @@ class MatmulReduceScatter(torch.autograd.Function):
         gc_sMN = gc.movedim(ctx.dim, 0)
         if ctx.avg:
             gc_sMN = gc_sMN / ctx.group.size()
-        gc_SMN, (ga_SMK,) = ag_matmul(gc_sMN, [b.t()], ctx.group, ctx.spec)
+        gc_SMN, (ga_SMK,) = ag_matmul(gc_sMN, [b.t()], ctx.sizes, ctx.group, ctx.spec)
         gb = None
         if ctx.needs_input_grad[1]:
             gb = a.movedim(ctx.dim, 0).flatten(0, -2).t() @ gc_SMN.flatten(0, -2)
-        return ga_SMK.movedim(0, ctx.dim), gb, None, None, None, None
+        return ga_SMK.movedim(0, ctx.dim), gb, None, None, None, None, None

@@ -1,0 +1,169 @@
+"""Property-based checks (hypothesis) across real ranks, for every public op and method.
+
+Every rank draws the same examples (derandomized, no shrinking: a rank that shrank alone would
+leave the others waiting) and runs its own part: shapes, uneven or empty slices, dims, dtypes,
+devices, the world or a subgroup, and consistent bad input. Every example must end on every
+rank of its group with the exact result (outputs and gradients against a float64 unsharded
+reference) or with the same ValueError/TypeError, raised before any transfer; a rank that
+communicated before failing would leave a peer to time out, which shows as a CommFuseError.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import commfuse
+from commfuse.spawn import run_local
+
+EXAMPLES = 200
+METHODS = [("none", {}), ("sliced", {"chunks": 2}), ("sliced", {"chunks": 3}), ("decompose", {}),
+           ("commfuse", {}), ("commfuse", {"topology": "direct"}), ("commfuse", {"splits": 2}),
+           ("decompose", {"topology": "direct", "splits": 3}), ("auto", {})]
+BAD = [None] * 8 + ["last_dim", "k_mismatch", "dtype_mismatch", "sizes_sum", "meta_device",
+                    "int_dtype"]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float64: 1e-12}
+
+EXAMPLE = st.fixed_dictionaries(dict(
+    op=st.sampled_from(["ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul"]),
+    variant=st.sampled_from(METHODS), group=st.sampled_from(["world", "world", "sub"]),
+    sizes=st.lists(st.integers(0, 4), min_size=4, max_size=4), explicit=st.booleans(),
+    mid=st.integers(0, 2), k=st.integers(1, 4), n=st.integers(0, 3), seq_dim=st.integers(0, 1),
+    dtype=st.sampled_from([torch.float32, torch.float32, torch.bfloat16, torch.float64]),
+    bad=st.sampled_from(BAD), seed=st.integers(0, 2**16)))
+
+
+def _inputs(ex: dict, w: int, sizes: list[int]):
+    """All ranks' float64 inputs (A per rank, one B per rank) for a group of ``w``."""
+    g = torch.Generator().manual_seed(ex["seed"])
+    rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
+    d, mid, k, n, total = ex["seq_dim"], ex["mid"], ex["k"], ex["n"], sum(sizes)
+    shape = lambda seq, last: (seq, mid, last) if d == 0 else (mid, seq, last)
+    op = ex["op"]
+    if op == "ag_matmul":
+        return [rnd(*shape(sizes[p], k)) for p in range(w)], [rnd(k, n) for _ in range(w)]
+    if op == "matmul_rs":
+        return [rnd(*shape(total, k)) for _ in range(w)], [rnd(k, n) for _ in range(w)]
+    b = rnd(k, w * n) if op == "matmul_a2a" else rnd(w * k, n)
+    a = [rnd(*shape(sizes[p] if op == "matmul_a2a" else total, k)) for p in range(w)]
+    return a, [b.clone() for _ in range(w)]
+
+
+def _reference(ex: dict, a, b, sizes: list[int], r: int) -> torch.Tensor:
+    d, w, op = ex["seq_dim"], len(sizes), ex["op"]
+    off = sum(sizes[:r])
+    if op == "ag_matmul":
+        return torch.cat(a, d) @ b[r]
+    if op == "matmul_rs":
+        return sum(a[q] @ b[q] for q in range(w)).narrow(d, off, sizes[r])
+    if op == "matmul_a2a":
+        n = b[r].shape[1] // w
+        return torch.cat([(a[q] @ b[q])[..., r * n:(r + 1) * n] for q in range(w)], d)
+    return torch.cat([a[q].narrow(d, off, sizes[r]) for q in range(w)], -1) @ b[r]
+
+
+def _call(ex: dict, a: torch.Tensor, b: torch.Tensor, group, sizes) -> torch.Tensor:
+    method, opts = ex["variant"]
+    kw = dict(method=method, timeout=10, **opts)
+    if ex["op"] in ("ag_matmul", "matmul_a2a") or ex["explicit"] or ex["bad"] == "sizes_sum":
+        kw["sizes"] = sizes
+    d, op = ex["seq_dim"], ex["op"]
+    if op == "ag_matmul":
+        return commfuse.fused_all_gather_matmul(a, [b], d, group, **kw)[1][0]
+    if op == "matmul_rs":
+        return commfuse.fused_matmul_reduce_scatter(a, b, "sum", d, group, **kw)
+    if op == "matmul_a2a":
+        return commfuse.fused_matmul_all_to_all(a, b, group, seq_dim=d, **kw)
+    return commfuse.fused_all_to_all_matmul(a, b, group, seq_dim=d, **kw)
+
+
+def _spoil(ex: dict, a: torch.Tensor, b: torch.Tensor, sizes: list[int]):
+    """The same bad input on every rank."""
+    bad = ex["bad"]
+    if bad == "last_dim":
+        ex = {**ex, "seq_dim": 2}
+    elif bad == "k_mismatch":
+        b = torch.cat([b, b[:1]])
+    elif bad == "dtype_mismatch":
+        b = b.to(torch.float16)
+    elif bad == "sizes_sum":  # a wrong total where ranks know it, else a wrong length
+        full = ex["op"] in ("matmul_rs", "a2a_matmul")
+        sizes = [*sizes[:-1], sizes[-1] + 1] if full else [*sizes, 0]
+    elif bad == "meta_device":
+        b = b.to("meta")
+    elif bad == "int_dtype":
+        a, b = a.long(), b.long()
+    return ex, a, b, sizes
+
+
+def _one(ex: dict, rank: int, groups: dict):
+    group = groups[ex["group"]]
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return ("skip",)
+    w, r = group.size(), group.rank()
+    sizes = ex["sizes"][:w]
+    if ex["op"] in ("matmul_rs", "a2a_matmul") and not ex["explicit"]:
+        sizes = list(commfuse.even_sizes(sum(sizes), w))  # what the op assumes by default
+    a64, b64 = _inputs(ex, w, sizes)
+    a = a64[r].to(ex["dtype"]).requires_grad_()
+    b = b64[r].to(ex["dtype"]).requires_grad_()
+    exs, a_in, b_in, sizes_in = _spoil(ex, a, b, sizes)
+    try:
+        out = _call(exs, a_in, b_in, group, sizes_in)
+    except (ValueError, TypeError) as e:
+        return ("error", type(e).__name__, str(e).split(":")[0][:60]) if str(e) else ("empty",)
+    except Exception as e:  # a CommFuseError: some rank went on while another stopped
+        return ("raised", type(e).__name__, str(e)[:300])
+    if ex["bad"] is not None:
+        return ("accepted bad input", ex["bad"])
+    leaves = [t.requires_grad_() for t in a64 + b64]
+    refs = [_reference(ex, a64, b64, sizes, q) for q in range(w)]
+    gouts = [torch.randn(o.shape, generator=torch.Generator().manual_seed(ex["seed"] + q),
+                         dtype=torch.float64) for q, o in enumerate(refs)]
+    if out.shape != refs[r].shape:
+        return ("wrong", "output shape", tuple(out.shape), tuple(refs[r].shape))
+    sum((o * g).sum() for o, g in zip(refs, gouts)).backward()
+    (out.double() * gouts[r]).sum().backward()
+    errs = []
+    for got, want in ((out, refs[r]), (a.grad, leaves[r].grad), (b.grad, leaves[w + r].grad)):
+        if got is None or got.shape != want.shape or got.dtype != ex["dtype"]:
+            return ("wrong", "shape/dtype", None if got is None else tuple(got.shape))
+        errs.append(((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+                    if want.numel() else 0.0)
+    return ("ok", max(errs) <= TOL[ex["dtype"]], max(errs))
+
+
+def _hunt(rank: int, world: int, examples: int):
+    groups = {"world": dist.group.WORLD, "sub": dist.new_group(list(range(1, world)))}
+    outcomes = []
+
+    @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    @given(ex=EXAMPLE)
+    def prop(ex):
+        outcomes.append((ex, _one(ex, rank, groups)))
+
+    prop()
+    return outcomes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_exact_or_the_same_clear_error(world):
+    per_rank = run_local(_hunt, world, EXAMPLES, timeout=600, pg_timeout_s=30)
+    assert len({len(o) for o in per_rank}) == 1, "ranks drew different numbers of examples"
+    seen = set()
+    for i, rows in enumerate(zip(*per_rank)):
+        ex = rows[0][0]
+        outs = [o for _, o in rows if o != ("skip",)]
+        assert all(e == ex for e, _ in rows), f"example {i}: ranks drew different examples"
+        kinds = {o[0] for o in outs}
+        seen |= kinds
+        assert kinds in ({"ok"}, {"error"}), f"example {i}: {ex} -> {outs}"
+        if kinds == {"ok"}:
+            assert all(o[1] for o in outs), (i, ex, outs)  # within tolerance
+        else:
+            assert len(set(outs)) == 1, (i, ex, outs)  # the same error on every rank
+    assert seen == {"ok", "error"}, seen  # the examples reach both outcomes
