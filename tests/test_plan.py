@@ -205,3 +205,13 @@ def test_plan_help_is_a_manual(capsys):
     for words in ("--devices", "--inter-hw", "--micro-batch", "MFU", "PaLM", "summed",
                   "plain all-gather", "Not counted", "ui.perfetto.dev"):
         assert words in text
+
+
+def test_plan_cli_model_overrides(capsys):
+    from commfuse.sim.plan_cli import main_plan
+
+    assert main_plan(["--model", "tiny", "--set", "n_layers=2", "--devices", "2",
+                      "--methods", "commfuse", "--no-files"]) == 0
+    assert "(2 layers," in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="LlamaConfig field"):
+        main_plan(["--model", "tiny", "--set", "layers=2", "--devices", "2", "--no-files"])

@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
       help=f"model preset, one of {', '.join(sorted(MODELS))}: Llama 2 7B/13B, Llama 3 "
            "8B/70B, Llama 3.2 1B, or the CPU-sized tiny/small (default 70b; shapes and "
            "sources in commfuse/sim/model_ops.py)")
+    a("--set", action="append", default=[], metavar="FIELD=VALUE",
+      help="override a field of the model preset (a LlamaConfig field, e.g. vocab_size=131072 "
+           "or n_layers=40); repeatable")
     a("--devices", type=int, required=True, help="ranks (GPUs/NPUs/cores) in the job")
     a("--hw", default="h100-nvlink", choices=sorted(sim.PRESETS), metavar="PRESET",
       help=f"hardware of one rank and of the links inside a node, one of "
@@ -94,7 +97,7 @@ def main_plan(argv=None) -> int:
     from commfuse.sim.plan import method_options, plan, table
     from commfuse.sim.step import OpTimer, simulate_step
 
-    cfg = model_config(a.model)
+    cfg = _with_overrides(model_config(a.model), a.set)
     seq = a.seq or min(4096, cfg.max_seq_len)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     inter = None if a.inter_hw == "same" else a.inter_hw
@@ -102,12 +105,13 @@ def main_plan(argv=None) -> int:
     kw = dict(seq=seq, batch=a.batch, micro_batch=a.micro_batch, dtype_bytes=a.dtype_bytes,
               inter_hw=inter, node_size=a.node_size)
     t0, timer = time.perf_counter(), OpTimer(a.dtype_bytes)
-    plans, rejected = plan(a.model, a.devices, a.hw, methods=methods, method_opts=opts,
+    plans, rejected = plan(cfg, a.devices, a.hw, methods=methods, method_opts=opts,
                            timer=timer, **kw)
     elapsed = time.perf_counter() - t0
     batch = a.batch or a.devices
-    print(f"{a.model} ({cfg.n_layers} layers, d={cfg.dim}, {cfg.n_heads} heads, "
-          f"{cfg.n_kv_heads} kv heads, ffn {cfg.ffn_hidden}) on {a.devices} x {a.hw}, "
+    print(f"{a.model}{''.join(' ' + x for x in a.set)} ({cfg.n_layers} layers, d={cfg.dim}, "
+          f"{cfg.n_heads} heads, {cfg.n_kv_heads} kv heads, ffn {cfg.ffn_hidden}, vocab "
+          f"{cfg.vocab_size}) on {a.devices} x {a.hw}, "
           f"nodes of {a.node_size} linked by {a.inter_hw}; {batch} x {seq} tokens per step, "
           f"micro-batch {a.micro_batch}")
     if not plans:
@@ -127,7 +131,7 @@ def main_plan(argv=None) -> int:
         return 0
     dims = ParallelDims(tp=best.tp, up=best.up, dp=best.dp, method=best.method,
                         method_opts=method_options(best.method, opts), world_size=a.devices)
-    r = simulate_step(a.model, dims, a.hw, timeline=True, timer=timer, **kw)
+    r = simulate_step(cfg, dims, a.hw, timeline=True, timer=timer, **kw)
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"{a.model}-{a.devices}")
     r.write_trace(stem + ".trace.json")
@@ -148,3 +152,22 @@ def main_plan(argv=None) -> int:
         print("matplotlib not installed: no PNG (pip install 'commfuse[bench]')")
     return 0
 
+
+
+def _with_overrides(cfg, sets: list[str]):
+    """``cfg`` with FIELD=VALUE overrides (ints, floats or true/false), validated again."""
+    import dataclasses
+
+    changes = {}
+    for item in sets:
+        field, sep, value = item.partition("=")
+        if not sep or field not in {f.name for f in dataclasses.fields(cfg)}:
+            raise SystemExit(f"commfuse plan: --set wants FIELD=VALUE with a LlamaConfig field, "
+                             f"got {item!r}")
+        low = value.lower()
+        changes[field] = low == "true" if low in ("true", "false") else \
+            float(value) if "." in value or "e" in low else int(value)
+    try:
+        return dataclasses.replace(cfg, **changes)
+    except ValueError as e:
+        raise SystemExit(f"commfuse plan: {e}") from e
