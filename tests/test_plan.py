@@ -140,6 +140,8 @@ def test_step_result_and_validation():
         simulate_step(CFG, dims(tp=8), HW, seq=128)  # 4 kv heads
     with pytest.raises(ValueError, match="micro-batches"):
         simulate_step(CFG, dims(dp=2), HW, seq=128, batch=6, micro_batch=2)
+    with pytest.raises(ValueError, match="4-byte elements"):
+        simulate_step(CFG, dims(tp=2), HW, seq=128, timer=OpTimer(4))
     with pytest.raises(ValueError, match="query-split"):
         simulate_step(CFG, ParallelDims(tp=2, query_split=True, world_size=2), HW, seq=128)
 

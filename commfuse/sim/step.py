@@ -134,6 +134,8 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
         raise ValueError(f"global batch {batch} is not a whole number of micro-batches of "
                          f"{micro_batch} sequences on each of dp={dp} replicas")
     timer = timer or OpTimer(dtype_bytes)
+    if timer.dtype_bytes != dtype_bytes:
+        raise ValueError(f"timer times {timer.dtype_bytes}-byte elements, not {dtype_bytes}")
     before = timer.simulations
     inner, world = tp * up, tp * up * dp
     inter = _hw(inter_hw) if inter_hw is not None else hw
