@@ -154,8 +154,6 @@ def run(schedule: Schedule, binding: Binding, transport: Transport) -> None:
     """Execute ``schedule`` step by step; raise `CommFuseError` if a transfer fails or stalls."""
     pending: dict[Any, Any] = {}  # transfer or ("collective", slot) -> work
     posted_at: dict[Any, float] = {}
-    done: dict[int, Any] = {}  # works already waited (kept alive so ids stay unique):
-    # never wait twice on one work (a batch may share one work; a double wait hung gloo)
     tracer: Tracer | None = _state["tracer"]
     op = schedule.op
     for index, step in enumerate(schedule.steps):
@@ -170,21 +168,23 @@ def run(schedule: Schedule, binding: Binding, transport: Transport) -> None:
                 works = [next(works) if b.numel() else _Done() for _, b in bufs]
             except Exception as e:
                 raise _error(schedule, index, step.transfers[0], e) from e
-            pending.update(zip(step.transfers, works))
+            handles: dict[int, _Handle] = {}  # a batch may share one work (NCCL): one handle
+            pending.update((t, handles.setdefault(id(w), _Handle(w)))
+                           for t, w in zip(step.transfers, works))
             posted_at.update((t, t0) for t in step.transfers)
         elif isinstance(step, Wait):
-            _wait(pending.pop(step.transfer), done, transport, schedule, index, step.transfer)
+            _wait(pending.pop(step.transfer), transport, schedule, index, step.transfer)
         elif isinstance(step, Reduce):
             binding.reduce(step.slot, step.peers)
         elif isinstance(step, Collective):
             try:
-                pending[("collective", step.slot)] = binding.collective(step.slot, transport)
+                pending[("collective", step.slot)] = _Handle(binding.collective(step.slot, transport))
             except Exception as e:
                 raise _error(schedule, index, None, e) from e
             posted_at[("collective", step.slot)] = t0
         elif isinstance(step, WaitCollective):
             work = pending.pop(("collective", step.slot))
-            _wait(work, done, transport, schedule, index, None)
+            _wait(work, transport, schedule, index, None)
             binding.collective_done(step.slot)
         if tracer is not None:
             _trace(tracer, op, step, t0, time.perf_counter(), posted_at)
@@ -207,11 +207,19 @@ def _trace(tracer: Tracer, op: str, step, t0: float, t1: float, posted_at: dict)
             tracer.add("wait", f"{op} wait chunk {step.slot}", t0, t1)
 
 
-def _wait(work, done: dict[int, Any], transport: Transport, schedule: Schedule, index: int,
+class _Handle:
+    """A posted work until it is waited: waited once (a second wait on a gloo work hung a
+    run), then dropped, so its buffers are freed as soon as the schedule lets go of them."""
+
+    def __init__(self, work):
+        self.work = work
+
+
+def _wait(handle: _Handle, transport: Transport, schedule: Schedule, index: int,
           transfer: Transfer | None) -> None:
-    if id(work) in done:
+    work, handle.work = handle.work, None
+    if work is None:
         return
-    done[id(work)] = work
     try:
         transport.wait(work)
     except Exception as e:
