@@ -102,7 +102,7 @@ def test_flags_and_defaults():
     cfg = train.config_from_args(p.parse_args([]))
     assert (cfg.tp, cfg.up, cfg.dp, cfg.method) == (2, 1, 1, "commfuse")
     cfg = train.config_from_args(p.parse_args(["--dp", "2", "--method", "sliced", "--chunks", "2"]))
-    assert (cfg.tp, cfg.dp, cfg.method_opts()) == (1, 2, {"chunks": 2})
+    assert (cfg.tp, cfg.dp, cfg.method_opts()) == (1, 2, {"chunks": 2, "timeout": 60.0})
     with pytest.raises(SystemExit):
         train.config_from_args(p.parse_args(["--tp", "2", "--nproc", "3"]))
 

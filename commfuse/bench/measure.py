@@ -29,6 +29,7 @@ VARIANTS = {  # label -> (method, options)
     "sliced": ("sliced", {"chunks": 4}),
     "decompose": ("decompose", {"topology": "ring"}),
     "commfuse": ("commfuse", {"topology": "ring"}),
+    "commfuse-m2": ("commfuse", {"topology": "ring", "splits": 2}),  # 2 sub-slices per rank
     "commfuse-m4": ("commfuse", {"topology": "ring", "splits": 4}),  # 4 sub-slices per rank
     "commfuse-direct": ("commfuse", {"topology": "direct"}),
     "auto": ("auto", {}),  # commfuse.auto's choice on its cost model
@@ -116,7 +117,8 @@ def _trace(step, variants, backward) -> list:
 def _stats(xs: list[float]) -> dict:
     xs = sorted(xs)
     q = lambda f: xs[min(len(xs) - 1, int(f * len(xs)))]
-    return {"median_ms": 1e3 * statistics.median(xs), "p10_ms": 1e3 * q(0.1), "p90_ms": 1e3 * q(0.9)}
+    return {"median_ms": 1e3 * statistics.median(xs), "p10_ms": 1e3 * q(0.1), "p90_ms": 1e3 * q(0.9),
+            "p99_ms": 1e3 * q(0.99)}
 
 
 def _summarise(name, seq, d, dtype, backward, variants, gathered) -> dict:

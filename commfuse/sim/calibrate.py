@@ -65,7 +65,7 @@ def calibrate(results: list[dict], base: str | Hardware = "cpu-testbed", rounds:
 
 
 COLLECTIVE_LABELS = ("sliced",)  # the bench variants that fit each host cost
-P2P_LABELS = ("decompose", "commfuse", "commfuse-m4", "commfuse-direct")
+P2P_LABELS = ("decompose", "commfuse", "commfuse-m2", "commfuse-m4", "commfuse-direct")
 
 
 def _fit_host(hw: Hardware, ops: list[dict], field: str, labels, iters: int = 24) -> Hardware:
