@@ -66,7 +66,10 @@ class TrainConfig:
     batch_size: int = 8
     """Global batch (sequences per step), split over the DP ranks."""
     seq_len: int = 128
-    """Tokens per sequence (divisible by tp / up)."""
+    """Tokens per sequence (any length: tp / up split it as evenly as it goes)."""
+    variable_length: bool = False
+    """Step i trains on the first `seq_len_at` (seq_len/2..seq_len) tokens of each sequence,
+    so the length, and with it every sequence split, changes from step to step."""
     lr: float = 3e-3
     """Peak learning rate: linear warm-up over steps/20, cosine decay to lr/10 (a function of
     the step, so a resumed run follows the same schedule)."""
@@ -130,7 +133,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--steps", type=int, default=150, help="optimizer steps (default 150)")
     a("--seed", type=int, default=0, help="model init and data order (default 0)")
     a("--batch-size", type=int, default=8, help="global batch in sequences (default 8)")
-    a("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    a("--seq-len", type=int, default=128, help="tokens per sequence (default 128; any length, "
+      "split over tp/up as evenly as it goes)")
+    a("--variable-length", action="store_true", help="train step i on a prefix of each "
+      "sequence whose length varies from step to step (seq-len/2 .. seq-len): every step "
+      "splits its sequence differently")
     a("--lr", type=float, default=3e-3, help="peak LR; warm-up steps/20, cosine to lr/10")
     a("--dtype", default="float32", choices=list(DTYPES), help="parameters and activations")
     a("--preset", default="tiny", help="LlamaConfig preset (default tiny)")
@@ -218,6 +225,13 @@ def measure_matmul_flops(n: int = 512, seconds: float = 0.3, dtype=torch.float32
     return 2 * n ** 3 * iters / (time.perf_counter() - t0)
 
 
+def seq_len_at(cfg: TrainConfig, step: int) -> int:
+    """Tokens per sequence at ``step`` with ``variable_length``: a fixed pseudo-random walk
+    over seq_len/2..seq_len (the same on every rank and on resume)."""
+    half = cfg.seq_len // 2
+    return cfg.seq_len - (step * 7919 + 13) % (cfg.seq_len - half + 1)
+
+
 def lr_at(cfg: TrainConfig, step: int) -> float:
     import math
 
@@ -256,7 +270,6 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     data = batches(load_corpus_tokens(), cfg.batch_size // cfg.dp, cfg.seq_len, cfg.seed,
                    rank=dp_index, world=cfg.dp, start_step=start)
     peak = cfg.peak_flops or measure_matmul_flops(dtype=DTYPES[cfg.dtype])
-    fpt, tokens_per_step = flops_per_token(mcfg, cfg.seq_len), cfg.batch_size * cfg.seq_len
     show = cfg.progress and rank == 0
     metrics: list[dict] = []
     if show:
@@ -269,6 +282,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
         tokens, targets = next(data)
+        if cfg.variable_length:
+            n = seq_len_at(cfg, step)
+            tokens, targets = tokens[:, :n], targets[:, :n]
         local = pmodel.loss(tokens, targets)
         local.backward()
         pmodel.sync_grads()
@@ -276,9 +292,10 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
         opt.zero_grad(set_to_none=True)
         loss = pmodel.global_loss(local)
         dt = time.perf_counter() - t0
-        tps = tokens_per_step / dt
+        tps = tokens.numel() * cfg.dp / dt
         metrics.append({"step": step + 1, "loss": loss, "step_s": dt, "tokens_per_s": tps,
-                        "mfu": fpt * tps / (peak * world), "lr": lr_at(cfg, step)})
+                        "mfu": flops_per_token(mcfg, tokens.shape[1]) * tps / (peak * world),
+                        "lr": lr_at(cfg, step), "seq_len": tokens.shape[1]})
         if show:
             _progress(metrics, cfg.steps)
         if cfg.checkpoint_dir and (step + 1 in (cfg.steps, cfg.stop_after) or (
@@ -288,10 +305,10 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     if metrics and cfg.exposed_iters and world > 1:
         summary.update(_exposed(pmodel, tokens, targets, cfg.exposed_iters))
     if metrics:
-        steady = [m["step_s"] for m in metrics[1:]] or [metrics[0]["step_s"]]
-        summary.update(median_step_s=statistics.median(steady), final_loss=metrics[-1]["loss"],
-                       median_tokens_per_s=tokens_per_step / statistics.median(steady))
-        summary["median_mfu"] = fpt * summary["median_tokens_per_s"] / (peak * world)
+        steady = metrics[1:] or metrics  # the first step warms up
+        med = lambda key: statistics.median(m[key] for m in steady)
+        summary.update(median_step_s=med("step_s"), final_loss=metrics[-1]["loss"],
+                       median_tokens_per_s=med("tokens_per_s"), median_mfu=med("mfu"))
     if show:
         _report(summary)
     if rank == 0 and cfg.metrics_json:

@@ -21,6 +21,9 @@ BASE = train.TrainConfig(steps=30, batch_size=4, seq_len=32, model=SMALL, progre
 LAYOUTS = {"tp2": dict(tp=2), "up2": dict(up=2), "dp2": dict(dp=2)}
 RUNS = {f"{name}-{m}": dataclasses.replace(BASE, method=m, **kw)
         for name, kw in LAYOUTS.items() for m in ("commfuse", "none")}
+VARLEN = dataclasses.replace(BASE, steps=12, seq_len=31, variable_length=True)  # 16..31 tokens
+VARLEN_RUNS = {f"{name}-varlen": dataclasses.replace(VARLEN, **kw)
+               for name, kw in LAYOUTS.items() if name != "dp2"}
 
 
 def _runs(rank, world, configs, ckpt_root):
@@ -41,7 +44,7 @@ def _runs(rank, world, configs, ckpt_root):
 
 @functools.lru_cache(maxsize=None)
 def results(tmp: str) -> dict:
-    return run_local(_runs, 2, RUNS, tmp, timeout=300)[0]
+    return run_local(_runs, 2, {**RUNS, **VARLEN_RUNS}, tmp, timeout=300)[0]
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +71,15 @@ def _max_rel(a, b):
 def test_parallel_run_matches_single_process(runs, reference, name):
     assert _max_rel(runs[name], reference) < 1e-4
     assert reference[-1] < reference[0] - 0.3  # it learns
+
+
+@pytest.mark.parametrize("name", sorted(VARLEN_RUNS))
+def test_variable_uneven_lengths_match_single_process(runs, name):
+    """Odd lengths that change every step: uneven shards, a different split each step."""
+    lengths = {train.seq_len_at(VARLEN, i) for i in range(VARLEN.steps)}
+    assert len(lengths) > 3 and any(n % 2 for n in lengths)  # odd: uneven over 2 ranks
+    want = [m["loss"] for m in train.launch(VARLEN)]
+    assert _max_rel(runs[name], want) < 1e-4
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

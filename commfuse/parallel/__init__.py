@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from commfuse.ops._common import even_sizes
 from commfuse.parallel.config import Mesh, ParallelDims, mark_sharded, sharded_axes
 from commfuse.parallel.data import ShardedLinear, shard_linears
 from commfuse.parallel.tensor import TPAttention, TPMLP
@@ -42,17 +43,32 @@ __all__ = ["ParallelDims", "Mesh", "ParallelLlama", "parallelize", "mark_sharded
            "sharded_axes", "save_checkpoint", "load_checkpoint"]
 
 
-class SeqShardEmbedding(nn.Module):
-    """The replicated embedding, returning only this rank's sequence shard [B, S/W, D]."""
+class SeqLayout:
+    """How the current forward's sequence is split over the seq ranks: `even_sizes` of its
+    length (any length: 10 tokens over 4 ranks = 3, 3, 2, 2). The sharding embedding sets it
+    from the tokens; the TP/UP blocks pass it to the fused ops that take a shard."""
 
-    def __init__(self, emb: nn.Embedding, index: int, world: int):
+    def __init__(self, index: int, world: int):
+        self.index, self.world = index, world
+        self.sizes: tuple[int, ...] | None = None
+
+    def shard(self, t_BS: torch.Tensor) -> torch.Tensor:
+        """This rank's part of dim 1 of ``t_BS`` (and remember the split)."""
+        self.sizes = even_sizes(t_BS.shape[1], self.world)
+        start = sum(self.sizes[:self.index])
+        return t_BS[:, start:start + self.sizes[self.index]]
+
+
+class SeqShardEmbedding(nn.Module):
+    """The replicated embedding, returning only this rank's sequence shard [B, s, D]."""
+
+    def __init__(self, emb: nn.Embedding, layout: SeqLayout):
         super().__init__()
         self.weight = emb.weight  # same Parameter (stays tied to the output head if it was)
-        self.index, self.world = index, world
+        self.layout = layout
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        s = tokens_BS.shape[1] // self.world
-        return F.embedding(tokens_BS[:, self.index * s:(self.index + 1) * s], self.weight)
+        return F.embedding(self.layout.shard(tokens_BS), self.weight)
 
 
 def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None) -> ParallelLlama:
@@ -66,14 +82,15 @@ def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None) -> ParallelL
     mesh = plan if isinstance(plan, Mesh) else plan.build_mesh()
     dims, kw, dp = mesh.dims, mesh.dims.op_kwargs, mesh.dp_group
     dims.check_model(model.cfg)
+    layout = SeqLayout(mesh.seq_index, dims.seq)
     if dims.seq > 1:
-        model.tok_emb = SeqShardEmbedding(model.tok_emb, mesh.seq_index, dims.seq)
+        model.tok_emb = SeqShardEmbedding(model.tok_emb, layout)
     for i, layer in enumerate(model.layers):
         if dims.tp > 1:
-            layer.attn = TPAttention(layer.attn, mesh.seq_group, kw, dp, dims.query_split)
-            layer.mlp = TPMLP(layer.mlp, mesh.seq_group, kw, dp)
+            layer.attn = TPAttention(layer.attn, mesh.seq_group, kw, dp, dims.query_split, layout)
+            layer.mlp = TPMLP(layer.mlp, mesh.seq_group, kw, dp, layout)
         elif dims.up > 1:
-            layer.attn = UPAttention(layer.attn, mesh.seq_group, kw, dp)
+            layer.attn = UPAttention(layer.attn, mesh.seq_group, kw, dp, layout)
         if dp is not None:  # whatever Linear is left (UP's MLP, or all of them without TP/UP)
             shard_linears(layer, dp, kw, f"layers.{i}.")
     if dp is not None and not model.cfg.tie_embeddings:
@@ -96,8 +113,7 @@ class ParallelLlama(nn.Module):
         """This rank's sequence shard of a [B, S, ...] tensor (all of it without TP/UP)."""
         if self.mesh is None or self.mesh.dims.seq == 1:
             return t_BS
-        s = t_BS.shape[1] // self.mesh.dims.seq
-        return t_BS[:, self.mesh.seq_index * s:(self.mesh.seq_index + 1) * s]
+        return SeqLayout(self.mesh.seq_index, self.mesh.dims.seq).shard(t_BS)
 
     def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         """This rank's share of the global mean cross-entropy (float32; -100 ignored).

@@ -82,8 +82,7 @@ class ParallelDims:
                      ("ffn_hidden", cfg.ffn_hidden, self.tp)]
         if self.up > 1:
             need += [("n_heads", cfg.n_heads, self.up), ("n_kv_heads", cfg.n_kv_heads, self.up)]
-        if seq_len is not None:
-            need.append(("sequence length", seq_len, self.seq))
+        if seq_len is not None:  # any length: the sequence is split as evenly as it goes
             if seq_len > cfg.max_seq_len:
                 raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={cfg.max_seq_len}")
         if batch_size is not None:

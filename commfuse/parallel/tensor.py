@@ -63,8 +63,9 @@ class TPAttention(nn.Module):
     """Column-parallel q/k/v (one fused AG->GEMM) and row-parallel out-proj (GEMM->RS)."""
 
     def __init__(self, attn: Attention, tp_group, op_kwargs: dict, dp_group=None,
-                 query_split: bool = False):
+                 query_split: bool = False, layout=None):
         super().__init__()
+        self.layout = layout  # the sequence split (commfuse.parallel.SeqLayout); None: even
         T, r = tp_group.size(), tp_group.rank()
         self.query_split = query_split
         if attn.wk.weight.shape[0] % (T * attn.head_dim):
@@ -81,6 +82,7 @@ class TPAttention(nn.Module):
         wq, wk, wv, wo = (m.gather() for m in (self.wq, self.wk, self.wv, self.wo))
         # the gather of the next sequence slice hides behind the q|k|v GEMMs of this one
         _, (q, k, v) = fused_all_gather_matmul(x_BsD, [wq.t(), wk.t(), wv.t()], 1, self.group,
+                                               sizes=getattr(self.layout, "sizes", None),
                                                return_A=False, **self.op_kwargs)
         B, S, K = q.shape[0], q.shape[1], self.head_dim
         q, k, v = q.view(B, S, -1, K), k.view(B, S, -1, K), v.view(B, S, -1, K)
@@ -103,8 +105,9 @@ class TPAttention(nn.Module):
 class TPMLP(nn.Module):
     """Column-parallel gate|up (one fused AG->GEMM), SwiGLU, row-parallel down (GEMM->RS)."""
 
-    def __init__(self, mlp: MLP, tp_group, op_kwargs: dict, dp_group=None):
+    def __init__(self, mlp: MLP, tp_group, op_kwargs: dict, dp_group=None, layout=None):
         super().__init__()
+        self.layout = layout
         T, r = tp_group.size(), tp_group.rank()
         self.group, self.op_kwargs = tp_group, dict(op_kwargs)
         self.w_gate = weight(_rows(mlp.w_gate.weight, r, T), dp_group, op_kwargs, "w_gate", "seq")
@@ -114,6 +117,7 @@ class TPMLP(nn.Module):
     def forward(self, x_BsD):
         w_gate, w_up, w_down = (m.gather() for m in (self.w_gate, self.w_up, self.w_down))
         _, (g_BSf, u_BSf) = fused_all_gather_matmul(x_BsD, [w_gate.t(), w_up.t()], 1, self.group,
+                                                    sizes=getattr(self.layout, "sizes", None),
                                                     return_A=False, **self.op_kwargs)
         return fused_matmul_reduce_scatter(F.silu(g_BSf) * u_BSf, w_down.t(), "sum", 1,
                                            self.group, **self.op_kwargs)

@@ -45,8 +45,9 @@ def unpermute_qkv(w, groups: int, q_rows: int, kv_rows: int):
 class UPAttention(nn.Module):
     """q|k|v projection fused with the all-to-all, attention, all-to-all fused with out-proj."""
 
-    def __init__(self, attn: Attention, up_group, op_kwargs: dict, dp_group=None):
+    def __init__(self, attn: Attention, up_group, op_kwargs: dict, dp_group=None, layout=None):
         super().__init__()
+        self.layout = layout  # the sequence split (commfuse.parallel.SeqLayout); None: even
         U = up_group.size()
         self.group, self.op_kwargs, self.head_dim = up_group, dict(op_kwargs), attn.head_dim
         self.q_rows, self.kv_rows = attn.wq.weight.shape[0], attn.wk.weight.shape[0]
@@ -61,6 +62,7 @@ class UPAttention(nn.Module):
         U, K = self.group.size(), self.head_dim
         # block p's GEMM runs just before its send to rank p; my own block last
         y_BSc = fused_matmul_all_to_all(x_BsD, self.wqkv.gather().t(), self.group, seq_dim=1,
+                                        sizes=getattr(self.layout, "sizes", None),
                                         **self.op_kwargs)
         B, S = y_BSc.shape[:2]
         h, g = self.q_rows // U, self.kv_rows // U
