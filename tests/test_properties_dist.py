@@ -167,3 +167,25 @@ def test_every_rank_exact_or_the_same_clear_error(world):
         else:
             assert len(set(outs)) == 1, (i, ex, outs)  # the same error on every rank
     assert seen == {"ok", "error"}, seen  # the examples reach both outcomes
+
+
+LENGTHS = (8, 5, 13, 2, 8)  # tokens of successive steps; 2 leaves a rank empty at W=3
+
+
+def _steps(rank: int, world: int):
+    """Every op and method over a sequence length that changes from call to call."""
+    groups = {"world": dist.group.WORLD}
+    out = []
+    for op in ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul"):
+        for variant in METHODS:
+            for i, total in enumerate(LENGTHS):
+                ex = dict(op=op, variant=variant, group="world", explicit=True, mid=2, k=3, n=2,
+                          seq_dim=1, dtype=torch.float32, bad=None, seed=i,
+                          sizes=list(commfuse.even_sizes(total, world)))
+                out.append((op, variant[0], total, _one(ex, rank, groups)))
+    return out
+
+
+def test_sequence_length_changes_every_call():
+    for rows in zip(*run_local(_steps, 3, timeout=300, pg_timeout_s=30)):
+        assert all(r[3][:2] == ("ok", True) for r in rows), rows
