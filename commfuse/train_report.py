@@ -1,0 +1,73 @@
+"""What a training run reports: progress lines, the summary, exposed communication, and the
+peak FLOP/s that MFU is measured against (`commfuse.train`)."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def measure_matmul_flops(n: int = 512, seconds: float = 0.3, dtype=torch.float32) -> float:
+    """FLOP/s of a dense n x n matmul on this process's threads (the MFU denominator)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    iters, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        iters += 1
+    return 2 * n ** 3 * iters / (time.perf_counter() - t0)
+
+
+def progress(metrics: list[dict], steps: int) -> None:
+    """One line per tenth of the run (a \\r-updated line in between on a terminal); the loss is
+    this step's and the mean since the last printed line (one batch is noisy)."""
+    m, every = metrics[-1], max(1, steps // 10)
+    window = [x["loss"] for x in metrics[-((m["step"] - 1) % every + 1):]]
+    line = (f"step {m['step']:>4}/{steps}  loss {m['loss']:.4f} "
+            f"(avg {sum(window) / len(window):.4f})  {m['tokens_per_s']:7.0f} tok/s  "
+            f"MFU {100 * m['mfu']:5.1f}%  {m['step_s'] * 1e3:6.1f} ms/step")
+    last = m["step"] % every == 0 or m["step"] == steps
+    if sys.stdout.isatty():
+        print("\r" + line, end="\n" if last else "", flush=True)
+    elif last or m["step"] == 1:
+        print(line, flush=True)
+
+
+def report(s: dict) -> None:
+    if "median_step_s" not in s:
+        return
+    exposed = ("not measured" if s["exposed_comm_s"] is None else
+               f"{s['exposed_comm_s'] * 1e3:.1f} ms of {s['fwd_bwd_s'] * 1e3:.1f} ms fwd+bwd "
+               f"(compute alone {s['compute_only_s'] * 1e3:.1f} ms)")
+    print(f"done: final loss {s['final_loss']:.4f}; median step {s['median_step_s'] * 1e3:.1f} ms,"
+          f" {s['median_tokens_per_s']:.0f} tok/s, MFU {100 * s['median_mfu']:.1f}%; "
+          f"exposed communication: {exposed}", flush=True)
+
+
+def exposed(pmodel, tokens, targets, iters: int) -> dict:
+    """Median fwd+bwd(+grad sync) minus the same fwd+bwd in compute_only mode, interleaved."""
+    from commfuse import executor
+
+    if not hasattr(executor, "mode"):
+        return {}
+    normal, alone = [], []
+    torch.set_flush_denormal(True)  # compute_only buffers hold garbage; keep it off slow paths
+    for _ in range(iters):
+        for bucket, ctx in ((normal, None), (alone, "compute_only")):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if ctx is None:
+                pmodel.loss(tokens, targets).backward()
+                pmodel.sync_grads()
+            else:
+                with executor.mode(ctx):
+                    pmodel.loss(tokens, targets).backward()
+            bucket.append(time.perf_counter() - t0)
+            pmodel.zero_grad(set_to_none=True)
+    t_all, t_alone = statistics.median(normal), statistics.median(alone)
+    return {"exposed_comm_s": max(0.0, t_all - t_alone), "fwd_bwd_s": t_all,
+            "compute_only_s": t_alone}
