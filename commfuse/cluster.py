@@ -33,6 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+from commfuse.cluster_cpu import CpuQuota
 from commfuse.cluster_net import (MAX_RANKS, EmulatedNetwork, EmulationUnavailable, LinkSpec,
                                   check_available, cleanup_stale)
 
@@ -57,7 +58,10 @@ class ClusterSpec:
     straggler_rank: int | None = None
     """A rank that gets `straggler_link` instead (None: no straggler)."""
     straggler_link: LinkSpec | None = None
-    """The straggler's link; required with `straggler_rank`."""
+    """The straggler's link (None: the same as every rank's)."""
+    straggler_cpu: float | None = None
+    """The fraction of one core the straggler may use (a cgroup CPU quota: a compute
+    straggler); None: no limit. `straggler_rank` needs this and/or `straggler_link`."""
     pin: bool | None = None
     """Pin rank i to core i % ncores; None: pin when nproc <= the cores we may run on."""
     emulate: bool = True
@@ -68,11 +72,17 @@ class ClusterSpec:
             raise ValueError(f"nproc must be an int in 1..{MAX_RANKS}, got {self.nproc!r}")
         if not isinstance(self.link, LinkSpec):
             raise ValueError(f"link must be a LinkSpec, got {self.link!r}")
-        if (self.straggler_rank is None) != (self.straggler_link is None):
-            raise ValueError("straggler_rank and straggler_link go together: give both or none")
+        slow = self.straggler_link is not None or self.straggler_cpu is not None
+        if (self.straggler_rank is None) == slow:
+            raise ValueError("straggler_rank and straggler_link/straggler_cpu go together: "
+                             "give a rank and how it is slow, or none")
         if self.straggler_rank is None:
             return
-        if not isinstance(self.straggler_link, LinkSpec):
+        if self.straggler_cpu is not None and not (
+                isinstance(self.straggler_cpu, (int, float)) and 0 < self.straggler_cpu <= 1):
+            raise ValueError(f"straggler_cpu must be a fraction of a core in (0, 1], "
+                             f"got {self.straggler_cpu!r}")
+        if self.straggler_link is not None and not isinstance(self.straggler_link, LinkSpec):
             raise ValueError(f"straggler_link must be a LinkSpec, got {self.straggler_link!r}")
         if not 0 <= self.straggler_rank < self.nproc:
             raise ValueError(f"straggler_rank {self.straggler_rank} is not one of the ranks "
@@ -82,14 +92,16 @@ class ClusterSpec:
 
     def link_for(self, rank: int) -> LinkSpec:
         """The link of ``rank``."""
-        return self.straggler_link if rank == self.straggler_rank else self.link
+        return self.straggler_link if rank == self.straggler_rank and self.straggler_link \
+            else self.link
 
     def describe(self) -> str:
         """The COMMFUSE_LINK label, e.g. '1gbit delay 50us; rank 1: 100mbit delay 1ms'."""
         if not self.emulate:
             return "loopback"
-        straggler = (f"; rank {self.straggler_rank}: {self.straggler_link.describe()}"
-                     if self.straggler_link else "")
+        slow = [self.straggler_link.describe()] if self.straggler_link else []
+        slow += [f"{self.straggler_cpu:g} of a core"] if self.straggler_cpu else []
+        straggler = f"; rank {self.straggler_rank}: {', '.join(slow)}" if slow else ""
         return self.link.describe() + straggler
 
 
@@ -123,13 +135,16 @@ def _rank_envs(spec: ClusterSpec, net: EmulatedNetwork | None, pinned: bool) -> 
     return envs
 
 
-def _child_setup(core: int | None, parent: int) -> None:
-    """Runs in each rank between fork and exec: die with the launcher, sit on ``core``."""
+def _child_setup(core: int | None, parent: int, quota=None) -> None:
+    """Runs in each rank between fork and exec: die with the launcher, sit on ``core``, join
+    the straggler's CPU ``quota`` (before exec, so nothing of the rank runs outside it)."""
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the launcher died before prctl took effect
         os._exit(1)
     if core is not None:
         os.sched_setaffinity(0, {core})
+    if quota is not None:
+        quota.add(os.getpid())
 
 
 def _exit_code(returncode: int) -> int:
@@ -149,15 +164,18 @@ class _Supervisor:
         self.send(signal.SIGKILL if self.signum is not None else signum)
         self.signum = signum
 
-    def start(self, cmds: list[list[str]], envs: list[dict], cores: list[int | None]) -> None:
-        for cmd, env, core in zip(cmds, envs, cores):
+    def start(self, cmds: list[list[str]], envs: list[dict], cores: list[int | None],
+              quotas: dict | None = None) -> None:
+        """Start rank r as ``cmds[r]``; a rank in ``quotas`` joins that `CpuQuota` first."""
+        for r, (cmd, env, core) in enumerate(zip(cmds, envs, cores)):
             if self.signum is not None:  # interrupted while starting: start no more
                 break
             # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it
             # once; killpg also reaches any children a rank starts.
             self.procs.append(subprocess.Popen(
                 cmd, env=env, start_new_session=True,
-                preexec_fn=functools.partial(_child_setup, core, os.getpid())))
+                preexec_fn=functools.partial(_child_setup, core, os.getpid(),
+                                             (quotas or {}).get(r))))
 
     def send(self, sig: int) -> None:
         for p in self.procs:
@@ -221,7 +239,7 @@ def launch(spec: ClusterSpec, argv: list[str], timeout: float | None = None) -> 
     if spec.emulate:
         check_available()
         cleanup_stale()
-    sup, net, cores = _Supervisor(), None, _cores(spec)
+    sup, net, cores, quota = _Supervisor(), None, _cores(spec), None
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, sup.on_signal) for s in _FORWARDED} if in_main else {}
 
@@ -229,6 +247,10 @@ def launch(spec: ClusterSpec, argv: list[str], timeout: float | None = None) -> 
         sup.send(signal.SIGKILL)
         if net is not None:
             net.down()
+        if quota is not None:
+            for p in sup.procs:
+                p.wait()
+            quota.remove()
 
     atexit.register(teardown)
     try:
@@ -237,10 +259,13 @@ def launch(spec: ClusterSpec, argv: list[str], timeout: float | None = None) -> 
             net.up()
             if not net.delay_emulated:
                 _say("this kernel has no sch_netem: bandwidth is shaped, delay/jitter are not")
+        if spec.straggler_cpu is not None:
+            quota = CpuQuota(f"commfuse-{os.getpid()}", spec.straggler_cpu)
         if sup.signum is None:  # a signal during setup ends the run before it starts
             netns = [p.netns for p in net.ports] if net else [None] * spec.nproc
             sup.start([(["ip", "netns", "exec", n] if n else []) + list(argv) for n in netns],
-                      _rank_envs(spec, net, cores[0] is not None), cores)
+                      _rank_envs(spec, net, cores[0] is not None), cores,
+                      {spec.straggler_rank: quota} if quota else None)
         return sup.wait(timeout)
     finally:
         teardown()
@@ -267,12 +292,16 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    "1ms, 0 (default 50us; needs the kernel's sch_netem)")
     g.add_argument("--jitter", default="0us", help="random +- variation of the delay, at most "
                    "--delay (default 0us; netem may reorder packets when non-zero)")
-    g.add_argument("--straggler-rank", type=int, metavar="R",
-                   help="give rank R a different link (--straggler-link / --straggler-delay)")
+    g.add_argument("--straggler-rank", type=int, metavar="R", help="make rank R slow: a "
+                   "different link (--straggler-link / --straggler-delay) and/or less CPU "
+                   "(--straggler-cpu)")
     g.add_argument("--straggler-link", metavar="RATE",
                    help="the straggler's bandwidth (default: --link)")
     g.add_argument("--straggler-delay", metavar="DELAY",
                    help="the straggler's delay (default: --delay)")
+    g.add_argument("--straggler-cpu", type=float, metavar="FRACTION",
+                   help="the straggler may use this fraction of one core (a cgroup CPU quota, "
+                        "e.g. 0.5: its GEMMs take twice as long; needs root)")
     g.add_argument("--no-emulate", dest="emulate", action="store_false",
                    help="plain loopback (127.0.0.1), no shaping; automatic without root")
     g.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
@@ -286,15 +315,19 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     """The `ClusterSpec` the parsed options describe (ValueError if they are inconsistent)."""
     link = LinkSpec(rate=args.link, delay=args.delay, jitter=args.jitter)
     straggler = None
+    cpu = getattr(args, "straggler_cpu", None)
     if args.straggler_rank is not None:
-        if args.straggler_link is None and args.straggler_delay is None:
-            raise ValueError("--straggler-rank needs --straggler-link and/or --straggler-delay")
-        straggler = replace(link, rate=args.straggler_link or link.rate,
-                            delay=args.straggler_delay or link.delay)
-    elif args.straggler_link is not None or args.straggler_delay is not None:
-        raise ValueError("--straggler-link/--straggler-delay need --straggler-rank")
+        if args.straggler_link is None and args.straggler_delay is None and cpu is None:
+            raise ValueError("--straggler-rank needs --straggler-link, --straggler-delay "
+                             "and/or --straggler-cpu")
+        if args.straggler_link is not None or args.straggler_delay is not None:
+            straggler = replace(link, rate=args.straggler_link or link.rate,
+                                delay=args.straggler_delay or link.delay)
+    elif args.straggler_link is not None or args.straggler_delay is not None or cpu is not None:
+        raise ValueError("--straggler-link/--straggler-delay/--straggler-cpu need --straggler-rank")
     return ClusterSpec(nproc=args.nproc, link=link, straggler_rank=args.straggler_rank,
-                       straggler_link=straggler, pin=args.pin, emulate=args.emulate)
+                       straggler_link=straggler, straggler_cpu=cpu, pin=args.pin,
+                       emulate=args.emulate)
 
 
 def main_launch(args: argparse.Namespace) -> int:
@@ -315,7 +348,8 @@ def main_launch(args: argparse.Namespace) -> int:
         return 127
     except EmulationUnavailable as e:
         _say(f"{e}\ncommfuse launch: FALLING BACK TO LOOPBACK (COMMFUSE_LINK=loopback)")
-        return launch(replace(spec, emulate=False, straggler_rank=None, straggler_link=None),
+        return launch(replace(spec, emulate=False, straggler_rank=None, straggler_link=None,
+                              straggler_cpu=None),
                       argv, timeout=args.timeout)
 
 

@@ -282,3 +282,42 @@ def test_concurrent_runs_do_not_collide(tmp_path):
     assert all(i["sum"] == [3.0] * 4 for info in infos for i in info)
     run_ids = {info[0]["COMMFUSE_RUN_ID"] for info in infos}
     assert len(run_ids) == 2 and all(_leftovers(r) == [] for r in run_ids)
+
+
+def test_cpu_straggler_spec():
+    spec = ClusterSpec(nproc=2, straggler_rank=1, straggler_cpu=0.5)
+    assert spec.link_for(1) == spec.link and "rank 1: 0.5 of a core" in spec.describe()
+    for bad in (0, 1.5, "half"):
+        with pytest.raises(ValueError, match="straggler_cpu"):
+            ClusterSpec(nproc=2, straggler_rank=1, straggler_cpu=bad)
+    with pytest.raises(ValueError, match="together"):
+        ClusterSpec(nproc=2, straggler_cpu=0.5)
+    parser = add_launch_arguments(argparse.ArgumentParser())
+    spec = spec_from_args(parser.parse_args("--straggler-rank 0 --straggler-cpu 0.25 -- x".split()))
+    assert (spec.straggler_rank, spec.straggler_cpu, spec.straggler_link) == (0, 0.25, None)
+    with pytest.raises(ValueError, match="need --straggler-rank"):
+        spec_from_args(parser.parse_args("--straggler-cpu 0.25 -- x".split()))
+
+
+_MATMULS = """\
+import torch
+torch.set_num_threads(1)
+a = torch.randn(256, 256)
+t0, n = time.perf_counter(), 0
+while time.perf_counter() - t0 < 1.0:
+    a @ a
+    n += 1
+report(rate=n, cgroup=open(f"/proc/{os.getpid()}/cgroup").read())
+"""
+
+
+@needs_netns
+def test_cpu_straggler_runs_slower_and_its_cgroup_is_removed(tmp_path):
+    spec = ClusterSpec(nproc=2, straggler_rank=1, straggler_cpu=0.4)
+    assert launch(spec, _script(tmp_path, _MATMULS)) == 0
+    fast, slow = _reports(tmp_path, 2)
+    assert slow["rate"] < 0.7 * fast["rate"], (fast["rate"], slow["rate"])
+    assert "commfuse-" in slow["cgroup"] and "commfuse-" not in fast["cgroup"]
+    left = [p for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/cpu") if os.path.isdir(root)
+            for p in os.listdir(root) if p.startswith("commfuse-")]
+    assert not left, left

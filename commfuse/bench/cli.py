@@ -74,7 +74,8 @@ def run(args) -> int:
         print(f"[bench] {e}\n[bench] FALLING BACK TO LOOPBACK: transfers cost no wire time, so "
               f"the overlap figures mean little")
         return cluster.launch(dataclasses.replace(spec, emulate=False, straggler_rank=None,
-                                              straggler_link=None), argv, timeout=args.timeout)
+                                              straggler_link=None, straggler_cpu=None), argv,
+                              timeout=args.timeout)
 
 
 def _worker(args, names: list[str], seqs: list[int]) -> int:
