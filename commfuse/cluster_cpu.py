@@ -17,14 +17,23 @@ _V2 = Path("/sys/fs/cgroup")
 _V1 = Path("/sys/fs/cgroup/cpu")
 
 
+def available() -> bool:
+    """Whether this machine has a cgroup cpu controller to put a quota on."""
+    try:
+        _root()
+    except CpuQuotaUnavailable:
+        return False
+    return True
+
+
 class CpuQuotaUnavailable(RuntimeError):
     """No writable cgroup cpu controller here."""
 
 
 def _root() -> tuple[Path, bool]:
     """The cgroup directory to create under, and whether it is cgroup v2."""
-    if "cpu" in (_V2 / "cgroup.controllers").read_text().split() if \
-            (_V2 / "cgroup.controllers").exists() else False:
+    controllers = _V2 / "cgroup.controllers"
+    if controllers.exists() and "cpu" in controllers.read_text().split():
         return _V2, True
     if (_V1 / "cpu.cfs_quota_us").exists():
         return _V1, False

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from commfuse import cluster_net
+from commfuse import cluster_cpu, cluster_net
 from commfuse.cluster import (ClusterSpec, EmulationUnavailable, LinkSpec, add_launch_arguments,
                               cleanup_stale, launch, main_launch, spec_from_args)
 
@@ -312,6 +312,7 @@ report(rate=n, cgroup=open(f"/proc/{os.getpid()}/cgroup").read())
 
 
 @needs_netns
+@pytest.mark.skipif(not cluster_cpu.available(), reason="needs a cgroup cpu controller")
 def test_cpu_straggler_runs_slower_and_its_cgroup_is_removed(tmp_path):
     spec = ClusterSpec(nproc=2, straggler_rank=1, straggler_cpu=0.4)
     assert launch(spec, _script(tmp_path, _MATMULS)) == 0

@@ -26,7 +26,9 @@ class _MallInfo2(ctypes.Structure):
 
 
 _libc = ctypes.CDLL(None)
-_libc.mallinfo2.restype = _MallInfo2
+AVAILABLE = hasattr(_libc, "mallinfo2")  # glibc >= 2.33
+if AVAILABLE:
+    _libc.mallinfo2.restype = _MallInfo2
 
 
 def in_use() -> int:
