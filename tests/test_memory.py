@@ -9,13 +9,13 @@ from commfuse.spawn import run_local
 
 VARIANTS_ = {**{v: VARIANTS[v] for v in VARIANTS if v != "auto"},
              "sliced-2": ("sliced", {"chunks": 2})}
-SLACK = 256 * 1024  # bytes: allocator rounding and other threads' small allocations
+SLACK = 256 * 1024  # bytes (a quarter of C here): allocator rounding, other threads
 
 
 @pytest.mark.skipif(not AVAILABLE, reason="needs glibc's mallinfo2 (glibc >= 2.33)")
 @pytest.mark.parametrize("world", [2, 3])
 def test_extra_memory_within_the_documented_bound(world):
-    res = run_local(measure, world, VARIANTS_, 128, 256, 512, timeout=300)
+    res = run_local(measure, world, VARIANTS_, 256, 256, 1024, timeout=300)
     over = {key: (r[key]["extra_bytes"], r[key]["bound_bytes"]) for r in res for key in r
             if r[key]["extra_bytes"] > r[key]["bound_bytes"] + SLACK}
     assert not over, over

@@ -120,12 +120,18 @@ def bound(op: str, method: str, opts: dict, world: int, t: dict) -> float:
     """
     W, k, m = world, opts.get("chunks", 4), opts.get("splits", 1)
     direct = opts.get("topology") == "direct"
+    # torch's own collective (collective="backend") may copy what it moves once more: gloo's
+    # reduce-scatter always did, its all-to-all sometimes
+    backend = opts.get("collective") == "backend"
+    moved = {"ag_matmul": t["A"], "matmul_rs": W * t["C"], "matmul_a2a": t["Y"], "a2a_matmul": t["X"]}
+    return _bound(op, method, W, k, m, direct, t) + (moved[op] if backend else 0)
+
+
+def _bound(op: str, method: str, W: int, k: int, m: int, direct: bool, t: dict) -> float:
     if op == "ag_matmul":
         return t["A"] + (2 * t["A"] + t["Y"]) / k if method == "sliced" else t["A"]
     if op == "matmul_rs":
-        if method in ("none", "sliced") or direct:
-            return (2 * W - 1 + (method == "none" and opts.get("collective") == "backend")) * t["C"]
-        return (W + 1 / m) * t["C"]
+        return (2 * W - 1) * t["C"] if method in ("none", "sliced") or direct else (W + 1 / m) * t["C"]
     if op == "matmul_a2a":
         return {"none": 1, "sliced": 2}.get(method, (W - 1) / W) * t["Y"]
     if method in ("none", "sliced"):
