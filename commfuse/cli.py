@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
@@ -57,22 +58,23 @@ def _train_parser(sub) -> None:
     p.set_defaults(run=train.run)
 
 
-def _simulate_parser(sub) -> None:
-    p = sub.add_parser("simulate", add_help=False, prefix_chars="\0",
-                       help="predict every method's time on a hardware model (commfuse.sim)",
-                       description="See commfuse simulate --help.")
+def _forwarding_parser(sub, name: str, help: str, module: str, main: str) -> None:
+    """A subcommand whose arguments all go to ``module.main(argv)``, imported when run (its
+    own parser, so ``commfuse NAME --help`` is that module's manual)."""
+    p = sub.add_parser(name, add_help=False, prefix_chars="\0", help=help,
+                       description=f"See commfuse {name} --help.")
     p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(run=lambda a: __import__("commfuse.sim.cli", fromlist=["x"]).main_simulate(a.args))
+    p.set_defaults(run=lambda a: getattr(importlib.import_module(module), main)(a.args))
+
+
+def _simulate_parser(sub) -> None:
+    _forwarding_parser(sub, "simulate", "predict every method's time on a hardware model "
+                       "(commfuse.sim)", "commfuse.sim.cli", "main_simulate")
 
 
 def _plan_parser(sub) -> None:
-    p = sub.add_parser("plan", add_help=False, prefix_chars="\0",
-                       help="rank every TP/UP/DP layout and method of a model by predicted step "
-                            "time (commfuse.sim)",
-                       description="See commfuse plan --help.")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(run=lambda a: __import__("commfuse.sim.plan_cli",
-                                            fromlist=["x"]).main_plan(a.args))
+    _forwarding_parser(sub, "plan", "rank every TP/UP/DP layout and method of a model by "
+                       "predicted step time (commfuse.sim)", "commfuse.sim.plan_cli", "main_plan")
 
 
 def _launch_parser(sub) -> None:

@@ -17,15 +17,6 @@ _V2 = Path("/sys/fs/cgroup")
 _V1 = Path("/sys/fs/cgroup/cpu")
 
 
-def available() -> bool:
-    """Whether this machine has a cgroup cpu controller to put a quota on."""
-    try:
-        _root()
-    except CpuQuotaUnavailable:
-        return False
-    return True
-
-
 class CpuQuotaUnavailable(RuntimeError):
     """No writable cgroup cpu controller here."""
 
@@ -38,6 +29,15 @@ def _root() -> tuple[Path, bool]:
     if (_V1 / "cpu.cfs_quota_us").exists():
         return _V1, False
     raise CpuQuotaUnavailable("no cgroup cpu controller (v2 cpu.max or v1 cpu.cfs_quota_us)")
+
+
+def available() -> bool:
+    """Whether this machine has a cgroup cpu controller to put a quota on."""
+    try:
+        _root()
+    except CpuQuotaUnavailable:
+        return False
+    return True
 
 
 class CpuQuota:

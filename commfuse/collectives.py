@@ -59,17 +59,16 @@ class _Padded:
 
     def __init__(self, kind: str, out: torch.Tensor, inp: torch.Tensor, group, sizes):
         w, r, longest = group.size(), group.rank(), max(sizes)
-        self.out, self.sizes, self.r = out, sizes, r
+        self.kind, self.out, self.sizes, self.r, self.longest = kind, out, sizes, r, longest
         if kind == "all_gather":
             src = inp.new_zeros((longest, *inp.shape[1:]))
             src[:sizes[r]].copy_(inp)
-            self.tmp, self.kind = out.new_empty((w * longest, *out.shape[1:])), kind
+            self.tmp = out.new_empty((w * longest, *out.shape[1:]))
         else:
             src = inp.new_zeros((w * longest, *inp.shape[1:]))
             for p, part in enumerate(inp.split(sizes)):
                 src[p * longest:p * longest + sizes[p]].copy_(part)
-            self.tmp, self.kind = out.new_empty((longest, *out.shape[1:])), kind
-        self.longest = longest
+            self.tmp = out.new_empty((longest, *out.shape[1:]))
         self.work = BACKEND[kind](self.tmp, src, group=group, async_op=True)
 
     def wait(self, timeout=None) -> bool:

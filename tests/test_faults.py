@@ -37,8 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def inject(fault: str, at: int = 2) -> None:
-    """Make this process die (``kill``: SIGKILL, no goodbye) or stop answering (``stall``) at
-    its ``at``-th GEMM: inside an op, after its first transfers were posted."""
+    """At this process's ``at``-th GEMM (inside an op, after its first transfers were posted)
+    die (``kill``: SIGKILL, no goodbye), stop answering (``stall``), or take down its own
+    network interface and go on (``link_down``: on the emulated cluster)."""
     real, calls = executor.gemm, [0]
 
     def gemm(*args, **kwargs):
@@ -46,7 +47,11 @@ def inject(fault: str, at: int = 2) -> None:
         if calls[0] == at:
             if fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(3600)
+            elif fault == "link_down":
+                subprocess.run(["ip", "link", "set", "dev", os.environ["GLOO_SOCKET_IFNAME"],
+                                "down"], check=True)
+            else:
+                time.sleep(3600)
         return real(*args, **kwargs)
 
     executor.gemm = gemm
@@ -122,24 +127,16 @@ needs_netns = pytest.mark.skipif(
     reason="network emulation needs root and iproute2")
 
 _LINK_DOWN = """\
-import json, os, sys, subprocess, time
+import json, os, sys, time
 sys.path.insert(0, {tests!r})
 import torch.distributed as dist
 import commfuse
-from commfuse import executor
-from test_faults import run_op
+from test_faults import inject, run_op
 dist.init_process_group("gloo")
 commfuse.duplex()
 rank = dist.get_rank()
 if rank == 1:  # at the 2nd GEMM, cut this rank's link (it is in its own network namespace)
-    real, calls = executor.gemm, [0]
-    def gemm(*a, **k):
-        calls[0] += 1
-        if calls[0] == 2:
-            subprocess.run(["ip", "link", "set", "dev", os.environ["GLOO_SOCKET_IFNAME"], "down"],
-                           check=True)
-        return real(*a, **k)
-    executor.gemm = gemm
+    inject("link_down")
 t0, msg = time.monotonic(), None
 try:
     run_op({op!r}, {method!r}, {{}}, 2)

@@ -44,22 +44,14 @@ def _sampling(samples: list[int]):
 
     real = executor.gemm, executor.Transport.post, executor.Transport.wait
 
-    def gemm(*a, **k):
-        out = real[0](*a, **k)
-        samples.append(in_use())
-        return out
+    def sampled(fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            samples.append(in_use())
+            return out
+        return call
 
-    def post(self, *a):
-        out = real[1](self, *a)
-        samples.append(in_use())
-        return out
-
-    def wait(self, *a):
-        out = real[2](self, *a)
-        samples.append(in_use())
-        return out
-
-    executor.gemm, executor.Transport.post, executor.Transport.wait = gemm, post, wait
+    executor.gemm, executor.Transport.post, executor.Transport.wait = map(sampled, real)
     try:
         yield
     finally:

@@ -193,6 +193,11 @@ class Binding:
     def chunks(self, spec: MethodSpec) -> int:
         return len(self.pieces[0]) if self.pieces else self.world
 
+    @property
+    def whole(self) -> bool:
+        """``none``: one chunk, the whole slice of every rank (collectives can use the result)."""
+        return bool(self.pieces) and len(self.pieces[0]) == 1
+
     def sub_rows(self, slot: int, rank: int | None = None) -> slice:
         """Rows of sub-slice ``slot % m`` within the slice of ``rank`` (default: the slot's
         owner ``slot // m``)."""
@@ -215,13 +220,13 @@ class Binding:
     def chunk_rows(self, x: torch.Tensor, j: int) -> torch.Tensor:
         """Chunk ``j`` of every slice of ``x``'s full dim 0: a strided ``[W, n, ...]`` view when
         the slices are even, else their rows concatenated in rank order ``[sum n_p, ...]``."""
-        if len(self.pieces[0]) == 1:
+        if self.whole:
             return x.unflatten(0, (self.world, self.s)) if self.even else x
         if self.even:
             off, n = self.piece(j)
             return x.unflatten(0, (self.world, self.s))[:, off:off + n]
         return torch.cat([x[self.offs[p] + off:self.offs[p] + off + n]
-                          for p, (off, n) in enumerate(self.pieces[q][j] for q in range(self.world))])
+                          for p, (off, n) in enumerate(row[j] for row in self.pieces)])
 
     def flat(self, chunk: torch.Tensor) -> torch.Tensor:
         """A `chunk_rows`-shaped result as ``[sum n_p, ...]``."""

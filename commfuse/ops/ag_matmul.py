@@ -26,7 +26,6 @@ class _GatherBinding(_common.Binding):
         self.ys_SMN = [a_sMK.new_empty((self.total, *a_sMK.shape[1:-1], b.shape[1]))
                        for b in bs_KN]
         self.gathered: dict[int, torch.Tensor] = {}
-        self.whole = bool(self.pieces) and len(self.pieces[0]) == 1  # one chunk: the result
         if not self.pieces:
             self.a_SMK[self.offs[rank]:self.offs[rank] + self.s].copy_(a_sMK)
 

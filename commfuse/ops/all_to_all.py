@@ -50,8 +50,7 @@ class _ScatterColumnsBinding(_common.Binding):
 
     def collective(self, slot: int, transport):
         sizes = self.chunk_sizes(slot)
-        whole = len(self.pieces[0]) == 1
-        out = self.y_SMn if whole else self.y_SMn.new_empty((sum(sizes), *self.y_SMn.shape[1:]))
+        out = self.y_SMn if self.whole else self.y_SMn.new_empty((sum(sizes), *self.y_SMn.shape[1:]))
         self.recv[slot] = out
         return transport.launch("all_to_all", out, self.part[slot].flatten(0, 1), slot,
                                 sizes=sizes, in_sizes=[self.piece(slot)[1]] * self.world)
