@@ -78,7 +78,7 @@ def _plan_parser(sub) -> None:
 
 
 def _launch_parser(sub) -> None:
-    from commfuse import cluster
+    from commfuse.testbed import launch
 
     p = sub.add_parser(
         "launch", help="run a command on N ranks of an emulated cluster",
@@ -87,8 +87,8 @@ def _launch_parser(sub) -> None:
                     "env (RANK, WORLD_SIZE, MASTER_ADDR, ...). Everything is torn down on exit, "
                     "Ctrl-C or crash. Example: commfuse launch --nproc 2 --link 1gbit -- "
                     "python -m mymodule")
-    cluster.add_launch_arguments(p)
-    p.set_defaults(run=cluster.main_launch)
+    launch.add_launch_arguments(p)
+    p.set_defaults(run=launch.main_launch)
 
 
 def build_parser() -> argparse.ArgumentParser:

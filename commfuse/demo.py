@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import commfuse
-from commfuse.spawn import run_local
+from commfuse.testbed.spawn import run_local
 
 VARIANTS = [("none", {}), ("sliced", {"chunks": 4}), ("decompose", {"topology": "ring"}),
             ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"})]

@@ -1,7 +1,7 @@
 """Schedules as data: the ordered steps each rank runs for one fused op.
 
 A schedule is a pure function of (op, method, world size, rank, options). The executor
-(`commfuse.executor`) runs it on a process group and the simulator times the very same
+(`commfuse.runtime.executor`) runs it on a process group and the simulator times the very same
 objects, so what is simulated is what runs. Nothing here touches tensors or processes.
 
 Vocabulary (``slot`` is a slice index along the gathered/scattered dim for P2P methods, a
@@ -35,6 +35,21 @@ from typing import Literal, Union
 OPS = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
 METHODS = ("none", "sliced", "decompose", "commfuse")
 TOPOLOGIES = ("ring", "direct")
+COLLECTIVE_POLICIES = ("auto", "backend", "p2p")  # none/sliced: whose collective runs
+# The named variants of the methods, (method, options) by label: every list of methods in the
+# package (the benchmarks, the demo, auto's candidates, the simulator's calibration) picks
+# from this one table. "auto" is not a schedule: it picks one of the others per shape.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "none": ("none", {}),
+    "none-torch": ("none", {"collective": "backend"}),  # torch's own collective (slow on gloo)
+    "sliced": ("sliced", {"chunks": 4}),
+    "decompose": ("decompose", {"topology": "ring"}),
+    "commfuse": ("commfuse", {"topology": "ring"}),
+    "commfuse-m2": ("commfuse", {"topology": "ring", "splits": 2}),  # 2 sub-slices per rank
+    "commfuse-m4": ("commfuse", {"topology": "ring", "splits": 4}),  # 4 sub-slices per rank
+    "commfuse-direct": ("commfuse", {"topology": "direct"}),
+    "auto": ("auto", {}),  # commfuse.ops.auto's choice on the simulator's cost model
+}
 GATHER_SIDE = ("ag_matmul", "a2a_matmul")  # the collective feeds the GEMM
 REDUCE_SIDE = ("matmul_rs", "matmul_a2a")  # the GEMM feeds the collective
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import commfuse
-from commfuse.spawn import run_local
+from commfuse.testbed.spawn import run_local
 from dist_cases import all_cases, run_cases
 
 

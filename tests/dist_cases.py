@@ -2,7 +2,7 @@
 
 Every rank rebuilds *all* ranks' inputs from the case's seed, computes the whole unsharded
 problem in float64 in one process (the reference), runs the fused op on its own inputs, and
-compares outputs and gradients of A and every B. Runs inside `commfuse.spawn.run_local`.
+compares outputs and gradients of A and every B. Runs inside `commfuse.testbed.spawn.run_local`.
 """
 
 from __future__ import annotations

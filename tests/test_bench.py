@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from commfuse.bench import measure, report, workloads
-from commfuse.spawn import run_local
+from commfuse.testbed.spawn import run_local
 
 
 def _measure(rank, world, name, backward):

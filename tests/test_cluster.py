@@ -1,4 +1,4 @@
-"""The emulated-cluster launcher (commfuse.cluster).
+"""The emulated-cluster launcher (commfuse.testbed.launch).
 
 Spec and CLI tests need no processes. The rest start real ranks: on loopback, or each in its own
 network namespace (skipped without root and iproute2), and check exit codes, the measured
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from commfuse import cluster_cpu, cluster_net
-from commfuse.cluster import (ClusterSpec, EmulationUnavailable, LinkSpec, add_launch_arguments,
+from commfuse.testbed import cpu as cluster_cpu, net as cluster_net
+from commfuse.testbed.launch import (ClusterSpec, EmulationUnavailable, LinkSpec, add_launch_arguments,
                               cleanup_stale, launch, main_launch, spec_from_args)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,8 +101,8 @@ def _leftovers(run_id: str) -> list[str]:
 
 
 def _launcher(tmp_path: Path, body: str, *opts: str) -> subprocess.Popen:
-    """The launcher as its own process: python -m commfuse.cluster OPTS -- rank script."""
-    return subprocess.Popen([sys.executable, "-m", "commfuse.cluster", *opts, "--",
+    """The launcher as its own process: python -m commfuse.testbed.launch OPTS -- rank script."""
+    return subprocess.Popen([sys.executable, "-m", "commfuse.testbed.launch", *opts, "--",
                              *_script(tmp_path, body)], cwd=ROOT)
 
 

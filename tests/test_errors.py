@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import commfuse
-from commfuse.spawn import RankFailed, run_local
+from commfuse.testbed.spawn import RankFailed, run_local
 
 F = torch.float32
 

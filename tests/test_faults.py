@@ -3,7 +3,7 @@
 Every surviving rank must raise `commfuse.CommFuseError` naming the op, the step and the peer
 within the configured timeout (plus a margin for this shared machine); no rank may hang.
 ``commfuse train`` with a rank killed exits non-zero and its last checkpoint resumes.
-Each case starts real ranks (`commfuse.spawn.run_local` with ``victims``); the link case runs
+Each case starts real ranks (`commfuse.testbed.spawn.run_local` with ``victims``); the link case runs
 on the emulated cluster (root and iproute2).
 """
 
@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import commfuse
-from commfuse import executor
-from commfuse.spawn import run_local
+from commfuse.runtime import modes
+from commfuse.testbed.spawn import run_local
 
 TIMEOUT = 2.0  # the ops' `timeout` option in every case (seconds)
 MARGIN = 8.0  # scheduling slack on a loaded 2-core CI machine
@@ -40,7 +40,7 @@ def inject(fault: str, at: int = 2) -> None:
     """At this process's ``at``-th GEMM (inside an op, after its first transfers were posted)
     die (``kill``: SIGKILL, no goodbye), stop answering (``stall``), or take down its own
     network interface and go on (``link_down``: on the emulated cluster)."""
-    real, calls = executor.gemm, [0]
+    real, calls = modes.gemm, [0]
 
     def gemm(*args, **kwargs):
         calls[0] += 1
@@ -54,7 +54,7 @@ def inject(fault: str, at: int = 2) -> None:
                 time.sleep(3600)
         return real(*args, **kwargs)
 
-    executor.gemm = gemm
+    modes.gemm = gemm
 
 
 def run_op(op: str, method: str, opts: dict, world: int, steps: int = 2) -> None:
@@ -154,7 +154,7 @@ def test_link_down_raises_on_both_sides(tmp_path, op, method):
     script = tmp_path / "rank.py"
     script.write_text(_LINK_DOWN.format(tests=str(ROOT / "tests"), op=op, method=method,
                                         out=str(tmp_path)))
-    proc = subprocess.run([sys.executable, "-m", "commfuse.cluster", "--nproc", "2", "--link",
+    proc = subprocess.run([sys.executable, "-m", "commfuse.testbed.launch", "--nproc", "2", "--link",
                            "1gbit", "--timeout", "60", "--", sys.executable, str(script)],
                           cwd=ROOT, capture_output=True, text=True, timeout=90)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -5,7 +5,7 @@ import pytest
 
 from commfuse.bench.measure import VARIANTS
 from commfuse.bench.memory import AVAILABLE, measure
-from commfuse.spawn import run_local
+from commfuse.testbed.spawn import run_local
 
 VARIANTS_ = {**{v: VARIANTS[v] for v in VARIANTS if v != "auto"},
              "sliced-2": ("sliced", {"chunks": 2})}

@@ -1,6 +1,6 @@
 """Every op x method x dim x dtype on 2, 3 and 4 gloo ranks, against the unsharded reference.
 
-Each world size is started once (real processes, `commfuse.spawn.run_local`) and runs all
+Each world size is started once (real processes, `commfuse.testbed.spawn.run_local`) and runs all
 cases; each case is then reported as its own test, failing if any rank saw a difference.
 """
 
@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from commfuse.spawn import run_local
+from commfuse.testbed.spawn import run_local
 from dist_cases import all_cases, run_cases
 
 CASES = all_cases()

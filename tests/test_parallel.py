@@ -18,7 +18,7 @@ from commfuse.models.llama import Llama, LlamaConfig
 from commfuse.parallel import ParallelDims, parallelize
 from commfuse.parallel.data import ShardedLinear
 from commfuse.parallel.ulysses import permute_qkv, unpermute_qkv
-from commfuse.spawn import run_local
+from commfuse.testbed.spawn import run_local
 
 CFG = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
            max_seq_len=16)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import commfuse
-from commfuse.spawn import run_local
+from commfuse.testbed.spawn import run_local
 
 EXAMPLES = 200
 METHODS = [("none", {}), ("sliced", {"chunks": 2}), ("sliced", {"chunks": 3}), ("decompose", {}),

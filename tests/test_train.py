@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from commfuse import train
-from commfuse.spawn import run_local
+from commfuse.testbed.spawn import run_local
 
 SMALL = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32)
 BASE = train.TrainConfig(steps=30, batch_size=4, seq_len=32, model=SMALL, progress=False,

@@ -11,14 +11,14 @@ import sys
 
 import torch
 
-from commfuse._p2p import duplex
+from commfuse.runtime.gloo import duplex
 from commfuse.bench import measure, report, workloads
 
 WORKER_ENV = "COMMFUSE_BENCH_WORKER"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from commfuse import cluster
+    from commfuse.testbed import launch as cluster
 
     p.add_argument("kind", choices=["op", "layer"],
                    help="op: the four fused ops; layer: the TPSP MLP, TP attention (row-parallel "
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=15, help="timed iterations per method (default 15)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1: "
-                   "one core per rank, as DESIGN.md asks)")
+                   "one core per rank, see docs/design.md)")
     p.add_argument("--no-trace", dest="trace", action="store_false",
                    help="skip the Chrome/Perfetto trace of one iteration per method")
     p.add_argument("--out", default="bench-out", help="folder for JSON, PNG and traces "
@@ -63,7 +63,7 @@ def run(args) -> int:
         raise SystemExit(f"commfuse bench: every --seq must be divisible by --nproc ({args.nproc})")
     if "RANK" in os.environ:  # a rank: launched by us, by `commfuse launch` or by torchrun
         return _worker(args, names, seqs)
-    from commfuse import cluster
+    from commfuse.testbed import launch as cluster
 
     spec = cluster.spec_from_args(args)
     argv = [sys.executable, "-m", "commfuse.cli", "bench", *sys.argv[2:]]
@@ -83,7 +83,7 @@ def _worker(args, names: list[str], seqs: list[int]) -> int:
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    duplex()  # one connection per direction between two ranks (commfuse._p2p)
+    duplex()  # one connection per direction between two ranks (commfuse.runtime.gloo)
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
     passes = {"forward": [False], "backward": [True], "both": [False, True]}[args.passes]

@@ -7,7 +7,7 @@ For one workload at one size, each iteration times, in an order rotated every it
 - *communication alone*: the bytes of method ``none``'s collectives (as P2P transfers, the
   bytes every P2P schedule moves too), replayed with no compute;
 - the *testbed limit*: those same collectives launched first, then ``none``'s compute run
-  with no dependency on them, then waited: what this testbed allows (DESIGN.md).
+  with no dependency on them, then waited: what this testbed allows (docs/design.md).
 A step's time is the slowest rank's; medians and the 10th-90th percentile spread over
 iterations are reported. One more iteration per method is traced for the timeline.
 """
@@ -20,25 +20,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from commfuse import executor
 from commfuse.bench import workloads
+from commfuse.runtime import executor, modes
+from commfuse.schedule import VARIANTS
+from commfuse.trace import Tracer
 
-VARIANTS = {  # label -> (method, options)
-    "none": ("none", {}),
-    "none-torch": ("none", {"collective": "backend"}),  # gloo's own collective (slow on CPU)
-    "sliced": ("sliced", {"chunks": 4}),
-    "decompose": ("decompose", {"topology": "ring"}),
-    "commfuse": ("commfuse", {"topology": "ring"}),
-    "commfuse-m2": ("commfuse", {"topology": "ring", "splits": 2}),  # 2 sub-slices per rank
-    "commfuse-m4": ("commfuse", {"topology": "ring", "splits": 4}),  # 4 sub-slices per rank
-    "commfuse-direct": ("commfuse", {"topology": "direct"}),
-    "auto": ("auto", {}),  # commfuse.auto's choice on its cost model
-}
 
 
 def _limit_fn(step, backward: bool):
     """The testbed limit: ``none``'s collectives on scratch buffers beside ``none``'s compute."""
-    with executor.mode("record") as recorded:
+    with modes.mode("record") as recorded:
         step("none", {}, backward)
     transport = executor.make_transport(dist.group.WORLD, torch.device("cpu"), None)
     calls = [(kind, torch.zeros(out, dtype=dtype), torch.zeros(inp, dtype=dtype), tag, parts)
@@ -53,7 +44,7 @@ def _limit_fn(step, backward: bool):
 
     def limit():
         works = launch_all()  # the same bytes, with no dependency on the compute
-        with executor.mode("compute_only"):
+        with modes.mode("compute_only"):
             step("none", {}, backward)
         for w in works:
             transport.wait(w)
@@ -96,7 +87,7 @@ def measure(name: str, seq: int, d: int, dtype: torch.dtype, backward: bool, ite
 
 
 def _compute_only(step, method, opts, backward):
-    with executor.mode("compute_only"):
+    with modes.mode("compute_only"):
         step(method, opts, backward)
 
 
@@ -104,10 +95,10 @@ def _trace(step, variants, backward) -> list:
     spans = []
     for label in variants:
         method, opts = VARIANTS[label]
-        tracer = executor.Tracer()
+        tracer = Tracer()
         dist.barrier()
         t0 = time.perf_counter()
-        with executor.mode("normal", tracer):
+        with modes.mode("normal", tracer):
             step(method, opts, backward)
         tracer.add("step", label, t0, time.perf_counter())
         spans += tracer.spans

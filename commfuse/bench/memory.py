@@ -40,9 +40,10 @@ def in_use() -> int:
 @contextlib.contextmanager
 def _sampling(samples: list[int]):
     """Sample `in_use` after every GEMM, transfer post and wait of the executor."""
-    from commfuse import executor
+    from commfuse.runtime import modes
+    from commfuse.runtime.transport import Transport
 
-    real = executor.gemm, executor.Transport.post, executor.Transport.wait
+    real = modes.gemm, Transport.post, Transport.wait
 
     def sampled(fn):
         def call(*args, **kwargs):
@@ -51,11 +52,11 @@ def _sampling(samples: list[int]):
             return out
         return call
 
-    executor.gemm, executor.Transport.post, executor.Transport.wait = map(sampled, real)
+    modes.gemm, Transport.post, Transport.wait = map(sampled, real)
     try:
         yield
     finally:
-        executor.gemm, executor.Transport.post, executor.Transport.wait = real
+        modes.gemm, Transport.post, Transport.wait = real
 
 
 def peak_bytes(fn) -> tuple[int, object]:
@@ -75,13 +76,13 @@ def call(op: str, world: int, rows: int, k: int, n: int, method: str, opts: dict
     rank's slice of ``rows`` rows, K = ``k``, ``n`` columns of one rank's output."""
     import torch.distributed as dist
 
-    from commfuse.ops import _common
     from commfuse.ops.ag_matmul import ag_matmul
     from commfuse.ops.all_to_all import a2a_matmul, matmul_a2a
     from commfuse.ops.matmul_rs import matmul_rs
+    from commfuse.ops.methods import method_spec
 
     group = dist.group.WORLD
-    spec = _common.method_spec(method, opts)
+    spec = method_spec(method, opts)
     sizes = (rows,) * world
     if op == "ag_matmul":
         a, b = torch.randn(rows, k), torch.randn(k, n)
@@ -152,8 +153,8 @@ def measure(rank: int, world: int, variants: dict, rows: int = 256, k: int = 256
 def main(argv=None) -> int:
     import argparse
 
-    from commfuse.bench.measure import VARIANTS
-    from commfuse.spawn import run_local
+    from commfuse.schedule import VARIANTS
+    from commfuse.testbed.spawn import run_local
 
     p = argparse.ArgumentParser(prog="python -m commfuse.bench.memory",
                                 description="Measured extra memory of every op and method "

@@ -1,1 +1,38 @@
-"""The fused collective + GEMM ops, one module per family."""
+"""The fused ops: one module per op family, each an autograd.Function over a schedule.
+
+    fused.py            the public ops (validated arguments, method resolution)
+    methods.py          the methods and their options (pure)
+    checks.py           input checks, run before any communication
+    binding.py          the slot/chunk geometry the op bindings share; `execute`
+    ag_matmul.py        all-gather -> GEMM schedule binding      } autograd pair:
+    matmul_rs.py        GEMM -> reduce-scatter schedule binding  } gather_scatter.py
+    all_to_all.py       GEMM <-> all-to-all (Ulysses), bindings and autograd
+    attention.py        query-split attention (TP attention inside the RS ring)
+    auto.py             method="auto": the cost model's choice, cached per shape
+    registry.py         the ops by name, with example inputs (demo, bench, tests)
+
+Exports resolve lazily (PEP 562): `commfuse.ops.methods` imports without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "fused_all_gather_matmul": "commfuse.ops.fused",
+    "fused_matmul_reduce_scatter": "commfuse.ops.fused",
+    "fused_matmul_all_to_all": "commfuse.ops.fused",
+    "fused_all_to_all_matmul": "commfuse.ops.fused",
+    "query_split_attention": "commfuse.ops.attention",
+    "even_sizes": "commfuse.ops.binding",
+    "OPTIONS": "commfuse.ops.methods",
+    "MethodSpec": "commfuse.ops.methods",
+    "method_spec": "commfuse.ops.methods",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'commfuse.ops' has no attribute {name!r}")

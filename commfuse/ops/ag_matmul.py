@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from commfuse import executor
-from commfuse.ops import _common
+from commfuse.ops.binding import Binding, execute
+from commfuse.runtime import modes
 from commfuse.schedule import Transfer
 
 
-class _GatherBinding(_common.Binding):
+class _GatherBinding(Binding):
     """The buffers of one call: the gathered ``a_SMK`` (returned too) and the outputs."""
 
     def __init__(self, a_sMK: torch.Tensor, bs_KN, sizes, world: int, rank: int, spec):
@@ -38,7 +38,7 @@ class _GatherBinding(_common.Binding):
             return self._compute_chunk(slot)
         rows = self.rows(slot)
         for b_KN, y_SMN in zip(self.bs_KN, self.ys_SMN):
-            executor.gemm(self.a_SMK[rows], b_KN, out=y_SMN[rows])
+            modes.gemm(self.a_SMK[rows], b_KN, out=y_SMN[rows])
 
     # sliced / none: all_gather chunk j (rows pieces[p][j] of every slice), then its GEMMs
     def collective(self, slot: int, transport):
@@ -57,48 +57,14 @@ class _GatherBinding(_common.Binding):
         a = self.gathered.pop(slot)
         for b_KN, y_SMN in zip(self.bs_KN, self.ys_SMN):
             if self.whole:
-                executor.gemm(a, b_KN, out=y_SMN)
+                modes.gemm(a, b_KN, out=y_SMN)
             else:
-                self.place(y_SMN, slot, executor.gemm(a, b_KN))
+                self.place(y_SMN, slot, modes.gemm(a, b_KN))
 
 
 def ag_matmul(a_sMK: torch.Tensor, bs_KN, sizes, group, spec) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """No autograd: ``(all_gather(a_sMK, 0), [A @ b for b in bs_KN])`` under ``spec``; rank p's
     slice has ``sizes[p]`` rows."""
     binding = _GatherBinding(a_sMK.contiguous(), bs_KN, sizes, group.size(), group.rank(), spec)
-    _common.execute("ag_matmul", spec, group, binding, a_sMK.device)
+    execute("ag_matmul", spec, group, binding, a_sMK.device)
     return binding.a_SMK, binding.ys_SMN
-
-
-class AllGatherMatmul(torch.autograd.Function):
-    """``A = all_gather(A_shard, dim)``, ``Y_i = A @ B_i``.
-
-    Shapes: A_shard [.., s, .., K] (s at ``dim``; rank p's has ``sizes[p]`` rows), B_i [K, N_i]
-    (this rank's column shard); returns A [.., S, .., K] and Y_i [.., S, .., N_i], S = sum(sizes).
-    Input grad:  dA_shard = reduce_scatter(dA + sum_i dY_i @ B_i^T, dim), run as the dual
-    GEMM -> reduce-scatter with the same method.  Weight grad: dB_i = A^T @ dY_i (local).
-    Extra memory: none beyond the outputs (receives land in A); A is saved for backward.
-    """
-
-    @staticmethod
-    def forward(ctx, a_shard, dim, sizes, group, spec, *bs):
-        a_SMK, ys = ag_matmul(a_shard.movedim(dim, 0), bs, sizes, group, spec)
-        ctx.save_for_backward(a_SMK, *bs)
-        ctx.dim, ctx.sizes, ctx.group, ctx.spec = dim, sizes, group, spec
-        return (a_SMK.movedim(0, dim), *(y.movedim(0, dim) for y in ys))
-
-    @staticmethod
-    def backward(ctx, ga, *gys):
-        from commfuse.ops.matmul_rs import matmul_rs
-
-        a_SMK, *bs = ctx.saved_tensors
-        gys_SMN = [g.movedim(ctx.dim, 0) for g in gys]
-        ga_shard = None
-        if ctx.needs_input_grad[0]:
-            terms = [(g, b.t()) for g, b in zip(gys_SMN, bs)]
-            ga_shard = matmul_rs(terms, ga.movedim(ctx.dim, 0), ctx.sizes, ctx.group, ctx.spec)
-            ga_shard = ga_shard.movedim(0, ctx.dim)
-        a_XK = a_SMK.flatten(0, -2)
-        gbs = [a_XK.t() @ g.flatten(0, -2) if need else None
-               for g, need in zip(gys_SMN, ctx.needs_input_grad[5:])]
-        return (ga_shard, None, None, None, None, *gbs)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from commfuse import executor
-from commfuse.ops import _common
+from commfuse.ops.binding import Binding, execute
+from commfuse.runtime import modes
 from commfuse.schedule import Transfer
 
 
-class _ScatterColumnsBinding(_common.Binding):
+class _ScatterColumnsBinding(Binding):
     """matmul_a2a: compute ``a_sMK @ b_KN[:, block p]`` for each p, send it to rank p."""
 
     def __init__(self, a_sMK, b_KN, sizes, world: int, rank: int, spec):
@@ -38,15 +38,15 @@ class _ScatterColumnsBinding(_common.Binding):
     def compute(self, slot: int) -> None:
         if self.pieces:  # rows of chunk `slot`, all column blocks, laid out block-major
             off, n = self.piece(slot)
-            y = executor.gemm(self.a[off:off + n], self.b)
+            y = modes.gemm(self.a[off:off + n], self.b)
             self.part[slot] = y.unflatten(-1, (self.world, self.n)).movedim(-2, 0).contiguous()
             return
         p = slot // self.m  # my sub-slice slot % m, rank p's column block
         a, b_Kn = self.a[self.sub_rows(slot, self.rank)], self.b[:, p * self.n:(p + 1) * self.n]
         if p == self.rank:
-            executor.gemm(a, b_Kn, out=self.y_SMn[self.rows(slot)])
+            modes.gemm(a, b_Kn, out=self.y_SMn[self.rows(slot)])
         else:
-            self.part[slot] = executor.gemm(a, b_Kn)
+            self.part[slot] = modes.gemm(a, b_Kn)
 
     def collective(self, slot: int, transport):
         sizes = self.chunk_sizes(slot)
@@ -62,7 +62,7 @@ class _ScatterColumnsBinding(_common.Binding):
             self.place(self.y_SMn, slot, out)
 
 
-class _GatherColumnsBinding(_common.Binding):
+class _GatherColumnsBinding(Binding):
     """a2a_matmul: receive rank p's column block of my sequence slice, multiply by B's rows p."""
 
     def __init__(self, a_SMk, b_KN, sizes, world: int, rank: int, spec):
@@ -87,10 +87,10 @@ class _GatherColumnsBinding(_common.Binding):
             off, n = self.piece(slot)
             x = self.x_chunks[slot].movedim(0, -2).flatten(-2)
             self.x_chunks[slot] = x
-            executor.gemm(x, self.b, out=self.y_sMN[off:off + n])
+            modes.gemm(x, self.b, out=self.y_sMN[off:off + n])
             return
         p, j = divmod(slot, self.m)
-        y = executor.gemm(self.blocks[slot], self.b[p * self.k:(p + 1) * self.k])
+        y = modes.gemm(self.blocks[slot], self.b[p * self.k:(p + 1) * self.k])
         dst = self.y_sMN[self.sub_rows(slot, self.rank)]
         if j in self.started:
             dst.add_(y)  # own block first, then r-1, r-2, ...
@@ -118,7 +118,7 @@ def matmul_a2a(a_sMK, b_KN, sizes, group, spec) -> torch.Tensor:
     """No autograd: ``all_to_all(a_sMK @ b_KN)`` -> ``[S, M, N/W]`` under ``spec``; rank p's
     sequence slice has ``sizes[p]`` rows."""
     binding = _ScatterColumnsBinding(a_sMK, b_KN, sizes, group.size(), group.rank(), spec)
-    _common.execute("matmul_a2a", spec, group, binding, a_sMK.device)
+    execute("matmul_a2a", spec, group, binding, a_sMK.device)
     return binding.y_SMn
 
 
@@ -126,7 +126,7 @@ def a2a_matmul(a_SMk, b_KN, sizes, group, spec) -> tuple[torch.Tensor, _GatherCo
     """No autograd: ``all_to_all(a_SMk) @ b_KN`` -> ``[sizes[rank], M, N]``, and the binding
     (for dB)."""
     binding = _GatherColumnsBinding(a_SMk.contiguous(), b_KN, sizes, group.size(), group.rank(), spec)
-    _common.execute("a2a_matmul", spec, group, binding, a_SMk.device)
+    execute("a2a_matmul", spec, group, binding, a_SMk.device)
     return binding.y_sMN, binding
 
 

@@ -21,9 +21,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from commfuse import executor
-from commfuse.ops import _common
+from commfuse.ops import auto, checks
+from commfuse.ops.ag_matmul import ag_matmul
 from commfuse.ops.matmul_rs import reduce_scatter_of
+from commfuse.ops.methods import method_spec
+from commfuse.runtime import modes
 
 
 def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal: bool = True,
@@ -31,16 +33,16 @@ def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal:
     """``reduce_scatter(attn(q, k, v) @ wo, dim 0)`` -> ``[sizes[rank], B, D]``, run per query
     slice; ``sizes`` (rows of the sequence each rank keeps) defaults to `even_sizes`."""
     for name, t in (("q", q_SBHd), ("k", k_SBHd), ("v", v_SBHd)):
-        _common.check_tensor(name, t, 4)
+        checks.check_tensor(name, t, 4)
     if not (q_SBHd.shape == k_SBHd.shape == v_SBHd.shape):
         raise ValueError(f"q, k, v must have one shape [S, B, H, d], got {tuple(q_SBHd.shape)}, "
                          f"{tuple(k_SBHd.shape)}, {tuple(v_SBHd.shape)}")
     S, B, H, d = q_SBHd.shape
-    _common.check_matmul("q (flattened heads)", q_SBHd.new_empty(0, H * d), "wo", wo_HdD)
-    spec = _common.method_spec(method, opts)
-    group = _common.resolve_group(group)
-    sizes = _common.check_sizes(sizes, group.size(), group.rank(), total=S)
-    spec = _common.resolve_auto(spec, "matmul_rs", (S * B, H * d, wo_HdD.shape[1]), group.size(),
+    checks.check_matmul("q (flattened heads)", q_SBHd.new_empty(0, H * d), "wo", wo_HdD)
+    spec = method_spec(method, opts)
+    group = checks.resolve_group(group)
+    sizes = checks.check_sizes(sizes, group.size(), group.rank(), total=S)
+    spec = auto.resolve(spec, "matmul_rs", (S * B, H * d, wo_HdD.shape[1]), group.size(),
                                 q_SBHd)  # costed as its out-projection's GEMM -> RS
     return QuerySplitAttention.apply(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, sizes, group, spec)
 
@@ -63,7 +65,7 @@ def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, sizes, group, spec) ->
         lead = q_rows.shape[:-3]
         q_BHRd = q_rows.reshape(-1, B, H, d).permute(1, 2, 0, 3)
         pos_R = view(pos_S).reshape(-1)
-        if executor._state["mode"] == "comm_only":
+        if modes.current() == "comm_only":
             return q_rows.new_empty((*lead, B, wo_XD.shape[1]))
         keys = int(pos_R.max()) + 1 if causal else S  # later keys are masked out anyway
         prefix = causal and int(pos_R[0]) == 0 and keys == len(pos_R)  # rows 0..keys-1
@@ -72,7 +74,7 @@ def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, sizes, group, spec) ->
         o_BHRd = F.scaled_dot_product_attention(q_BHRd, k_BHSd[:, :, :keys], v_BHSd[:, :, :keys],
                                                 attn_mask=mask, is_causal=prefix)
         o_RBX = o_BHRd.permute(2, 0, 1, 3).reshape(-1, B, H * d)
-        return executor.gemm(o_RBX, wo_XD).reshape(*lead, B, wo_XD.shape[1])
+        return modes.gemm(o_RBX, wo_XD).reshape(*lead, B, wo_XD.shape[1])
 
     return reduce_scatter_of(partial, sizes, (B, wo_XD.shape[1]), q_SBHd, group, spec)
 
@@ -95,8 +97,6 @@ class QuerySplitAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_sBD):
-        from commfuse.ops.ag_matmul import ag_matmul
-
         q, k, v, wo = ctx.saved_tensors
         g_SBD, (go_SBX,) = ag_matmul(g_sBD.contiguous(), [wo.t()], ctx.sizes, ctx.group, ctx.spec)
         with torch.enable_grad():

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from commfuse import executor
-from commfuse.ops import _common
+from commfuse.ops.binding import Binding, execute
+from commfuse.runtime import modes
 from commfuse.schedule import Transfer
 
 
-class _ReduceBinding(_common.Binding):
+class _ReduceBinding(Binding):
     """Partials per slot (P2P methods) or per chunk (sliced / none), and the result."""
 
     def __init__(self, partial, sizes, shape_MN, like: torch.Tensor, world: int, rank: int, spec):
@@ -81,7 +81,7 @@ def reduce_scatter_of(partial, sizes, shape_MN, like: torch.Tensor, group, spec)
     keeps the view's leading dims (``[W, n, ...]`` for an even chunk).
     """
     binding = _ReduceBinding(partial, sizes, shape_MN, like, group.size(), group.rank(), spec)
-    _common.execute("matmul_rs", spec, group, binding, like.device)
+    execute("matmul_rs", spec, group, binding, like.device)
     return binding.result()
 
 
@@ -93,43 +93,8 @@ def matmul_rs(terms, extra_SMN, sizes, group, spec) -> torch.Tensor:
     def partial(view) -> torch.Tensor:
         acc = None
         for x, b in terms:
-            y = executor.gemm(view(x), b)
+            y = modes.gemm(view(x), b)
             acc = y if acc is None else acc.add_(y)
         return acc.add_(view(extra_SMN)) if extra_SMN is not None else acc
 
     return reduce_scatter_of(partial, sizes, (*x0.shape[1:-1], b0.shape[1]), x0, group, spec)
-
-
-class MatmulReduceScatter(torch.autograd.Function):
-    """``C = reduce_scatter(A @ B, dim)``, summed (or averaged) over the group.
-
-    Shapes: A [.., S, .., K] (S at ``dim``), B [K, N] (this rank's row shard);
-    returns C [.., s, .., N], this rank's slice (``sizes[rank]`` rows of S = sum(sizes)).
-    Input grad:  dA = all_gather(dC, dim) @ B^T, run as the dual all-gather -> GEMM with the
-    same method (dC / W for avg).  Weight grad: dB = A^T @ all_gather(dC, dim).
-    Extra memory: ring: one partial and one receive buffer of C's size per step in flight;
-    direct: W-1 receive buffers of C's size; sliced/none: the partial GEMM output (W x C).
-    """
-
-    @staticmethod
-    def forward(ctx, a, b, dim, avg, sizes, group, spec):
-        c_sMN = matmul_rs([(a.movedim(dim, 0), b)], None, sizes, group, spec)
-        if avg:
-            c_sMN = c_sMN.div_(group.size())
-        ctx.save_for_backward(a, b)
-        ctx.dim, ctx.avg, ctx.sizes, ctx.group, ctx.spec = dim, avg, sizes, group, spec
-        return c_sMN.movedim(0, dim)
-
-    @staticmethod
-    def backward(ctx, gc):
-        from commfuse.ops.ag_matmul import ag_matmul
-
-        a, b = ctx.saved_tensors
-        gc_sMN = gc.movedim(ctx.dim, 0)
-        if ctx.avg:
-            gc_sMN = gc_sMN / ctx.group.size()
-        gc_SMN, (ga_SMK,) = ag_matmul(gc_sMN, [b.t()], ctx.sizes, ctx.group, ctx.spec)
-        gb = None
-        if ctx.needs_input_grad[1]:
-            gb = a.movedim(ctx.dim, 0).flatten(0, -2).t() @ gc_SMN.flatten(0, -2)
-        return ga_SMK.movedim(0, ctx.dim), gb, None, None, None, None, None

@@ -1,5 +1,8 @@
 """How a model is split: the parallel dimensions (a validated dataclass) and their process groups.
 
+Importable without torch (the planner validates layouts with `ParallelDims`); torch.distributed
+is imported only where process groups are made or read.
+
 `ParallelDims` says how many ranks each axis has and which fused-op method every op uses;
 `ParallelDims.build_mesh()` creates the process groups (explicitly, with `dist.new_group`) and
 returns a `Mesh`, which the plans in this package take as an argument. Nothing is global.
@@ -15,12 +18,12 @@ the sequence between blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+from commfuse.ops.methods import method_spec
 
-from commfuse._p2p import duplex
-
-from commfuse.ops import _common
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 @dataclass
@@ -53,12 +56,11 @@ class ParallelDims:
                              "(optionally with dp)")
         if not isinstance(self.method_opts, dict):
             raise ValueError(f"ParallelDims.method_opts must be a dict, got {self.method_opts!r}")
-        _common.method_spec(self.method, self.method_opts)  # ValueError on bad method/options
+        method_spec(self.method, self.method_opts)  # ValueError on bad method/options
         if self.query_split and self.tp == 1:
             raise ValueError("query_split=True needs tp > 1: it is a TP attention schedule")
         if self.world_size is None:
-            self.world_size = (dist.get_world_size() if dist.is_available() and
-                               dist.is_initialized() else self.tp * self.up * self.dp)
+            self.world_size = _initialised_world() or self.tp * self.up * self.dp
         if self.tp * self.up * self.dp != self.world_size:
             raise ValueError(f"tp*up*dp = {self.tp}*{self.up}*{self.dp} = "
                              f"{self.tp * self.up * self.dp} must equal the world size "
@@ -105,6 +107,10 @@ class ParallelDims:
 
     def build_mesh(self) -> Mesh:
         """Create the groups of this layout; every rank must call it, in the same order."""
+        import torch.distributed as dist
+
+        from commfuse.runtime.gloo import duplex
+
         if not dist.is_initialized():
             raise RuntimeError("build_mesh needs torch.distributed initialised")
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -130,6 +136,15 @@ class ParallelDims:
                 duplex(g)
         return Mesh(self, rank, world, dp_index, inner_index, seq_group, dp_group,
                     dist.group.WORLD)
+
+
+def _initialised_world() -> int | None:
+    """torch.distributed's world size when a process group exists (and torch is installed)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # the planner without torch
+        return None
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
 
 
 @dataclass

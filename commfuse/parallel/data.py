@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from commfuse.api import fused_all_gather_matmul
-from commfuse.collectives import BACKEND
+from commfuse.ops.fused import fused_all_gather_matmul
+from commfuse.runtime.collectives import BACKEND
 from commfuse.parallel.config import mark_sharded
 
 _all_gather, _reduce_scatter = BACKEND["all_gather"], BACKEND["reduce_scatter"]

@@ -1,7 +1,7 @@
 """Tensor parallelism with sequence parallelism (Megatron TPSP) over the TP group of T ranks.
 
 Between blocks the activations are sequence-sharded, x_BsD with s = S/T (sequence dim 1).
-Per block (DESIGN.md, "Where it goes in a model"):
+Per block (docs/design.md, "Where each op goes in a model"):
 
     attn_norm (local shard, replicated weight)
     [AG -> GEMM]  q|k|v = all_gather(x_BsD, 1) @ [wq_r^T, wk_r^T, wv_r^T]    one fused call
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commfuse.api import fused_all_gather_matmul, fused_matmul_reduce_scatter
+from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scatter
 from commfuse.models.llama import Attention, MLP, apply_rope
 from commfuse.ops.attention import query_split_attention
 from commfuse.parallel.data import gather_rows, weight

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from commfuse.api import fused_all_to_all_matmul, fused_matmul_all_to_all
+from commfuse.ops.fused import fused_all_to_all_matmul, fused_matmul_all_to_all
 from commfuse.models.llama import Attention
 from commfuse.parallel.data import weight
 from commfuse.parallel.tensor import causal_attention

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from commfuse.bench.measure import VARIANTS as BENCH_VARIANTS
+from commfuse.schedule import VARIANTS as ALL_VARIANTS
+from commfuse.sim import choose
 from commfuse.sim.hardware import Hardware, preset
+from commfuse.sim.ops import simulate_op
 
 # the bench's methods the simulator models (not gloo's own collectives, not auto itself)
-VARIANTS = {label: v for label, v in BENCH_VARIANTS.items() if label not in ("none-torch", "auto")}
+VARIANTS = {label: v for label, v in ALL_VARIANTS.items() if label not in ("none-torch", "auto")}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -34,8 +36,6 @@ def op_shape(r: dict) -> tuple[int, int, int]:
 
 
 def _simulate(r: dict, label: str, hw: Hardware):
-    from commfuse.sim import simulate_op
-
     method, opts = VARIANTS[label]
     return simulate_op(r["workload"], method, r["world"], op_shape(r), DTYPE_BYTES[r["dtype"]],
                        hw, timeline=False, **opts)
@@ -139,19 +139,17 @@ def auto_check(results: list[dict], hw: Hardware) -> list[dict]:
     """What ``method="auto"`` would choose on ``hw`` for every op result, evaluated against the
     measured medians of that (prior) run: its choice among all of auto's candidates (None
     where that candidate was not measured), and its choice among the measured ones only."""
-    from commfuse import auto
-
     label_of = {_canon(*v): k for k, v in VARIANTS.items()}
-    measured_only = [c for c in auto.CANDIDATES if _canon(*c) in label_of]
+    measured_only = [c for c in choose.CANDIDATES if _canon(*c) in label_of]
     rows = []
     for r in _ops(results):
         med = {m["method"]: m["median_ms"] for m in r["methods"] if m["method"] in VARIANTS}
         best = min(med, key=med.get)
         args = (r["workload"], op_shape(r), r["world"], DTYPE_BYTES[r["dtype"]], hw,
-                auto.STEP_OVERHEAD_S["cpu"])
-        full = auto.fastest(*args)[:2]
+                choose.STEP_OVERHEAD_S["cpu"])
+        full = choose.fastest(*args)[:2]
         choice = label_of.get(_canon(*full))
-        among = label_of[_canon(*auto.fastest(*args, candidates=measured_only)[:2])]
+        among = label_of[_canon(*choose.fastest(*args, candidates=measured_only)[:2])]
         rows.append({"op": r["workload"], "seq": r["seq"], "choice": choice,
                      "choice_name": choice or _name(*full), "best": best, "best_ms": med[best],
                      "ratio": med[choice] / med[best] if choice else None,

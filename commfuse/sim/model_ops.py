@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commfuse.models.llama import PRESETS as LLAMA_PRESETS, LlamaConfig
+from commfuse.models.config import PRESETS as LLAMA_PRESETS, LlamaConfig
 
 FUSED = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")

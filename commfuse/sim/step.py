@@ -27,11 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from commfuse.sim.choose import fastest
 from commfuse.sim.costs import OpSpec
 from commfuse.sim.engine import Span
 from commfuse.sim.hardware import Hardware, preset
 from commfuse.sim.model_ops import (FUSED, StepOp, block_ops, grad_sync_ops, head_ops,
                                     model_config)
+from commfuse.sim.ops import simulate_ops
 
 
 def _hw(hw) -> Hardware:
@@ -41,7 +43,7 @@ def _hw(hw) -> Hardware:
 class OpTimer:
     """Times `StepOp`s (seconds: total, compute alone), each distinct one once.
 
-    A fused op runs the given method; method "auto" takes the fastest of `commfuse.auto`'s
+    A fused op runs the given method; method "auto" takes the fastest of `commfuse.sim.choose`'s
     candidates for that shape (``auto_step_s`` per schedule step added, as `auto` does)."""
 
     def __init__(self, dtype_bytes: float = 2, auto_step_s: float = 10e-6):
@@ -68,12 +70,8 @@ class OpTimer:
         if world == 1:
             t = hw.gemm_time(*op.shape)
             return t, t, "local"
-        from commfuse.sim import simulate_ops
-
         if method == "auto":
-            from commfuse import auto
-
-            method, opts, _ = auto.fastest(op.kind, op.shape, world, self.dtype_bytes, hw,
+            method, opts, _ = fastest(op.kind, op.shape, world, self.dtype_bytes, hw,
                                            self.auto_step_s)
         sym = not (hw.compute_straggler or hw.link_straggler)
         spec = OpSpec(op.kind, method, op.shape, **_spec_opts(opts))
@@ -102,7 +100,7 @@ class StepResult:
     simulations: int  # fused-op simulations this call ran (the rest came from the memo)
 
     def write_trace(self, path: str) -> None:
-        from commfuse.sim.trace import write_trace
+        from commfuse.trace import write_trace
 
         write_trace(self.timeline, path)
 
@@ -122,7 +120,7 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     `commfuse.models.llama.flops_per_token` (6N + 12*L*H*Q*T, PaLM appendix B, as
     ``commfuse train`` reports it), the preset's dense peak in the denominator.
     """
-    from commfuse.models.llama import flops_per_token
+    from commfuse.models.config import flops_per_token
 
     cfg, hw = model_config(model), _hw(hw)
     tp, up, dp = parallel.tp, parallel.up, parallel.dp

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from commfuse._p2p import duplex
+from commfuse.runtime.gloo import duplex
 
 
 class RankFailed(RuntimeError):
@@ -34,7 +34,7 @@ def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, r
         store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
-        duplex()  # one connection per direction between two ranks (commfuse._p2p)
+        duplex()  # one connection per direction between two ranks (commfuse.runtime.gloo)
         out = fn(rank, world, *args)
         results.put((rank, True, out))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent

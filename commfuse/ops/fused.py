@@ -2,7 +2,7 @@
 users recognise them, but they run on any torch.distributed backend, with no symmetric memory.
 
 Every op takes ``method`` = "none" | "sliced" (option ``chunks``, default 4) | "decompose" |
-"commfuse" (option ``topology`` = "ring" | "direct") | "auto" (`commfuse.auto`: the fastest of
+"commfuse" (option ``topology`` = "ring" | "direct") | "auto" (`commfuse.ops.auto`: the fastest of
 them on the cost model, per shape), and every method takes ``timeout``
 (seconds; default: the process group's timeout). All are differentiable in A and every B.
 """
@@ -13,10 +13,10 @@ from typing import Sequence
 
 import torch
 
-from commfuse.ops import _common
-from commfuse.ops.ag_matmul import AllGatherMatmul
+from commfuse.ops import auto, checks
 from commfuse.ops.all_to_all import AllToAllMatmul, MatmulAllToAll
-from commfuse.ops.matmul_rs import MatmulReduceScatter
+from commfuse.ops.gather_scatter import AllGatherMatmul, MatmulReduceScatter
+from commfuse.ops.methods import method_spec
 
 
 def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], gather_dim: int,
@@ -30,17 +30,17 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     shard has along ``gather_dim`` (the same list on every rank) when they differ; default:
     all equal to this rank's.
     """
-    _common.check_tensor("A_shard", A_shard)
+    checks.check_tensor("A_shard", A_shard)
     if isinstance(Bs, torch.Tensor) or not isinstance(Bs, (list, tuple)) or not Bs:
         raise TypeError("Bs must be a non-empty list or tuple of 2-D tensors")
     for i, b in enumerate(Bs):
-        _common.check_matmul("A_shard", A_shard, f"Bs[{i}]", b)
-    dim = _common.check_dim("gather_dim", gather_dim, "A_shard", A_shard)
-    spec = _common.method_spec(method, opts)
-    group = _common.resolve_group(group)
-    sizes = _common.check_sizes(sizes, group.size(), group.rank(), local=A_shard.shape[dim])
-    rows = sum(sizes) * _common.other_rows(A_shard, dim)  # the same on every rank (for auto)
-    spec = _common.resolve_auto(spec, "ag_matmul", (rows, A_shard.shape[-1],
+        checks.check_matmul("A_shard", A_shard, f"Bs[{i}]", b)
+    dim = checks.check_dim("gather_dim", gather_dim, "A_shard", A_shard)
+    spec = method_spec(method, opts)
+    group = checks.resolve_group(group)
+    sizes = checks.check_sizes(sizes, group.size(), group.rank(), local=A_shard.shape[dim])
+    rows = sum(sizes) * checks.other_rows(A_shard, dim)  # the same on every rank (for auto)
+    spec = auto.resolve(spec, "ag_matmul", (rows, A_shard.shape[-1],
                                                     sum(b.shape[1] for b in Bs)), group.size(), A_shard)
     a, *ys = AllGatherMatmul.apply(A_shard, dim, sizes, group, spec, *Bs)
     return (a if return_A else None), ys
@@ -54,15 +54,15 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
     ``scatter_dim`` is any dim of ``A`` but the last. Returns this rank's slice: ``sizes[rank]``
     rows, ``sizes`` defaulting to `commfuse.even_sizes` (10 rows over 4 ranks: 3, 3, 2, 2).
     """
-    _common.check_tensor("A", A)
-    _common.check_matmul("A", A, "B", B)
+    checks.check_tensor("A", A)
+    checks.check_matmul("A", A, "B", B)
     if reduce_op not in ("sum", "avg"):
         raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
-    dim = _common.check_dim("scatter_dim", scatter_dim, "A", A)
-    spec = _common.method_spec(method, opts)
-    group = _common.resolve_group(group)
-    sizes = _common.check_sizes(sizes, group.size(), group.rank(), total=A.shape[dim])
-    spec = _common.resolve_auto(spec, "matmul_rs", (A.numel() // max(A.shape[-1], 1), *B.shape),
+    dim = checks.check_dim("scatter_dim", scatter_dim, "A", A)
+    spec = method_spec(method, opts)
+    group = checks.resolve_group(group)
+    sizes = checks.check_sizes(sizes, group.size(), group.rank(), total=A.shape[dim])
+    spec = auto.resolve(spec, "matmul_rs", (A.numel() // max(A.shape[-1], 1), *B.shape),
                                 group.size(), A)
     return MatmulReduceScatter.apply(A, B, dim, reduce_op == "avg", sizes, group, spec)
 
@@ -77,15 +77,15 @@ def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     ``sizes``: every rank's sequence slice length when they differ (default: all equal to
     this rank's).
     """
-    _common.check_tensor("A", A)
-    _common.check_matmul("A", A, "B", B)
-    dim = _common.check_dim("seq_dim", seq_dim, "A", A)
-    spec = _common.method_spec(method, opts)
-    group = _common.resolve_group(group)
-    _common.check_divisible("B.shape[1] (columns to scatter)", B.shape[1], group.size())
-    sizes = _common.check_sizes(sizes, group.size(), group.rank(), local=A.shape[dim])
-    rows = sum(sizes) * _common.other_rows(A, dim)
-    spec = _common.resolve_auto(spec, "matmul_a2a", (rows, *B.shape), group.size(), A)
+    checks.check_tensor("A", A)
+    checks.check_matmul("A", A, "B", B)
+    dim = checks.check_dim("seq_dim", seq_dim, "A", A)
+    spec = method_spec(method, opts)
+    group = checks.resolve_group(group)
+    checks.check_divisible("B.shape[1] (columns to scatter)", B.shape[1], group.size())
+    sizes = checks.check_sizes(sizes, group.size(), group.rank(), local=A.shape[dim])
+    rows = sum(sizes) * checks.other_rows(A, dim)
+    spec = auto.resolve(spec, "matmul_a2a", (rows, *B.shape), group.size(), A)
     return MatmulAllToAll.apply(A, B, dim, sizes, group, spec)
 
 
@@ -98,11 +98,11 @@ def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     ``[W*k, n]``. Returns this rank's sequence slice ``[.., n]``: ``sizes[rank]`` rows, ``sizes``
     defaulting to `commfuse.even_sizes`.
     """
-    _common.check_tensor("A", A)
-    _common.check_tensor("B", B, 2)
-    dim = _common.check_dim("seq_dim", seq_dim, "A", A)
-    spec = _common.method_spec(method, opts)
-    group = _common.resolve_group(group)
+    checks.check_tensor("A", A)
+    checks.check_tensor("B", B, 2)
+    dim = checks.check_dim("seq_dim", seq_dim, "A", A)
+    spec = method_spec(method, opts)
+    group = checks.resolve_group(group)
     w = group.size()
     if B.dim() != 2 or B.shape[0] != w * A.shape[-1]:
         raise ValueError(f"B must be [group size * A.shape[-1], n] = [{w * A.shape[-1]}, n], "
@@ -111,7 +111,7 @@ def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
         raise TypeError(f"B has dtype {B.dtype} but A has {A.dtype}")
     if B.device != A.device:
         raise ValueError(f"B is on {B.device} but A is on {A.device}")
-    sizes = _common.check_sizes(sizes, w, group.rank(), total=A.shape[dim])
-    spec = _common.resolve_auto(spec, "a2a_matmul", (A.numel() // max(A.shape[-1], 1), *B.shape),
+    sizes = checks.check_sizes(sizes, w, group.rank(), total=A.shape[dim])
+    spec = auto.resolve(spec, "a2a_matmul", (A.numel() // max(A.shape[-1], 1), *B.shape),
                                 w, A)
     return AllToAllMatmul.apply(A, B, dim, sizes, group, spec)

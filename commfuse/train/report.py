@@ -1,5 +1,5 @@
 """What a training run reports: progress lines, the summary, exposed communication, and the
-peak FLOP/s that MFU is measured against (`commfuse.train`)."""
+peak FLOP/s that MFU is measured against (`commfuse.train.loop`)."""
 
 from __future__ import annotations
 
@@ -50,10 +50,8 @@ def report(s: dict) -> None:
 
 def exposed(pmodel, tokens, targets, iters: int) -> dict:
     """Median fwd+bwd(+grad sync) minus the same fwd+bwd in compute_only mode, interleaved."""
-    from commfuse import executor
+    from commfuse.runtime import modes
 
-    if not hasattr(executor, "mode"):
-        return {}
     normal, alone = [], []
     torch.set_flush_denormal(True)  # compute_only buffers hold garbage; keep it off slow paths
     for _ in range(iters):
@@ -64,7 +62,7 @@ def exposed(pmodel, tokens, targets, iters: int) -> dict:
                 pmodel.loss(tokens, targets).backward()
                 pmodel.sync_grads()
             else:
-                with executor.mode(ctx):
+                with modes.mode(ctx):
                     pmodel.loss(tokens, targets).backward()
             bucket.append(time.perf_counter() - t0)
             pmodel.zero_grad(set_to_none=True)

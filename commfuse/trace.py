@@ -1,8 +1,23 @@
-"""Chrome / Perfetto trace of a simulated timeline: ranks are processes, span kinds are tracks."""
+"""Timelines: spans of compute and communication, as a Chrome/Perfetto trace or a PNG Gantt chart.
+
+Used by the executor's tracer (a measured run), the benchmarks and the simulator (a predicted
+run). No torch needed.
+"""
 
 from __future__ import annotations
 
 import json
+
+
+class Tracer:
+    """Spans for a Chrome/Perfetto trace: (track, name, start s, end s) on this process."""
+
+    def __init__(self):
+        self.spans: list[tuple[str, str, float, float]] = []
+
+    def add(self, track: str, name: str, start: float, end: float) -> None:
+        self.spans.append((track, name, start, end))
+
 
 _ORDER = ("compute", "reduce", "host", "wait", "send", "recv", "collective")
 

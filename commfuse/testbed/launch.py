@@ -2,12 +2,12 @@
 
 Gloo over loopback moves bytes as fast as memcpy and shows nothing about overlap. `launch`
 puts every rank in its own network namespace behind a veth and a bridge, its egress shaped by
-`tc` (tbf: bandwidth, netem: delay and jitter; topology in `commfuse.cluster_net`), optionally
+`tc` (tbf: bandwidth, netem: delay and jitter; topology in `commfuse.testbed.net`), optionally
 with one slower rank (a straggler). Rank r runs ``ip netns exec <its netns> argv...`` with
 torchrun's variables (MASTER_ADDR = rank 0's address, MASTER_PORT, RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE), GLOO_SOCKET_IFNAME = its interface, COMMFUSE_EMULATED=1,
 COMMFUSE_LINK (a label of the links, for results) and COMMFUSE_RUN_ID; pinned to one core
-when there are enough ("How we measure" in DESIGN.md), OMP_NUM_THREADS = its share of cores.
+when there are enough ("How we measure" in docs/design.md), OMP_NUM_THREADS = its share of cores.
 
 Teardown always happens: at the end, when a rank fails (the others are stopped), on timeout,
 on SIGINT/SIGTERM/SIGHUP (forwarded to the ranks first), at interpreter exit. If the launcher
@@ -33,8 +33,8 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from commfuse.cluster_cpu import CpuQuota
-from commfuse.cluster_net import (MAX_RANKS, EmulatedNetwork, EmulationUnavailable, LinkSpec,
+from commfuse.testbed.cpu import CpuQuota
+from commfuse.testbed.net import (MAX_RANKS, EmulatedNetwork, EmulationUnavailable, LinkSpec,
                                   check_available, cleanup_stale)
 
 __all__ = ["LinkSpec", "ClusterSpec", "EmulationUnavailable", "launch", "cleanup_stale",
@@ -353,6 +353,6 @@ def main_launch(args: argparse.Namespace) -> int:
                       argv, timeout=args.timeout)
 
 
-if __name__ == "__main__":  # python -m commfuse.cluster [options] -- command...
+if __name__ == "__main__":  # python -m commfuse.testbed.launch [options] -- command...
     sys.exit(main_launch(add_launch_arguments(argparse.ArgumentParser(
-        prog="python -m commfuse.cluster", description=__doc__.split("\n\n")[0])).parse_args()))
+        prog="python -m commfuse.testbed.launch", description=__doc__.split("\n\n")[0])).parse_args()))

@@ -1,6 +1,6 @@
 """CUDA transport: transfers on a dedicated communication stream, ordered with events.
 
-Imported lazily by `commfuse.executor` only when the tensors live on a GPU.
+Imported lazily by `commfuse.runtime.modes` only when the tensors live on a GPU.
 
 Why a side stream: NCCL orders each P2P after the work already queued on the stream that is
 current when it is posted. Posted from the compute stream, a send would wait for every GEMM
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from commfuse.executor import Transport
+from commfuse.runtime.transport import Transport
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 

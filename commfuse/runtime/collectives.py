@@ -18,10 +18,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from commfuse import _p2p
+from commfuse.runtime import gloo
+from commfuse.schedule import COLLECTIVE_POLICIES as POLICIES
 
 KINDS = ("all_gather", "reduce_scatter", "all_to_all")
-POLICIES = ("auto", "backend", "p2p")
 BACKEND = {  # torch.distributed's own, by kind (the *_single names where this torch has them)
     "all_gather": getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
     "reduce_scatter": getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
@@ -112,7 +112,7 @@ class _P2PCollective:
                 if recvs[p].numel():
                     ops.append(dist.P2POp(dist.irecv, recvs[p], peer, group, tag))
                     self.what.append(f"its receive from rank {p}")
-        self.works = _p2p.post(ops, out.device) if ops else []
+        self.works = gloo.post(ops, out.device) if ops else []
 
     def wait(self, timeout=None) -> bool:
         """Wait for every transfer, all within ``timeout`` (a timedelta) from now; a failure

@@ -1,0 +1,9 @@
+"""The runtime: what runs a schedule on a process group.
+
+    executor.py     walks a schedule's steps with an op's binding and a transport
+    transport.py    posts transfers and collectives, waits with a deadline (CPU / gloo)
+    gloo.py         gloo's point-to-point posting: sender threads, one connection per direction
+    cuda.py         the CUDA transport: a communication stream ordered with events (lazy)
+    collectives.py  the collectives behind none / sliced: the backend's, or the same bytes as P2P
+    modes.py        measurement modes (compute alone, communication alone, record, trace)
+"""

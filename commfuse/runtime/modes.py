@@ -1,0 +1,86 @@
+"""Measurement modes of the executor, for ``commfuse bench`` and the training report.
+
+``mode(name)`` sets, process-wide, how every op inside runs:
+
+- ``"normal"``: as it would anyway;
+- ``"compute_only"``: the same partitioned GEMMs and copies with no transfers (every transfer
+  and collective is done at once, moving nothing): the *compute alone* of a schedule;
+- ``"comm_only"``: the same transfers with empty GEMMs (`gemm` returns uninitialised results);
+- ``"record"``: runs normally and lists the collectives launched, to replay their bytes.
+
+A `commfuse.trace.Tracer` given to `mode` receives compute and transfer spans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from commfuse.runtime.transport import Done, Transport
+from commfuse.trace import Tracer
+
+MODES = ("normal", "compute_only", "comm_only", "record")
+_state: dict[str, Any] = {"mode": "normal", "tracer": None, "recorded": []}
+
+
+@contextlib.contextmanager
+def mode(name: str, tracer: Tracer | None = None):
+    """Run the ops inside in measurement mode ``name``; yields the list ``record`` fills."""
+    if name not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {name!r}")
+    saved = dict(_state)
+    _state.update(mode=name, tracer=tracer, recorded=[])
+    try:
+        yield _state["recorded"]
+    finally:
+        _state.update(saved)
+
+
+def current() -> str:
+    """The mode in force (``"normal"`` outside any `mode` block)."""
+    return _state["mode"]
+
+
+def tracer() -> Tracer | None:
+    """The tracer given to the `mode` block in force, if any."""
+    return _state["tracer"]
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.matmul``, or in ``comm_only`` mode an uninitialised result of the same shape."""
+    if _state["mode"] == "comm_only":
+        return out if out is not None else a.new_empty((*a.shape[:-1], b.shape[-1]))
+    return torch.matmul(a, b, out=out)
+
+
+class NullTransport(Transport):
+    """``compute_only`` mode: every transfer and collective is done at once, moving nothing."""
+
+    def post(self, transfers):
+        return [Done() for _ in transfers]
+
+    def launch(self, kind, out, inp, tag, **parts):
+        return Done()
+
+
+class RecordingTransport(Transport):
+    """``record`` mode: runs normally and notes each collective (to replay its bytes)."""
+
+    def launch(self, kind, out, inp, tag, **parts):
+        _state["recorded"].append((kind, out.shape, inp.shape, out.dtype, tag, parts))
+        return super().launch(kind, out, inp, tag, **parts)
+
+
+def transport_class(device: torch.device) -> type[Transport]:
+    """The transport this mode and ``device`` call for (CUDA's is imported only on a GPU)."""
+    if _state["mode"] == "compute_only":
+        return NullTransport
+    if _state["mode"] == "record":
+        return RecordingTransport
+    if device.type == "cuda":
+        from commfuse.runtime.cuda import CudaTransport  # CUDA-only code, imported lazily
+
+        return CudaTransport
+    return Transport

@@ -1,0 +1,50 @@
+"""The fastest method for one op on a hardware model: what ``method="auto"`` runs.
+
+Pure (no torch): `commfuse.ops.auto` calls `fastest` for the tensors of a live call (and
+caches its choice); the whole-step simulation (`commfuse.sim.step`) calls it for ``auto``
+plans.
+
+Host time: the hardware model's host costs per launch (``Hardware.host_collective_s`` /
+``host_p2p_s``, fitted by the calibration; the `cpu-testbed` preset has them, the GPU presets
+have 0) are charged inside the simulation; ``STEP_OVERHEAD_S`` per schedule step (dispatch)
+is added to the simulated time on top.
+"""
+
+from __future__ import annotations
+
+from commfuse.schedule import VARIANTS
+from commfuse.sim.costs import OpSpec
+from commfuse.sim.engine import Engine
+from commfuse.sim.program import schedule
+
+# in order of preference where the model predicts a tie (commfuse's schedules first: at equal
+# predicted time they post earlier and wait later than decompose)
+CANDIDATES = tuple(VARIANTS[label] for label in (
+    "none", "commfuse", "commfuse-m2", "commfuse-m4", "commfuse-direct", "decompose", "sliced"))
+# host time per schedule step (Python dispatch, posting a transfer), which the simulator does
+# not model: it is what keeps small GEMMs on "none", where a few microseconds of GEMM cannot
+# pay for a pipeline of steps
+STEP_OVERHEAD_S = {"cpu": 50e-6, "cuda": 10e-6}
+
+
+def fastest(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 50e-6,
+            candidates=CANDIDATES) -> tuple[str, dict, float]:
+    """(method, options, predicted seconds) of the fastest of ``candidates`` on ``hw`` (a
+    `commfuse.sim.Hardware`), ``step_s`` added per schedule step. Ties go to the earlier
+    candidate. A candidate whose compute alone already loses is not simulated further."""
+    sym = not (hw.compute_straggler or hw.link_straggler)
+    best = (float("inf"), -1)
+    for i, (m, o) in enumerate(candidates):
+        engine = Engine(hw, world, [OpSpec(op, m, tuple(shape), **o)], dtype_bytes, True,
+                        False, sym)
+        extra = step_s * steps(op, m, world, o)
+        if engine.work_s() + extra >= best[0]:  # a lower bound of its time: it cannot win
+            continue
+        best = min(best, (max(engine.run()[0]) + extra, i))
+    t, i = best
+    return candidates[i][0], candidates[i][1], t
+
+
+def steps(op: str, method: str, world: int, opts: dict) -> int:
+    """Steps of rank 0's schedule (what `STEP_OVERHEAD_S` is charged per)."""
+    return len(schedule(op, method, world, 0, **opts).steps)

@@ -1,0 +1,7 @@
+"""Where ranks run: local processes for tests and training, and the emulated cluster.
+
+    spawn.py    N local ranks (gloo) with a race-free rendezvous, failures reported, no hangs
+    launch.py   ``commfuse launch``: ranks in network namespaces with shaped links
+    net.py      the namespaces, veth pairs, bridge and tc shaping of the emulated network
+    cpu.py      a straggler's CPU quota (cgroup v2)
+"""

@@ -1,0 +1,42 @@
+"""``commfuse train``: train a Llama on the shipped corpus with TP / UP / DP applied by a plan.
+
+Local mode spawns ``--nproc`` ranks (gloo, `commfuse.testbed.spawn.run_local`); under ``torchrun`` (or
+``commfuse launch``) the RANK / WORLD_SIZE / LOCAL_RANK environment is detected and the process
+group is initialised from it instead. One rank (``--nproc 1``) runs in this process, unsharded.
+
+Per step: the global mean loss, tokens/s, MFU = flops_per_token * tokens/s / peak, where
+flops_per_token is `commfuse.models.llama.flops_per_token` (6N + 12*L*H*Q*T, PaLM appendix B,
+as nanoGPT) and peak is ``--peak-flops`` per rank, or a dense matmul measured on each rank at
+startup (CPUs publish no usable peak). Exposed communication is measured once, after training:
+the median fwd+bwd(+grad all-reduce) time minus the median of the same fwd+bwd with the
+executor in ``compute_only`` mode (same partitioned GEMMs, no transfers), interleaved. It is not
+measured per step (that would double the work). The plain gradient all-reduce counts as exposed;
+the other plain collectives (the loss's token count, the DP weight all-gather under TP/UP x DP)
+still run in compute_only mode, so they count as compute: the figure is a lower bound.
+--compare-none runs the same steps again with method none afterwards (sequential, not
+interleaved): same losses up to summation order, and the ratio of median step times.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "TrainConfig": "commfuse.train.config",
+    "DTYPES": "commfuse.train.config",
+    "add_arguments": "commfuse.train.config",
+    "config_from_args": "commfuse.train.config",
+    "run": "commfuse.train.loop",
+    "launch": "commfuse.train.loop",
+    "train_rank": "commfuse.train.loop",
+    "lr_at": "commfuse.train.loop",
+    "seq_len_at": "commfuse.train.loop",
+    "main": "commfuse.train.__main__",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'commfuse.train' has no attribute {name!r}")

@@ -1,0 +1,168 @@
+"""The training loop of ``commfuse train`` (see `commfuse.train`): launch, one rank's steps,
+the LR schedule and the variable sequence length."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from commfuse.runtime.gloo import duplex
+from commfuse.train.config import DTYPES, TrainConfig, config_from_args
+from commfuse.train.report import exposed, measure_matmul_flops, progress, report
+
+
+def run(args) -> int:
+    """``commfuse train``: train, then (--compare-none) the same steps again with method none.
+
+    A failed rank (a dead or stalled peer, any exception) ends the run with exit code 1 and
+    a message naming the last complete checkpoint to ``--resume`` from."""
+    from commfuse.errors import CommFuseError
+    from commfuse.testbed.spawn import RankFailed
+
+    cfg = config_from_args(args)
+    try:
+        first = launch(cfg)
+    except (RankFailed, CommFuseError, TimeoutError) as e:
+        print(f"commfuse train: failed: {e}", file=sys.stderr)
+        latest = Path(cfg.checkpoint_dir or "", "latest")
+        print(f"commfuse train: last complete checkpoint: "
+              f"{latest.parent / latest.read_text().strip() if latest.is_file() else 'none'}"
+              f"{' (continue with --resume)' if latest.is_file() else ''}", file=sys.stderr)
+        return 1
+    if getattr(args, "compare_none", False) and cfg.method != "none":
+        base = launch(dataclasses.replace(cfg, method="none", checkpoint_dir=None, resume=False,
+                                          metrics_json=None))
+        if first and base and int(os.environ.get("RANK", 0)) == 0:
+            diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(first, base))
+            t = lambda ms: statistics.median(m["step_s"] for m in ms[1:] or ms)
+            print(f"compare-none: max |loss - loss(none)| = {diff:.3g}; median step "
+                  f"{cfg.method} {t(first) * 1e3:.1f} ms / none {t(base) * 1e3:.1f} ms = "
+                  f"{t(first) / t(base):.3f}")
+    return 0
+
+
+def launch(cfg: TrainConfig) -> list[dict]:
+    """Train under torchrun (env), in this process (1 rank), or on spawned local ranks.
+
+    Returns this rank's per-step metrics (rank 0's when spawning); losses are global.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout))
+            duplex()  # one connection per direction between two ranks (commfuse.runtime.gloo)
+        return train_rank(dist.get_rank(), dist.get_world_size(), cfg)
+    if cfg.world == 1:
+        return train_rank(0, 1, cfg)
+    from commfuse.testbed.spawn import run_local
+
+    threads = max(1, (os.cpu_count() or 1) // cfg.world)
+    return run_local(train_rank, cfg.world, cfg, threads=threads, timeout=24 * 3600,
+                     pg_timeout_s=cfg.timeout)[0]
+
+
+def seq_len_at(cfg: TrainConfig, step: int) -> int:
+    """Tokens per sequence at ``step`` with ``variable_length``: a fixed pseudo-random walk
+    over seq_len/2..seq_len (the same on every rank and on resume)."""
+    half = cfg.seq_len // 2
+    return cfg.seq_len - (step * 7919 + 13) % (cfg.seq_len - half + 1)
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    import math
+
+    warm = max(1, cfg.steps // 20)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    frac = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
+    """One rank's training loop; returns its per-step metrics (rank 0 prints and writes)."""
+    from commfuse.data import batches, load_corpus_tokens
+    from commfuse.models.llama import Llama, LlamaConfig, flops_per_token
+    from commfuse.parallel.checkpoint import load_checkpoint, save_checkpoint
+    from commfuse.parallel.config import ParallelDims
+    from commfuse.parallel.plan import parallelize
+
+    dims = ParallelDims(cfg.tp, cfg.up, cfg.dp, cfg.method, cfg.method_opts(),
+                        query_split=cfg.query_split, world_size=world)
+    mcfg = LlamaConfig.preset(cfg.preset, **{"max_seq_len": max(cfg.seq_len, 1), **cfg.model})
+    dims.check_model(mcfg, cfg.seq_len, cfg.batch_size)
+    torch.manual_seed(cfg.seed)  # the same full model on every rank; the plan cuts it
+    model = Llama(mcfg).to(DTYPES[cfg.dtype])
+    mesh = dims.build_mesh() if world > 1 else None
+    pmodel = parallelize(model, mesh)
+    params = list(pmodel.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    start = 0
+    if cfg.resume:
+        if not cfg.checkpoint_dir:
+            raise ValueError("resume needs checkpoint_dir (--checkpoint-dir)")
+        start = load_checkpoint(pmodel, opt, cfg.checkpoint_dir, _layout(cfg, world))
+    dp_index = mesh.dp_index if mesh else 0
+    data = batches(load_corpus_tokens(), cfg.batch_size // cfg.dp, cfg.seq_len, cfg.seed,
+                   rank=dp_index, world=cfg.dp, start_step=start)
+    peak = cfg.peak_flops or measure_matmul_flops(dtype=DTYPES[cfg.dtype])
+    show = cfg.progress and rank == 0
+    metrics: list[dict] = []
+    if show:
+        print(f"commfuse train: {cfg.preset} {sum(p.numel() for p in model.parameters())} local "
+              f"params, tp={cfg.tp} up={cfg.up} dp={cfg.dp} method={cfg.method} "
+              f"{dims.method_opts}, batch {cfg.batch_size}x{cfg.seq_len}, "
+              f"steps {start}..{cfg.steps}, peak {peak / 1e9:.1f} GFLOP/s per rank", flush=True)
+    for step in range(start, min(cfg.steps, cfg.stop_after or cfg.steps)):
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step)
+        tokens, targets = next(data)
+        if cfg.variable_length:
+            n = seq_len_at(cfg, step)
+            tokens, targets = tokens[:, :n], targets[:, :n]
+        local = pmodel.loss(tokens, targets)
+        local.backward()
+        pmodel.sync_grads()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = pmodel.global_loss(local)
+        dt = time.perf_counter() - t0
+        tps = tokens.numel() * cfg.dp / dt
+        metrics.append({"step": step + 1, "loss": loss, "step_s": dt, "tokens_per_s": tps,
+                        "mfu": flops_per_token(mcfg, tokens.shape[1]) * tps / (peak * world),
+                        "lr": lr_at(cfg, step), "seq_len": tokens.shape[1]})
+        if show:
+            progress(metrics, cfg.steps)
+        if cfg.checkpoint_dir and (step + 1 in (cfg.steps, cfg.stop_after) or (
+                cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
+            save_checkpoint(pmodel, opt, cfg.checkpoint_dir, step + 1, _layout(cfg, world))
+    summary = {"exposed_comm_s": None, "peak_flops_per_rank": peak}
+    if metrics and cfg.exposed_iters and world > 1:
+        summary.update(exposed(pmodel, tokens, targets, cfg.exposed_iters))
+    if metrics:
+        steady = metrics[1:] or metrics  # the first step warms up
+        med = lambda key: statistics.median(m[key] for m in steady)
+        summary.update(median_step_s=med("step_s"), final_loss=metrics[-1]["loss"],
+                       median_tokens_per_s=med("tokens_per_s"), median_mfu=med("mfu"))
+    if show:
+        report(summary)
+    if rank == 0 and cfg.metrics_json:
+        Path(cfg.metrics_json).write_text(json.dumps({"config": dataclasses.asdict(cfg),
+            "world": world, "steps": metrics, "summary": summary}, indent=1))
+    return metrics  # every rank returns its own (the losses are global)
+
+
+def _layout(cfg: TrainConfig, world: int) -> dict:
+    """What a checkpoint must match to be resumed (recorded beside it)."""
+    return {"tp": cfg.tp, "up": cfg.up, "dp": cfg.dp, "world": world, "preset": cfg.preset,
+            "model": cfg.model, "dtype": cfg.dtype}
