@@ -34,6 +34,8 @@ __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name == "auto":  # commfuse.auto.set_hardware(...), as documented before the ops package
+        return importlib.import_module("commfuse.ops.auto")
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value  # resolved once

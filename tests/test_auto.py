@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from commfuse.ops import auto
+from commfuse.sim import choose
 from commfuse.sim import simulate_op
 
 
@@ -20,8 +21,8 @@ def test_choice_is_the_fastest_candidate_on_the_model(op, shape):
     method, opts = auto.choose(op, shape, 2, torch.ones(1))
     hw = auto._HARDWARE.get("cpu") or "cpu-testbed"
     t = lambda m, o: (simulate_op(op, m, 2, shape, 4, hw, timeline=False, **o).total_s
-                      + auto.STEP_OVERHEAD_S["cpu"] * auto.steps(op, m, 2, o))
-    assert t(method, opts) == min(t(m, o) for m, o in auto.CANDIDATES)
+                      + choose.STEP_OVERHEAD_S["cpu"] * choose.steps(op, m, 2, o))
+    assert t(method, opts) == min(t(m, o) for m, o in choose.CANDIDATES)
 
 
 def test_choices_are_cached_and_hardware_can_be_set():

@@ -16,7 +16,7 @@ import logging
 import torch
 
 from commfuse.ops.methods import MethodSpec, method_spec
-from commfuse.sim.choose import CANDIDATES, STEP_OVERHEAD_S, fastest, steps  # noqa: F401
+from commfuse.sim.choose import STEP_OVERHEAD_S, fastest
 from commfuse.sim.hardware import Hardware, preset
 
 _HARDWARE: dict[str, Hardware] = {}  # device type -> hardware model

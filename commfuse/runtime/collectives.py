@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from commfuse.runtime import gloo
-from commfuse.schedule import COLLECTIVE_POLICIES as POLICIES
 
 KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 BACKEND = {  # torch.distributed's own, by kind (the *_single names where this torch has them)

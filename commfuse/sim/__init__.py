@@ -18,8 +18,7 @@ from __future__ import annotations
 from commfuse.sim.costs import OpSpec, op_costs
 from commfuse.sim.engine import Span
 from commfuse.sim.hardware import PRESETS, Hardware, preset
-from commfuse.sim.ops import (SimResult, mlp_specs, paper_table1, simulate_layer, simulate_op,
-                              simulate_ops, table1_hardware)
+from commfuse.sim.ops import SimResult, paper_table1, simulate_layer, simulate_op, simulate_ops
 from commfuse.trace import write_trace
 
 __all__ = ["Hardware", "PRESETS", "preset", "OpSpec", "Span", "SimResult", "op_costs",
