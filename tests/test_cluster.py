@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from commfuse.testbed import cpu as cluster_cpu, net as cluster_net
+from commfuse.testbed import cpu as cluster_cpu, links, net as cluster_net
 from commfuse.testbed.launch import (ClusterSpec, EmulationUnavailable, LinkSpec, add_launch_arguments,
-                              cleanup_stale, launch, main_launch, spec_from_args)
+                                     cleanup_stale, launch, main_launch, spec_from_args)
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_netns = pytest.mark.skipif(
@@ -152,8 +152,8 @@ def test_cluster_spec_rejects(kwargs, match):
 
 
 def test_tbf_params_scale_with_rate():
-    b1, l1 = cluster_net.tbf_params(10**9)
-    b10, l10 = cluster_net.tbf_params(10**10)
+    b1, l1 = links.tbf_params(10**9)
+    b10, l10 = links.tbf_params(10**10)
     assert 16 * 1024 <= b1 < b10 and 1024 * 1024 <= l1 < l10 and l1 >= 4 * b1
 
 
@@ -222,7 +222,7 @@ def test_shaped_bandwidth_and_straggler(tmp_path, link, straggler, nbytes):
     print(f"\nmeasured {nbytes >> 20} MiB over gloo: 0->1 {rates['up'] / 1e6:.0f} Mbit/s on "
           f"{link}, 1->0 {rates['down'] / 1e6:.0f} Mbit/s on {straggler}")
     for rate, nominal in ((rates["up"], link), (rates["down"], straggler)):
-        assert 0.5 <= rate / cluster_net.parse_rate(nominal) <= 1.2
+        assert 0.5 <= rate / links.parse_rate(nominal) <= 1.2
 
 
 @needs_netns

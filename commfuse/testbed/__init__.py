@@ -2,6 +2,8 @@
 
     spawn.py    N local ranks (gloo) with a race-free rendezvous, failures reported, no hangs
     launch.py   ``commfuse launch``: ranks in network namespaces with shaped links
+    procs.py    the ranks as processes: started, watched, stopped together, signals forwarded
+    links.py    one link's rate, delay and jitter, and its tbf parameters
     net.py      the namespaces, veth pairs, bridge and tc shaping of the emulated network
     cpu.py      a straggler's CPU quota (cgroup v2)
 """

@@ -22,29 +22,24 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import ctypes
-import functools
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field, replace
 
 from commfuse.testbed.cpu import CpuQuota
-from commfuse.testbed.net import (MAX_RANKS, EmulatedNetwork, EmulationUnavailable, LinkSpec,
+from commfuse.testbed.procs import Supervisor, say
+from commfuse.testbed.links import LinkSpec
+from commfuse.testbed.net import (MAX_RANKS, EmulatedNetwork, EmulationUnavailable,
                                   check_available, cleanup_stale)
 
 __all__ = ["LinkSpec", "ClusterSpec", "EmulationUnavailable", "launch", "cleanup_stale",
            "add_launch_arguments", "spec_from_args", "main_launch"]
 
 EMULATED_MASTER_PORT = 29500  # rank 0's namespace is fresh: nothing else can hold the port
-GRACE_S = 5.0  # how long stopped ranks get between SIGTERM (or a forwarded signal) and SIGKILL
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -135,94 +130,6 @@ def _rank_envs(spec: ClusterSpec, net: EmulatedNetwork | None, pinned: bool) -> 
     return envs
 
 
-def _child_setup(core: int | None, parent: int, quota=None) -> None:
-    """Runs in each rank between fork and exec: die with the launcher, sit on ``core``, join
-    the straggler's CPU ``quota`` (before exec, so nothing of the rank runs outside it)."""
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the launcher died before prctl took effect
-        os._exit(1)
-    if core is not None:
-        os.sched_setaffinity(0, {core})
-    if quota is not None:
-        quota.add(os.getpid())
-
-
-def _exit_code(returncode: int) -> int:
-    """Popen's -N (killed by signal N) as a shell would report it: 128 + N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-class _Supervisor:
-    """Starts the ranks, watches them, stops them all; forwards signals while running."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-        self.signum: int | None = None
-
-    def on_signal(self, signum: int, _frame) -> None:
-        # A second signal means "now": skip the grace period.
-        self.send(signal.SIGKILL if self.signum is not None else signum)
-        self.signum = signum
-
-    def start(self, cmds: list[list[str]], envs: list[dict], cores: list[int | None],
-              quotas: dict | None = None) -> None:
-        """Start rank r as ``cmds[r]``; a rank in ``quotas`` joins that `CpuQuota` first."""
-        for r, (cmd, env, core) in enumerate(zip(cmds, envs, cores)):
-            if self.signum is not None:  # interrupted while starting: start no more
-                break
-            # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it
-            # once; killpg also reaches any children a rank starts.
-            self.procs.append(subprocess.Popen(
-                cmd, env=env, start_new_session=True,
-                preexec_fn=functools.partial(_child_setup, core, os.getpid(),
-                                             (quotas or {}).get(r))))
-
-    def send(self, sig: int) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-
-    def stop(self, first: int | None = signal.SIGTERM) -> None:
-        """``first`` (if any) to every live rank, SIGKILL to those still alive after GRACE_S."""
-        if first is not None:
-            self.send(first)
-        deadline = time.monotonic() + GRACE_S
-        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        self.send(signal.SIGKILL)
-        for p in self.procs:
-            p.wait()
-
-    def wait(self, timeout: float | None) -> int:
-        """Block until the run ends; return its exit code (see `launch`)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in self.procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if self.signum is not None:
-                self.stop(first=None)  # the signal was forwarded by on_signal
-                return 128 + self.signum
-            if failed:
-                rank, code = failed[0]
-                _say(f"rank {rank} exited with code {_exit_code(code)}; stopping the others")
-                self.stop()
-                return _exit_code(code)
-            if all(c == 0 for c in codes):
-                return 0
-            if deadline is not None and time.monotonic() > deadline:
-                _say(f"timeout after {timeout:g} s; stopping all ranks")
-                self.stop()
-                return 124
-            time.sleep(0.02)
-
-
-def _say(msg: str) -> None:
-    print(f"commfuse launch: {msg}", file=sys.stderr, flush=True)
-
-
 def launch(spec: ClusterSpec, argv: list[str], timeout: float | None = None) -> int:
     """Run ``argv`` as ``spec.nproc`` ranks and return the run's exit code.
 
@@ -239,7 +146,7 @@ def launch(spec: ClusterSpec, argv: list[str], timeout: float | None = None) -> 
     if spec.emulate:
         check_available()
         cleanup_stale()
-    sup, net, cores, quota = _Supervisor(), None, _cores(spec), None
+    sup, net, cores, quota = Supervisor(), None, _cores(spec), None
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, sup.on_signal) for s in _FORWARDED} if in_main else {}
 
@@ -258,7 +165,7 @@ def launch(spec: ClusterSpec, argv: list[str], timeout: float | None = None) -> 
             net = EmulatedNetwork([spec.link_for(r) for r in range(spec.nproc)], cores)
             net.up()
             if not net.delay_emulated:
-                _say("this kernel has no sch_netem: bandwidth is shaped, delay/jitter are not")
+                say("this kernel has no sch_netem: bandwidth is shaped, delay/jitter are not")
         if spec.straggler_cpu is not None:
             quota = CpuQuota(f"commfuse-{os.getpid()}", spec.straggler_cpu)
         if sup.signum is None:  # a signal during setup ends the run before it starts
@@ -335,19 +242,19 @@ def main_launch(args: argparse.Namespace) -> int:
     argv = list(args.command)
     argv = argv[1:] if argv[:1] == ["--"] else argv
     if not argv:
-        _say("no command given; usage: launch [options] -- python -m mymod")
+        say("no command given; usage: launch [options] -- python -m mymod")
         return 2
     try:
         spec = spec_from_args(args)
         return launch(spec, argv, timeout=args.timeout)
     except ValueError as e:
-        _say(str(e))
+        say(str(e))
         return 2
     except FileNotFoundError as e:  # loopback mode runs argv directly
-        _say(f"cannot run {argv[0]!r}: {e.strerror}")
+        say(f"cannot run {argv[0]!r}: {e.strerror}")
         return 127
     except EmulationUnavailable as e:
-        _say(f"{e}\ncommfuse launch: FALLING BACK TO LOOPBACK (COMMFUSE_LINK=loopback)")
+        say(f"{e}\ncommfuse launch: FALLING BACK TO LOOPBACK (COMMFUSE_LINK=loopback)")
         return launch(replace(spec, emulate=False, straggler_rank=None, straggler_link=None,
                               straggler_cpu=None),
                       argv, timeout=args.timeout)
