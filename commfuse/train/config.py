@@ -1,19 +1,32 @@
-"""`TrainConfig`: one training run, and the ``commfuse train`` flags that fill it."""
+"""`TrainConfig`: one training run, and the ``commfuse train`` flags derived from it.
+
+Each field is a flag (``seq_len`` -> ``--seq-len``) whose type and default are the field's and
+whose help is the field's docstring; bools are ``store_true``; a field's metadata (``choices``,
+``metavar``) goes to its flag, and ``choices`` are checked in ``__post_init__`` too.
+`NOT_FLAGS` names the fields the command line does not set.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
+import textwrap
+import typing
 from dataclasses import dataclass, field
 
 import torch
+
+from commfuse.ops.methods import OPTIONS
+from commfuse.schedule import TOPOLOGIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
 class TrainConfig:
-    """One training run; the fields mirror the ``commfuse train`` flags."""
+    """One training run; each field but `NOT_FLAGS` is a ``commfuse train`` flag."""
 
     tp: int = 1
     """Tensor(+sequence) parallel ranks."""
@@ -21,17 +34,18 @@ class TrainConfig:
     """Ulysses sequence-parallel ranks (not with tp > 1)."""
     dp: int = 1
     """Sharded data-parallel (ZeRO-3) ranks."""
-    method: str = "commfuse"
-    """Schedule of every fused op: none, sliced, decompose, commfuse."""
-    topology: str = "ring"
-    """decompose / commfuse: ring or direct."""
+    method: str = field(default="commfuse", metadata={"choices": tuple(OPTIONS)})
+    """Schedule of every fused op (auto: the cost model picks one per op shape)."""
+    topology: str = field(default="ring", metadata={"choices": TOPOLOGIES})
+    """decompose / commfuse: the peers each slice travels between (ring: the paper's)."""
     chunks: int = 4
     """sliced: chunks per op."""
     query_split: bool = False
-    """TP attention runs attention + out-projection per query slice inside the RS ring."""
+    """With tp > 1: attention and the out-projection partial run per query slice, inside the
+    reduce-scatter ring."""
     splits: int = 1
-    """decompose / commfuse: sub-slices per rank's slice (m; 4 hid the most in the layer
-    benchmarks of docs/benchmarks/2026-11-29.md)."""
+    """decompose / commfuse: sub-slices per rank's slice (m; 1 is the paper's, 4 hid the most
+    communication in the layer benchmarks of docs/benchmarks/2026-11-29.md)."""
     steps: int = 150
     """Optimizer steps of the whole run (a resumed run continues to this step)."""
     seed: int = 0
@@ -41,38 +55,47 @@ class TrainConfig:
     seq_len: int = 128
     """Tokens per sequence (any length: tp / up split it as evenly as it goes)."""
     variable_length: bool = False
-    """Step i trains on the first `seq_len_at` (seq_len/2..seq_len) tokens of each sequence,
+    """Step i trains on a prefix of each sequence, seq_len/2..seq_len tokens (`seq_len_at`),
     so the length, and with it every sequence split, changes from step to step."""
     lr: float = 3e-3
     """Peak learning rate: linear warm-up over steps/20, cosine decay to lr/10 (a function of
     the step, so a resumed run follows the same schedule)."""
     weight_decay: float = 0.1
     """AdamW decay of the matrices (not of norms)."""
-    dtype: str = "float32"
-    """Parameters and activations (float32 or bfloat16; no float32 master weights)."""
+    dtype: str = field(default="float32", metadata={"choices": tuple(DTYPES)})
+    """Parameters and activations (no float32 master weights)."""
     preset: str = "tiny"
-    """A `LlamaConfig.preset` name."""
+    """A `LlamaConfig.preset` name: the model."""
     model: dict = field(default_factory=dict)
     """LlamaConfig fields overriding the preset."""
     peak_flops: float | None = None
-    """Peak FLOP/s of one rank; None: measure a dense matmul at startup."""
-    metrics_json: str | None = None
+    """Peak FLOP/s of one rank, for MFU; if not given (None), measured at startup with a dense
+    512x512 matmul on each rank (a CPU core's peak is unknown)."""
+    metrics_json: str | None = field(default=None, metadata={"metavar": "FILE"})
     """Rank 0 writes {config, world, steps: [per-step metrics], summary} here as JSON."""
-    checkpoint_dir: str | None = None
-    """Where DCP checkpoints go (DIR/step-N, DIR/latest); None: no checkpoints."""
-    checkpoint_every: int = 0
-    """Save every N steps (0: only at the end / at stop_after)."""
+    checkpoint_dir: str | None = field(default=None, metadata={"metavar": "DIR"})
+    """Directory of the torch.distributed.checkpoint saves (DIR/step-N, DIR/latest); if not
+    given (None), nothing is saved."""
+    checkpoint_every: int = field(default=0, metadata={"metavar": "N"})
+    """Save every N steps and at the end (0: only at the end / at stop_after)."""
     resume: bool = False
-    """Start from DIR/latest (same tp/up/dp and model); from scratch if there is none."""
+    """Continue from DIR/latest (same tp/up/dp and model); from scratch if there is none."""
     stop_after: int | None = None
     """Stop after this step as if interrupted (the LR schedule still spans ``steps``)."""
     exposed_iters: int = 3
     """fwd+bwd pairs (normal / compute_only) timed after training; 0: not measured."""
     progress: bool = True
     """Rank 0 prints a header, progress lines and a summary."""
-    timeout: float = 60.0
-    """Seconds a rank waits for a peer (every op's ``timeout`` and the process group's) before
+    timeout: float = field(default=60.0, metadata={"metavar": "S"})
+    """Seconds a rank waits for a peer (every op's timeout and the process group's) before
     the run fails with an error naming the op, step and peer."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ValueError(f"TrainConfig.{f.name} must be one of {list(choices)}, "
+                                 f"got {getattr(self, f.name)!r}")
 
     @property
     def world(self) -> int:
@@ -80,56 +103,65 @@ class TrainConfig:
 
     def method_opts(self) -> dict:
         """The method's options among the flags (only those the method accepts)."""
-        from commfuse.ops.methods import OPTIONS
-
         given = {"chunks": self.chunks, "topology": self.topology, "splits": self.splits,
                  "timeout": self.timeout}
         return {k: v for k, v in given.items() if k in OPTIONS[self.method]}
 
 
+# Fields without a flag: model (a dict of LlamaConfig overrides; --preset names the model),
+# stop_after (a simulated interruption, for the resume tests), exposed_iters, progress (True
+# by default, so no store_true) and weight_decay (part of the fixed recipe, like the betas):
+# settings of the job when it is called from Python, as tests/test_train.py does.
+NOT_FLAGS = frozenset({"model", "stop_after", "exposed_iters", "progress", "weight_decay"})
+LAYOUT = ("tp", "up", "dp")  # flags default to None: none given means tp=2 (config_from_args)
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Each dataclass field's docstring (the string below it in the class body), whitespace
+    collapsed; {} when the source is not available."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    except (OSError, TypeError):
+        return {}
+    return {a.target.id: " ".join(d.value.value.split()) for a, d in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+            and isinstance(d, ast.Expr) and isinstance(d.value, ast.Constant)
+            and isinstance(d.value.value, str)}
+
+
+def _flag(f: dataclasses.Field, kind: type, doc: str) -> dict:
+    """The ``add_argument`` keywords of one field."""
+    default = None if f.name in LAYOUT else f.default
+    shown = ("2 if none of --tp/--up/--dp is given, else 1" if f.name == "tp"
+             else f.default if f.default is not None and f.default is not False else None)
+    doc = doc.replace("`", "").replace("%", "%%")
+    kw = {"help": doc if shown is None else f"{doc.rstrip('.')} (default: {shown})"}
+    if kind is bool:
+        if f.default is not False:
+            raise TypeError(f"TrainConfig.{f.name}: a bool flag must default to False")
+        return {**kw, "action": "store_true"}
+    return {**kw, "type": kind, "default": default, **f.metadata}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``commfuse train`` flags (the lead wires them: ``set_defaults(run=run)``)."""
-    a = p.add_argument
-    a("--tp", type=int, help="tensor(+sequence) parallel ranks (default 2 if none of "
-      "--tp/--up/--dp is given, else 1)")
-    a("--up", type=int, help="Ulysses sequence-parallel ranks (default 1; not with --tp > 1)")
-    a("--dp", type=int, help="sharded data-parallel (ZeRO-3) ranks (default 1)")
-    a("--nproc", type=int, help="local ranks to spawn (default tp*up*dp; ignored under torchrun)")
-    a("--method", default="commfuse", choices=["none", "sliced", "decompose", "commfuse", "auto"],
-      help="schedule of every fused op (default commfuse)")
-    a("--topology", default="ring", choices=["ring", "direct"], help="decompose/commfuse (ring)")
-    a("--chunks", type=int, default=4, help="chunks of method sliced (default 4)")
-    a("--query-split", action="store_true", help="with --tp: query-split attention (attention "
-      "and the out-projection partial per query slice, inside the reduce-scatter ring)")
-    a("--splits", type=int, default=1, help="sub-slices per rank's slice for decompose/commfuse "
-      "(default 1, the paper's; 4 hid the most communication in our layer benchmarks)")
-    a("--steps", type=int, default=150, help="optimizer steps (default 150)")
-    a("--seed", type=int, default=0, help="model init and data order (default 0)")
-    a("--batch-size", type=int, default=8, help="global batch in sequences (default 8)")
-    a("--seq-len", type=int, default=128, help="tokens per sequence (default 128; any length, "
-      "split over tp/up as evenly as it goes)")
-    a("--variable-length", action="store_true", help="train step i on a prefix of each "
-      "sequence whose length varies from step to step (seq-len/2 .. seq-len): every step "
-      "splits its sequence differently")
-    a("--lr", type=float, default=3e-3, help="peak LR; warm-up steps/20, cosine to lr/10")
-    a("--dtype", default="float32", choices=list(DTYPES), help="parameters and activations")
-    a("--preset", default="tiny", help="LlamaConfig preset (default tiny)")
-    a("--peak-flops", type=float, help="peak FLOP/s of one rank for MFU (default: measured "
-      "at startup with a dense 512x512 matmul on each rank, since a CPU core's peak is unknown)")
-    a("--metrics-json", metavar="FILE", help="write config, per-step metrics and summary")
-    a("--checkpoint-dir", metavar="DIR", help="torch.distributed.checkpoint directory")
-    a("--checkpoint-every", type=int, default=0, metavar="N",
-      help="save every N steps and at the end (default: only at the end, if --checkpoint-dir)")
-    a("--resume", action="store_true", help="continue from DIR/latest (same tp/up/dp)")
-    a("--timeout", type=float, default=60.0, metavar="S", help="seconds a rank waits for a "
-      "peer before the run fails naming the op, step and peer (default 60)")
-    a("--compare-none", action="store_true", help="after the run, re-run the same steps with "
-      "--method none (no checkpoints) and print the loss difference and step-time ratio")
+    """The ``commfuse train`` flags (the lead wires them: ``set_defaults(run=run)``): one per
+    TrainConfig field but `NOT_FLAGS`, then --nproc and --compare-none."""
+    hints, docs = typing.get_type_hints(TrainConfig), field_docs(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if f.name not in NOT_FLAGS:
+            kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],)
+                        if t is not type(None))
+            p.add_argument("--" + f.name.replace("_", "-"), **_flag(f, kind, docs.get(f.name, "")))
+    p.add_argument("--nproc", type=int, help="Local ranks to spawn (default: tp*up*dp; ignored "
+                   "under torchrun)")
+    p.add_argument("--compare-none", action="store_true", help="After the run, re-run the same "
+                   "steps with --method none (no checkpoints) and print the loss difference and "
+                   "step-time ratio")
 
 
 def config_from_args(args) -> TrainConfig:
     """The TrainConfig of parsed flags; no --tp/--up/--dp at all means tp=2."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)} - {"tp", "up", "dp", "model"}
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - NOT_FLAGS - set(LAYOUT)
     cfg = TrainConfig(**{n: getattr(args, n) for n in names if hasattr(args, n)})
     cfg.tp = args.tp or (1 if args.up or args.dp else 2)
     cfg.up, cfg.dp = args.up or 1, args.dp or 1
