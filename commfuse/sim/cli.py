@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from commfuse import sim
+from commfuse.trace import write_gantt
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,8 +108,6 @@ def main_simulate(argv=None) -> int:
         print(f"{name:<17}{r.total_s * 1e3:>10.3f}{r.compute_s * 1e3:>12.3f}"
               f"{r.exposed_comm_s * 1e3:>12.3f}{r.total_s / base:>9.2f}")
     if a.png:
-        from commfuse.sim.gantt import write_gantt
-
         write_gantt([(f"{name}: {r.total_s * 1e3:.3f} ms", r.timeline) for name, r in rows],
                     a.png, f"{a.op} W={a.world} on {a.hw}: predicted timelines")
         print(f"wrote {a.png}")

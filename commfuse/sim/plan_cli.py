@@ -11,6 +11,7 @@ import time
 
 from commfuse import sim
 from commfuse.sim.model_ops import MODELS
+from commfuse.trace import write_gantt
 
 DESCRIPTION = """\
 Enumerate every (tp, up, dp) layout of MODEL on DEVICES ranks that the parallel plans accept
@@ -136,10 +137,6 @@ def main_plan(argv=None) -> int:
     stem = os.path.join(a.out, f"{a.model}-{a.devices}")
     r.write_trace(stem + ".trace.json")
     print(f"wrote {stem}.trace.json")
-    try:
-        from commfuse.sim.gantt import write_gantt
-    except ImportError:  # pragma: no cover
-        return 0
     spans = r.timeline
     panels = [("one micro-batch (every block forward, the head, every block backward) and the "
                "gradient sync, as rank 0 sees it", spans),
