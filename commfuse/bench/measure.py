@@ -26,7 +26,6 @@ from commfuse.schedule import VARIANTS
 from commfuse.trace import Tracer
 
 
-
 def _limit_fn(step, backward: bool):
     """The testbed limit: ``none``'s collectives on scratch buffers beside ``none``'s compute."""
     with modes.mode("record") as recorded:
@@ -78,7 +77,7 @@ def measure(name: str, seq: int, d: int, dtype: torch.dtype, backward: bool, ite
             times[k].append(time.perf_counter() - t0)
         if rank == 0 and (it + 1) % max(1, iters // 4) == 0:
             say(f"  {name} seq {seq}: iteration {it + 1}/{iters}")
-    spans = _trace(step, variants, backward) if trace else []
+    spans = _trace(step, variants, backward, rank) if trace else []
     gathered = [None] * world
     dist.all_gather_object(gathered, (times, spans))
     if rank != 0:
@@ -91,11 +90,12 @@ def _compute_only(step, method, opts, backward):
         step(method, opts, backward)
 
 
-def _trace(step, variants, backward) -> list:
+def _trace(step, variants, backward, rank: int) -> list:
+    """One traced iteration per method: the executor's spans and a "step" span per method."""
     spans = []
     for label in variants:
         method, opts = VARIANTS[label]
-        tracer = Tracer()
+        tracer = Tracer(rank)
         dist.barrier()
         t0 = time.perf_counter()
         with modes.mode("normal", tracer):
@@ -132,7 +132,7 @@ def _summarise(name, seq, d, dtype, backward, variants, gathered) -> dict:
     return {"workload": name, "seq": seq, "d_model": d, "dtype": str(dtype)[6:],
             "pass": "forward+backward" if backward else "forward", "world": len(gathered),
             "comm_alone_ms": comm, "limit_ms": lim, "methods": rows,
-            "spans": [s for _, s in gathered]}
+            "spans": [s for _, spans in gathered for s in spans]}
 
 
 def _frac(num: float, den: float) -> float | None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
+
+from commfuse.trace import Panel, write_gantt, write_trace
 
 
 def table(result: dict) -> str:
@@ -26,24 +29,6 @@ def write_json(results: list[dict], meta: dict, path: str) -> None:
     slim = [{k: v for k, v in r.items() if k != "spans"} for r in results]
     with open(path, "w") as f:
         json.dump({"meta": meta, "results": slim}, f, indent=1)
-
-
-def write_trace(result: dict, path: str) -> None:
-    """One traced iteration per method, per rank: ranks are processes, tracks are threads."""
-    events, t_min = [], min((s[2] for spans in result["spans"] for s in spans), default=0.0)
-    for rank, spans in enumerate(result["spans"]):
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
-        tracks = sorted({s[0] for s in spans}, key=lambda t: (t != "step", t != "compute", t))
-        for tid, track in enumerate(tracks):
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
-                           "args": {"name": track}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid,
-                           "args": {"sort_index": tid}})
-        for track, name, t0, t1 in spans:
-            events.append({"ph": "X", "pid": rank, "tid": tracks.index(track), "name": name,
-                           "ts": 1e6 * (t0 - t_min), "dur": 1e6 * (t1 - t0)})
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
 def write_png(results: list[dict], path: str, title: str) -> None:
@@ -88,10 +73,10 @@ def save(results: list[dict], meta: dict, out_dir: str, stem: str) -> list[str]:
         f.write(f"`{meta.get('command', '')}` ({meta.get('date', '')}, {meta.get('machine', '')}, "
                 f"link {meta.get('link', '')})\n\n" + markdown(results))
     for r in results:
-        if any(r["spans"]):
+        if r["spans"]:
             tag = "fwd" if r["pass"] == "forward" else "fwdbwd"
             p = os.path.join(out_dir, f"{stem}-{r['workload']}-{r['seq']}-{tag}.trace.json")
-            write_trace(r, p)
+            write_trace(r["spans"], p)
             paths.append(p)
             try:
                 write_timeline_png(r, p.replace(".trace.json", ".timeline.png"))
@@ -108,43 +93,21 @@ def save(results: list[dict], meta: dict, out_dir: str, stem: str) -> list[str]:
 
 
 def write_timeline_png(result: dict, path: str) -> None:
-    """The traced iteration of every method as a Gantt chart: per rank, compute (GEMMs, adds)
-    and transfers (post to completed wait) on separate rows, so overlap and tails show."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods = [m["method"] for m in result["methods"]]
-    fig, axes = plt.subplots(len(methods), 1, figsize=(11, 1.35 * len(methods) + 0.6),
-                             squeeze=False)
-    colors = {"compute": "#4c72b0", "send": "#dd8452", "recv": "#55a868", "collective": "#c44e52",
-              "wait": "#8c8c8c"}
-    for ax, label in zip(axes[:, 0], methods):
-        rows, ticks = [], []
-        for rank, spans in enumerate(result["spans"]):
-            step = next((s for s in spans if s[0] == "step" and s[1] == label), None)
-            if step is None:
-                continue
-            t0, t1 = step[2], step[3]
-            mine = [s for s in spans if s[0] != "step" and t0 <= s[2] <= t1]
-            for kind in ("compute", "send", "recv", "collective", "wait"):
-                bars = [(1e3 * (s[2] - t0), 1e3 * (s[3] - s[2])) for s in mine
-                        if s[0].split()[0] == kind]
-                if bars:
-                    ax.broken_barh(bars, (len(rows) - 0.4, 0.8), color=colors[kind])
-                    rows.append(kind)
-                    ticks.append(f"r{rank} {kind}")
-            ax.axvline(1e3 * (t1 - t0), color="k", lw=0.6)
-        ax.set_yticks(range(len(ticks)), ticks, fontsize=6)
-        ax.set_ylabel(label, fontsize=7, rotation=0, ha="right", va="center")
-        ax.tick_params(axis="x", labelsize=6)
-    axes[-1, 0].set_xlabel("ms since the step began (one traced iteration per method)", fontsize=7)
-    fig.suptitle(f"{result['workload']} seq {result['seq']} ({result['pass']}): where the time goes",
-                 fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    """The traced iteration of every method as a Gantt chart, one panel per method: per rank,
+    compute (GEMMs, adds), transfers (post to completed wait) and waits on separate rows, from
+    the rank's step start to its end (the vertical line), so overlap and tails show."""
+    panels = []
+    for m in result["methods"]:
+        spans, ends = [], []
+        for step in (s for s in result["spans"] if s.track == "step" and s.label == m["method"]):
+            t0, t1 = step.start, step.end
+            spans += [replace(s, start=s.start - t0, end=s.end - t0) for s in result["spans"]
+                      if s.rank == step.rank and s.track != "step" and t0 <= s.start <= t1]
+            ends.append(t1 - t0)
+        panels.append(Panel(m["method"], spans, ends, origin=0.0))
+    write_gantt(panels, path, f"{result['workload']} seq {result['seq']} ({result['pass']}): "
+                "where the time goes, from each rank's step start (one traced iteration per "
+                "method)", max_ranks=None)
 
 
 def markdown(results: list[dict]) -> str:

@@ -14,7 +14,8 @@ A *transport* (`commfuse.runtime.transport`) posts the transfers. On CPU (gloo) 
 (`commfuse.runtime.cuda`) they run on a dedicated communication stream ordered with events, so
 GEMMs on the compute stream overlap them. Every wait has a deadline: a dead or stalled peer
 raises `CommFuseError` naming the op, step and peer instead of hanging. The measurement modes
-(`commfuse.runtime.modes`) pick the transport and receive the spans of a traced run.
+(`commfuse.runtime.modes`) pick the transport and a `commfuse.trace.Tracer` receives the spans
+of a traced run.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from commfuse.runtime import modes
 from commfuse.runtime.transport import Done, Transport, group_timeout
 from commfuse.schedule import (Collective, Compute, Post, Reduce, Schedule, Transfer, Wait,
                                WaitCollective)
+from commfuse.trace import Tracer
+
 
 class Binding(Protocol):
     def buffer(self, transfer: Transfer) -> torch.Tensor: ...
@@ -88,8 +91,9 @@ def run(schedule: Schedule, binding: Binding, transport: Transport) -> None:
     assert not pending, f"schedule left transfers unwaited: {list(pending)}"
 
 
-def _trace(tracer, op: str, step, t0: float, t1: float, posted_at: dict) -> None:
-    """Compute spans on the compute track; a transfer spans from its post to its wait's end."""
+def _trace(tracer: Tracer, op: str, step, t0: float, t1: float, posted_at: dict) -> None:
+    """Compute spans on the compute track; a transfer spans from its post to its wait's end,
+    on a track per kind and peer ("send to 1"); waits that blocked on the wait track."""
     if isinstance(step, (Compute, Reduce)):
         tracer.add("compute", f"{op} {type(step).__name__.lower()} {step.slot}", t0, t1)
     elif isinstance(step, Wait):

@@ -16,10 +16,9 @@ A whole training step of a Llama-style model under TP / Ulysses / ZeRO-3 DP:
 from __future__ import annotations
 
 from commfuse.sim.costs import OpSpec, op_costs
-from commfuse.sim.engine import Span
 from commfuse.sim.hardware import PRESETS, Hardware, preset
 from commfuse.sim.ops import SimResult, paper_table1, simulate_layer, simulate_op, simulate_ops
-from commfuse.trace import write_trace
+from commfuse.trace import Span, write_trace
 
 __all__ = ["Hardware", "PRESETS", "preset", "OpSpec", "Span", "SimResult", "op_costs",
            "simulate_op", "simulate_ops", "simulate_layer", "paper_table1", "write_trace",

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 
 from commfuse import sim
+from commfuse.schedule import OPS
+from commfuse.trace import write_gantt
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,8 +21,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="commfuse simulate",
         description="Time every method's schedule on a hardware model (commfuse.sim). "
                     "Shapes are the full logical GEMM (M, K, N); see commfuse.sim.op_costs.")
-    p.add_argument("--op", default="mlp", choices=("mlp", "ag_matmul", "matmul_rs",
-                                                   "matmul_a2a", "a2a_matmul"),
+    p.add_argument("--op", default="mlp", choices=("mlp", *OPS),
                    help="one op, or the TPSP MLP forward (AG->FC1, FC2->RS); default mlp")
     p.add_argument("--world", type=int, default=4, help="group size W (default 4)")
     p.add_argument("--shape", default="8192,4096,4096", help="M,K,N for a single op")
@@ -107,9 +108,10 @@ def main_simulate(argv=None) -> int:
         print(f"{name:<17}{r.total_s * 1e3:>10.3f}{r.compute_s * 1e3:>12.3f}"
               f"{r.exposed_comm_s * 1e3:>12.3f}{r.total_s / base:>9.2f}")
     if a.png:
-        from commfuse.sim.gantt import write_gantt
-
-        write_gantt([(f"{name}: {r.total_s * 1e3:.3f} ms", r.timeline) for name, r in rows],
-                    a.png, f"{a.op} W={a.world} on {a.hw}: predicted timelines")
-        print(f"wrote {a.png}")
+        try:
+            write_gantt([(f"{name}: {r.total_s * 1e3:.3f} ms", r.timeline) for name, r in rows],
+                        a.png, f"{a.op} W={a.world} on {a.hw}: predicted timelines")
+            print(f"wrote {a.png}")
+        except ImportError:
+            print("matplotlib not installed: no PNG (pip install 'commfuse[bench]')")
     return 0

@@ -30,21 +30,10 @@ what makes 1024-rank groups cheap to time; tests check it against the full run.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 
 from commfuse.sim.hardware import Hardware
 from commfuse.sim.program import compile_programs
-
-
-@dataclass(frozen=True)
-class Span:
-    """One interval of a rank's timeline. kind: compute, reduce, send, recv, wait, collective."""
-
-    rank: int
-    kind: str
-    label: str
-    start: float
-    end: float
+from commfuse.trace import Span
 
 
 class _Flow:
@@ -63,7 +52,8 @@ class _Task:
 
 
 class Engine:
-    """Runs per-rank programs of `OpSpec`s; `run` returns (finish time per rank, spans)."""
+    """Runs per-rank programs of `OpSpec`s; `run` returns (finish time per rank, spans): a
+    `commfuse.trace.Span` per compute, reduce, host, send, recv, wait and collective."""
 
     def __init__(self, hw: Hardware, world: int, specs, dtype_bytes: float,
                  comm: bool = True, timeline: bool = True, symmetric: bool = False):

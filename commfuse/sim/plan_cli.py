@@ -10,7 +10,9 @@ import os
 import time
 
 from commfuse import sim
+from commfuse.schedule import TOPOLOGIES
 from commfuse.sim.model_ops import MODELS
+from commfuse.trace import write_gantt
 
 DESCRIPTION = """\
 Enumerate every (tp, up, dp) layout of MODEL on DEVICES ranks that the parallel plans accept
@@ -80,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
       help="comma-separated methods to compare: none, sliced, decompose, commfuse, auto "
            "(auto: per op, the fastest of commfuse.auto's candidates) (default: the four)")
     a("--splits", type=int, default=1, help="decompose/commfuse: sub-slices per slice (m)")
-    a("--topology", default="ring", choices=["ring", "direct"], help="decompose/commfuse")
+    a("--topology", default="ring", choices=TOPOLOGIES, help="decompose/commfuse")
     a("--chunks", type=int, default=4, help="sliced: chunks per op (default 4)")
     a("--dtype-bytes", type=float, default=2, help="bytes per element (bf16: 2)")
     a("--top", type=int, default=20, help="rows to print (default 20; 0: all)")
@@ -136,10 +138,6 @@ def main_plan(argv=None) -> int:
     stem = os.path.join(a.out, f"{a.model}-{a.devices}")
     r.write_trace(stem + ".trace.json")
     print(f"wrote {stem}.trace.json")
-    try:
-        from commfuse.sim.gantt import write_gantt
-    except ImportError:  # pragma: no cover
-        return 0
     spans = r.timeline
     panels = [("one micro-batch (every block forward, the head, every block backward) and the "
                "gradient sync, as rank 0 sees it", spans),

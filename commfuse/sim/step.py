@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 from commfuse.sim.choose import fastest
 from commfuse.sim.costs import OpSpec
-from commfuse.sim.engine import Span
 from commfuse.sim.hardware import Hardware, preset
 from commfuse.sim.model_ops import (FUSED, StepOp, block_ops, grad_sync_ops, head_ops,
                                     model_config)
 from commfuse.sim.ops import simulate_ops
+from commfuse.trace import Span, write_trace
 
 
 def _hw(hw) -> Hardware:
@@ -100,8 +100,6 @@ class StepResult:
     simulations: int  # fused-op simulations this call ran (the rest came from the memo)
 
     def write_trace(self, path: str) -> None:
-        from commfuse.trace import write_trace
-
         write_trace(self.timeline, path)
 
 
