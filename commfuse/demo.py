@@ -13,38 +13,16 @@ import time
 import torch
 import torch.distributed as dist
 
-import commfuse
+from commfuse.ops import registry
+from commfuse.schedule import OPS, VARIANTS
 from commfuse.testbed.spawn import run_local
-
-VARIANTS = [("none", {}), ("sliced", {"chunks": 4}), ("decompose", {"topology": "ring"}),
-            ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"})]
-OPS = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
-
-
-def variant_name(method: str, opts: dict) -> str:
-    return method + "".join(f" {v}" for v in opts.values())
 
 
 def _inputs(op: str, world: int, rank: int, seq: int, d: int, dtype):
+    """The op's inputs in its layer (`commfuse.ops.registry.layer_shapes`), as leaves."""
     g = torch.Generator().manual_seed(1000 + rank)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
-    if op == "ag_matmul":  # column-parallel: gather my sequence slice, my columns of W
-        return r(seq // world, d), r(d, 4 * d // world)
-    if op == "matmul_rs":  # row-parallel: full sequence, my rows of W
-        return r(seq, 4 * d // world), r(4 * d // world, d)
-    if op == "matmul_a2a":  # Ulysses: my sequence slice, the whole (replicated) W_qkv
-        return r(seq // world, d), r(d, d)
-    return r(seq, d // world), r(d, d)  # Ulysses: full sequence of my heads, the whole W_o
-
-
-def _call(op: str, a, b, method: str, opts: dict):
-    if op == "ag_matmul":
-        return commfuse.fused_all_gather_matmul(a, [b], 0, method=method, **opts)[1][0]
-    if op == "matmul_rs":
-        return commfuse.fused_matmul_reduce_scatter(a, b, "sum", 0, method=method, **opts)
-    if op == "matmul_a2a":
-        return commfuse.fused_matmul_all_to_all(a, b, method=method, **opts)
-    return commfuse.fused_all_to_all_matmul(a, b, method=method, **opts)
+    return tuple(torch.randn(*s, generator=g, dtype=dtype).requires_grad_()
+                 for s in registry.layer_shapes(op, world, seq, d))
 
 
 def _time(fn, iters: int) -> float:
@@ -63,26 +41,27 @@ def _rank(rank: int, world: int, seq: int, d: int, iters: int, dtype_name: str) 
     rows = []
     for op in OPS:
         a, b = _inputs(op, world, rank, seq, d, dtype)
-        a.requires_grad_(), b.requires_grad_()
-        ref = _call(op, a, b, "none", {})
+        call = lambda label: registry.call(op, a, b, *VARIANTS[label])
+        ref = call("none")
         ref.backward(torch.ones_like(ref))
         ref_ga, ref_gb = a.grad.clone(), b.grad.clone()
-        for method, opts in VARIANTS:
+        for label in registry.BASIC_VARIANTS:
             a.grad = b.grad = None
-            out = _call(op, a, b, method, opts)
+            out = call(label)
             out.backward(torch.ones_like(out))
             err = max(_rel(out, ref), _rel(a.grad, ref_ga), _rel(b.grad, ref_gb))
             with torch.no_grad():
-                fwd = _time(lambda: _call(op, a, b, method, opts), iters)
+                fwd = _time(lambda: call(label), iters)
 
             def step():
-                y = _call(op, a, b, method, opts)
+                y = call(label)
                 y.backward(torch.ones_like(y))
             both = _time(step, iters)
-            rows.append({"op": op, "method": variant_name(method, opts), "err": err,
+            rows.append({"op": op, "method": label, "err": err,
                          "fwd_ms": 1e3 * fwd, "fwd_bwd_ms": 1e3 * both})
         if rank == 0:
-            print(f"[demo] {op}: {len(VARIANTS)} methods checked and timed", flush=True)
+            print(f"[demo] {op}: {len(registry.BASIC_VARIANTS)} methods checked and timed",
+                  flush=True)
     return rows
 
 

@@ -6,16 +6,17 @@ falls back to 1 rank, which still runs the CUDA transport (comm stream, events) 
 collective methods and every op's GEMMs and autograd on the GPU.
 """
 
+import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-import commfuse
+from commfuse.ops import registry
+from commfuse.schedule import VARIANTS
 from commfuse.testbed.spawn import run_local
 from dist_cases import all_cases, run_cases
 
@@ -31,32 +32,25 @@ def probe(rank, world):
 
 
 def bench(rank, world, seq, d, iters):
-    """AG->GEMM and GEMM->RS, bf16, every method, CUDA events around each call."""
-    torch.manual_seed(rank)
+    """AG->GEMM and GEMM->RS, bf16, each method's basic variant, timed around each call."""
+    g = torch.Generator(device="cuda").manual_seed(rank)
     out = {}
-    a_ag = torch.randn(seq // world, d, device="cuda", dtype=torch.bfloat16)
-    b_ag = torch.randn(d, 4 * d // world, device="cuda", dtype=torch.bfloat16)
-    a_rs = torch.randn(seq, 4 * d // world, device="cuda", dtype=torch.bfloat16)
-    b_rs = torch.randn(4 * d // world, d, device="cuda", dtype=torch.bfloat16)
-    calls = {
-        "ag_matmul": lambda m, o: commfuse.fused_all_gather_matmul(a_ag, [b_ag], 0, method=m, **o),
-        "matmul_rs": lambda m, o: commfuse.fused_matmul_reduce_scatter(a_rs, b_rs, "sum", 0, method=m, **o),
-    }
-    variants = [("none", {}), ("sliced", {"chunks": 4}), ("decompose", {}),
-                ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"})]
-    for op, call in calls.items():
-        for m, o in variants:
+    for op in ("ag_matmul", "matmul_rs"):
+        a, b = (torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)
+                for s in registry.layer_shapes(op, world, seq, d))
+        for label in registry.BASIC_VARIANTS:
+            call = lambda: registry.call(op, a, b, *VARIANTS[label])
             for _ in range(3):
-                call(m, o)
+                call()
             times = []
             for _ in range(iters):
                 dist.barrier()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                call(m, o)
+                call()
                 torch.cuda.synchronize()
                 times.append(1e3 * (time.perf_counter() - t0))
-            out[f"{op} {m} {o.get('topology', o.get('chunks', ''))}"] = statistics.median(times)
+            out[f"{op} {label}"] = statistics.median(times)
     return out
 
 
@@ -91,4 +85,6 @@ def main(outdir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("outdir", nargs="?", default=".", help="folder for gpu_check.json (default .)")
+    main(p.parse_args().outdir)

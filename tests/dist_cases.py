@@ -13,14 +13,22 @@ from dataclasses import dataclass
 import torch
 
 import commfuse
+from commfuse.ops import registry
+from commfuse.schedule import OPS, VARIANTS
 
-OPS = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
-METHODS = (("none", {}), ("none", {"collective": "backend"}), ("sliced", {"chunks": 2}), ("sliced", {}),
-           ("sliced", {"collective": "backend"}),
-           ("decompose", {"topology": "ring"}), ("decompose", {"topology": "direct"}),
-           ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"}),
-           ("decompose", {"splits": 2}), ("commfuse", {"topology": "ring", "splits": 2}),
-           ("commfuse", {"topology": "direct", "splits": 4}), ("auto", {}))
+
+def variants(*items) -> tuple[tuple[str, dict], ...]:
+    """(method, opts) pairs from labels of the package's `VARIANTS` and from pairs of its own:
+    what only the tests try (defaults, other chunks, topologies and splits)."""
+    return tuple(VARIANTS[v] if isinstance(v, str) else v for v in items)
+
+
+METHODS = variants("none", "none-torch", ("sliced", {"chunks": 2}), ("sliced", {}),
+                   ("sliced", {"collective": "backend"}),
+                   "decompose", ("decompose", {"topology": "direct"}),
+                   "commfuse", "commfuse-direct",
+                   ("decompose", {"splits": 2}), "commfuse-m2",
+                   ("commfuse", {"topology": "direct", "splits": 4}), "auto")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # norm-relative error vs float64 reference
 
 
@@ -87,21 +95,13 @@ def _inputs(case: Case, world: int):
     """Every rank's inputs and upstream grads, in float64, from the case's seed."""
     g = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + world)
     rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
-    d, w, sizes = case.dim, world, case.sizes(world)
-    if case.op == "ag_matmul":
-        a = [rnd(*_shape(d, sizes[p], K)) for p in range(w)]
-        b = [[rnd(K, N), rnd(K, N + 2)] for _ in range(w)]
-    elif case.op == "matmul_rs":
-        a = [rnd(*_shape(d, sum(sizes), K)) for _ in range(w)]
-        b = [[rnd(K, N)] for _ in range(w)]
-    elif case.op == "matmul_a2a":
-        a = [rnd(*_shape(d, sizes[p], K)) for p in range(w)]
-        b0 = rnd(K, w * N)
-        b = [[b0.clone()] for _ in range(w)]  # replicated weight, one leaf per rank
-    else:
-        a = [rnd(*_shape(d, sum(sizes), K)) for _ in range(w)]
-        b0 = rnd(w * K, N)
-        b = [[b0.clone()] for _ in range(w)]
+    d, w, sizes, op = case.dim, world, case.sizes(world), case.op
+    a = [rnd(*_shape(d, registry.a_rows(op, sizes, p), K)) for p in range(w)]
+    if registry.get(op).replicated_b:
+        b0 = rnd(*registry.b_shape(op, w, K, N))
+        b = [[b0.clone()] for _ in range(w)]  # one leaf per rank
+    else:  # ag_matmul takes two Bs (of different widths)
+        b = [[rnd(K, N), rnd(K, N + 2)] if op == "ag_matmul" else [rnd(K, N)] for _ in range(w)]
     return a, b, g
 
 
@@ -126,18 +126,10 @@ def _reference(case: Case, world: int, a, b):
 
 def _fused(case: Case, a: torch.Tensor, bs: list[torch.Tensor], world: int) -> list[torch.Tensor]:
     opts = dict(case.opts)
-    if case.uneven in ("skewed",) or (case.uneven and case.op in ("ag_matmul", "matmul_a2a")):
+    if case.uneven in ("skewed",) or (case.uneven and not registry.get(case.op).whole_input):
         opts["sizes"] = case.sizes(world)  # else the default: even_sizes of the full dim
-    m = case.method
-    if case.op == "ag_matmul":
-        a_full, ys = commfuse.fused_all_gather_matmul(a, bs, case.dim, method=m, **opts)
-        return [a_full] + ys
-    if case.op == "matmul_rs":
-        return [commfuse.fused_matmul_reduce_scatter(a, bs[0], "avg" if case.avg else "sum",
-                                                     case.dim, method=m, **opts)]
-    if case.op == "matmul_a2a":
-        return [commfuse.fused_matmul_all_to_all(a, bs[0], seq_dim=case.dim, method=m, **opts)]
-    return [commfuse.fused_all_to_all_matmul(a, bs[0], seq_dim=case.dim, method=m, **opts)]
+    return registry.outputs(case.op, a, bs, case.method, opts, dim=case.dim,
+                            reduce_op="avg" if case.avg else "sum")
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -24,11 +24,11 @@ import torch
 
 import commfuse
 from commfuse.runtime import modes
+from commfuse.schedule import OPS
 from commfuse.testbed.spawn import run_local
 
 TIMEOUT = 2.0  # the ops' `timeout` option in every case (seconds)
 MARGIN = 8.0  # scheduling slack on a loaded 2-core CI machine
-OPS = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
 DUAL = {"ag_matmul": "matmul_rs", "matmul_rs": "ag_matmul", "matmul_a2a": "a2a_matmul",
         "a2a_matmul": "matmul_a2a"}
 METHODS = [("commfuse", {}), ("commfuse", {"topology": "direct"}), ("decompose", {}),

@@ -3,8 +3,8 @@
 
 import pytest
 
-from commfuse.bench.measure import VARIANTS
 from commfuse.bench.memory import AVAILABLE, measure
+from commfuse.schedule import VARIANTS
 from commfuse.testbed.spawn import run_local
 
 VARIANTS_ = {**{v: VARIANTS[v] for v in VARIANTS if v != "auto"},

@@ -13,10 +13,12 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import commfuse
+from commfuse.ops import registry
+from commfuse.schedule import OPS
+from dist_cases import variants
 
-METHODS = [("none", {}), ("sliced", {"chunks": 3}), ("decompose", {}),
-           ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct", "splits": 2})]
+METHODS = list(variants("none", ("sliced", {"chunks": 3}), ("decompose", {}), "commfuse",
+                        ("commfuse", {"topology": "direct", "splits": 2})))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,18 +32,8 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-def _call(op, a, b, dim, method, opts):
-    if op == "ag_matmul":
-        return commfuse.fused_all_gather_matmul(a, [b], dim, method=method, **opts)[1][0]
-    if op == "matmul_rs":
-        return commfuse.fused_matmul_reduce_scatter(a, b, "sum", dim, method=method, **opts)
-    if op == "matmul_a2a":
-        return commfuse.fused_matmul_all_to_all(a, b, seq_dim=dim, method=method, **opts)
-    return commfuse.fused_all_to_all_matmul(a, b, seq_dim=dim, method=method, **opts)
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(op=st.sampled_from(["ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul"]),
+@given(op=st.sampled_from(OPS),
        a_shape=st.lists(st.integers(0, 5), min_size=1, max_size=4),
        b_rows_delta=st.sampled_from([0, 0, 0, 1]), n=st.integers(0, 4),
        dim=st.integers(-4, 3), variant=st.sampled_from(METHODS),
@@ -59,7 +51,7 @@ def test_exact_or_a_clear_error(op, a_shape, b_rows_delta, n, dim, variant, a_dt
         b.requires_grad_()
     method, opts = variant
     try:
-        out = _call(op, a, b, dim, method, opts)
+        out = registry.call(op, a, b, method, opts, dim=dim)
     except (ValueError, TypeError) as e:
         assert str(e), "an error must say what is wrong"
         event(f"rejected: {type(e).__name__}")

@@ -17,18 +17,22 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import commfuse
+from commfuse.ops import registry
+from commfuse.schedule import OPS
 from commfuse.testbed.spawn import run_local
+from dist_cases import variants
 
 EXAMPLES = 200
-METHODS = [("none", {}), ("sliced", {"chunks": 2}), ("sliced", {"chunks": 3}), ("decompose", {}),
-           ("commfuse", {}), ("commfuse", {"topology": "direct"}), ("commfuse", {"splits": 2}),
-           ("decompose", {"topology": "direct", "splits": 3}), ("auto", {})]
+METHODS = list(variants("none", ("sliced", {"chunks": 2}), ("sliced", {"chunks": 3}),
+                        ("decompose", {}), ("commfuse", {}), "commfuse-direct",
+                        ("commfuse", {"splits": 2}),
+                        ("decompose", {"topology": "direct", "splits": 3}), "auto"))
 BAD = [None] * 8 + ["last_dim", "k_mismatch", "dtype_mismatch", "sizes_sum", "meta_device",
                     "int_dtype"]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float64: 1e-12}
 
 EXAMPLE = st.fixed_dictionaries(dict(
-    op=st.sampled_from(["ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul"]),
+    op=st.sampled_from(OPS),
     variant=st.sampled_from(METHODS), group=st.sampled_from(["world", "world", "sub"]),
     sizes=st.lists(st.integers(0, 4), min_size=4, max_size=4), explicit=st.booleans(),
     mid=st.integers(0, 2), k=st.integers(1, 4), n=st.integers(0, 3), seq_dim=st.integers(0, 1),
@@ -40,16 +44,13 @@ def _inputs(ex: dict, w: int, sizes: list[int]):
     """All ranks' float64 inputs (A per rank, one B per rank) for a group of ``w``."""
     g = torch.Generator().manual_seed(ex["seed"])
     rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
-    d, mid, k, n, total = ex["seq_dim"], ex["mid"], ex["k"], ex["n"], sum(sizes)
+    d, mid, k, n, op = ex["seq_dim"], ex["mid"], ex["k"], ex["n"], ex["op"]
     shape = lambda seq, last: (seq, mid, last) if d == 0 else (mid, seq, last)
-    op = ex["op"]
-    if op == "ag_matmul":
-        return [rnd(*shape(sizes[p], k)) for p in range(w)], [rnd(k, n) for _ in range(w)]
-    if op == "matmul_rs":
-        return [rnd(*shape(total, k)) for _ in range(w)], [rnd(k, n) for _ in range(w)]
-    b = rnd(k, w * n) if op == "matmul_a2a" else rnd(w * k, n)
-    a = [rnd(*shape(sizes[p] if op == "matmul_a2a" else total, k)) for p in range(w)]
-    return a, [b.clone() for _ in range(w)]
+    a = lambda: [rnd(*shape(registry.a_rows(op, sizes, p), k)) for p in range(w)]
+    if registry.get(op).replicated_b:  # one weight, drawn first, on every rank
+        b = rnd(*registry.b_shape(op, w, k, n))
+        return a(), [b.clone() for _ in range(w)]
+    return a(), [rnd(k, n) for _ in range(w)]
 
 
 def _reference(ex: dict, a, b, sizes: list[int], r: int) -> torch.Tensor:
@@ -66,18 +67,10 @@ def _reference(ex: dict, a, b, sizes: list[int], r: int) -> torch.Tensor:
 
 
 def _call(ex: dict, a: torch.Tensor, b: torch.Tensor, group, sizes) -> torch.Tensor:
-    method, opts = ex["variant"]
-    kw = dict(method=method, timeout=10, **opts)
-    if ex["op"] in ("ag_matmul", "matmul_a2a") or ex["explicit"] or ex["bad"] == "sizes_sum":
+    kw = dict(timeout=10)
+    if not registry.get(ex["op"]).whole_input or ex["explicit"] or ex["bad"] == "sizes_sum":
         kw["sizes"] = sizes
-    d, op = ex["seq_dim"], ex["op"]
-    if op == "ag_matmul":
-        return commfuse.fused_all_gather_matmul(a, [b], d, group, **kw)[1][0]
-    if op == "matmul_rs":
-        return commfuse.fused_matmul_reduce_scatter(a, b, "sum", d, group, **kw)
-    if op == "matmul_a2a":
-        return commfuse.fused_matmul_all_to_all(a, b, group, seq_dim=d, **kw)
-    return commfuse.fused_all_to_all_matmul(a, b, group, seq_dim=d, **kw)
+    return registry.call(ex["op"], a, b, *ex["variant"], dim=ex["seq_dim"], group=group, **kw)
 
 
 def _spoil(ex: dict, a: torch.Tensor, b: torch.Tensor, sizes: list[int]):
@@ -90,7 +83,7 @@ def _spoil(ex: dict, a: torch.Tensor, b: torch.Tensor, sizes: list[int]):
     elif bad == "dtype_mismatch":
         b = b.to(torch.float16)
     elif bad == "sizes_sum":  # a wrong total where ranks know it, else a wrong length
-        full = ex["op"] in ("matmul_rs", "a2a_matmul")
+        full = registry.get(ex["op"]).whole_input
         sizes = [*sizes[:-1], sizes[-1] + 1] if full else [*sizes, 0]
     elif bad == "meta_device":
         b = b.to("meta")
@@ -105,7 +98,7 @@ def _one(ex: dict, rank: int, groups: dict):
         return ("skip",)
     w, r = group.size(), group.rank()
     sizes = ex["sizes"][:w]
-    if ex["op"] in ("matmul_rs", "a2a_matmul") and not ex["explicit"]:
+    if registry.get(ex["op"]).whole_input and not ex["explicit"]:
         sizes = list(commfuse.even_sizes(sum(sizes), w))  # what the op assumes by default
     a64, b64 = _inputs(ex, w, sizes)
     a = a64[r].to(ex["dtype"]).requires_grad_()
@@ -176,7 +169,7 @@ def _steps(rank: int, world: int):
     """Every op and method over a sequence length that changes from call to call."""
     groups = {"world": dist.group.WORLD}
     out = []
-    for op in ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul"):
+    for op in OPS:
         for variant in METHODS:
             for i, total in enumerate(LENGTHS):
                 ex = dict(op=op, variant=variant, group="world", explicit=True, mid=2, k=3, n=2,

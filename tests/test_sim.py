@@ -6,9 +6,9 @@ import time
 import pytest
 
 from commfuse import sim
+from commfuse.schedule import OPS
 from commfuse.sim import Hardware, OpSpec
 
-OPS = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
 HW = Hardware(gemm_flops=100e12, link_bandwidth=100e9, link_latency=5e-6, mem_bandwidth=2e12,
               m0=64.0, n0=64.0, k0=64.0)
 

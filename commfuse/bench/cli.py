@@ -13,6 +13,7 @@ import torch
 
 from commfuse.runtime.gloo import duplex
 from commfuse.bench import measure, report, workloads
+from commfuse.schedule import VARIANTS
 
 WORKER_ENV = "COMMFUSE_BENCH_WORKER"
 
@@ -32,8 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--pass", dest="passes", choices=["forward", "backward", "both"], default="both",
                    help="forward, forward+backward, or both (default both)")
-    p.add_argument("--methods", default=",".join(measure.VARIANTS),
-                   help="comma-separated, from " + ",".join(measure.VARIANTS) + " (default all)")
+    p.add_argument("--methods", default=",".join(VARIANTS),
+                   help="comma-separated, from " + ",".join(VARIANTS) + " (default all)")
     p.add_argument("--iters", type=int, default=15, help="timed iterations per method (default 15)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1: "
@@ -57,7 +58,7 @@ def _list(text: str, allowed, what: str) -> list[str]:
 def run(args) -> int:
     names = _list(args.workloads, workloads.OPS + workloads.LAYERS, "workload") if args.workloads \
         else list(workloads.OPS if args.kind == "op" else workloads.LAYERS)
-    _list(args.methods, measure.VARIANTS, "method")
+    _list(args.methods, VARIANTS, "method")
     seqs = [int(s) for s in args.seq.split(",")]
     if any(s % args.nproc for s in seqs):
         raise SystemExit(f"commfuse bench: every --seq must be divisible by --nproc ({args.nproc})")

@@ -16,7 +16,7 @@ import gc
 
 import torch
 
-OPS = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
+from commfuse.schedule import OPS
 
 
 class _MallInfo2(ctypes.Structure):

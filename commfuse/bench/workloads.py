@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 import commfuse
+from commfuse.ops import registry
 from commfuse.ops.attention import query_split_attention
+from commfuse.schedule import OPS
 
-OPS = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
 LAYERS = ("mlp", "attn_row", "attn_qsplit", "ulysses")
 FORWARD_ONLY = ("attn_qsplit",)
 HEAD_DIM = 64
@@ -37,19 +38,9 @@ def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype
     g = torch.Generator().manual_seed(rank)
     rnd = lambda *shape: (torch.randn(*shape, generator=g) / shape[0] ** 0.5).to(dtype).requires_grad_()
     s = seq // world
-    if name == "ag_matmul":
-        a, b = rnd(s, d), rnd(d, 4 * d // world)
-        return _grad_step(lambda m, o: commfuse.fused_all_gather_matmul(a, [b], 0, return_A=False,
-                                                                        method=m, **o)[1][0])
-    if name == "matmul_rs":
-        a, b = rnd(seq, 4 * d // world), rnd(4 * d // world, d)
-        return _grad_step(lambda m, o: commfuse.fused_matmul_reduce_scatter(a, b, "sum", 0, method=m, **o))
-    if name == "matmul_a2a":
-        a, b = rnd(s, d), rnd(d, 3 * d)
-        return _grad_step(lambda m, o: commfuse.fused_matmul_all_to_all(a, b, method=m, **o))
-    if name == "a2a_matmul":
-        a, b = rnd(seq, d // world), rnd(d, d)
-        return _grad_step(lambda m, o: commfuse.fused_all_to_all_matmul(a, b, method=m, **o))
+    if name in OPS:  # the op alone, at its shapes in its layer
+        a, b = (rnd(*shape) for shape in registry.layer_shapes(name, world, seq, d))
+        return _grad_step(lambda m, o: registry.call(name, a, b, m, o))
     x = rnd(s, d)
     if name == "mlp":
         w1, w2 = rnd(d, 4 * d // world), rnd(4 * d // world, d)

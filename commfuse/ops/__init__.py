@@ -9,7 +9,8 @@
     all_to_all.py       GEMM <-> all-to-all (Ulysses), bindings and autograd
     attention.py        query-split attention (TP attention inside the RS ring)
     auto.py             method="auto": the cost model's choice, cached per shape
-    registry.py         the ops by name, with example inputs (demo, bench, tests)
+    registry.py         the ops by name: function, one way to call them, shapes (demo, bench,
+                        tests)
 
 Exports resolve lazily (PEP 562): `commfuse.ops.methods` imports without torch.
 """
