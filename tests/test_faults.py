@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import commfuse
+from commfuse.ops import registry
 from commfuse.runtime import modes
 from commfuse.schedule import OPS
 from commfuse.testbed.spawn import run_local
@@ -61,16 +62,9 @@ def run_op(op: str, method: str, opts: dict, world: int, steps: int = 2) -> None
     """``steps`` x ``op`` forward and backward on small random inputs (the same shapes on
     every rank; two steps, so that communication follows any GEMM of the first)."""
     a = torch.randn(4 * world, 3, 8, requires_grad=True)
-    kw = dict(method=method, timeout=TIMEOUT, **opts)
     for _ in range(steps):
-        if op == "ag_matmul":
-            out = commfuse.fused_all_gather_matmul(a, [torch.randn(8, 6)], 0, **kw)[1][0]
-        elif op == "matmul_rs":
-            out = commfuse.fused_matmul_reduce_scatter(a, torch.randn(8, 6), "sum", 0, **kw)
-        elif op == "matmul_a2a":
-            out = commfuse.fused_matmul_all_to_all(a, torch.randn(8, 2 * world), **kw)
-        else:
-            out = commfuse.fused_all_to_all_matmul(a, torch.randn(8 * world, 6), **kw)
+        b = torch.randn(*registry.b_shape(op, world, 8, 6))
+        out = registry.call(op, a, b, method, opts, timeout=TIMEOUT)
         out.sum().backward()
 
 

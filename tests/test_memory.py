@@ -3,12 +3,9 @@
 
 import pytest
 
-from commfuse.bench.memory import AVAILABLE, measure
-from commfuse.schedule import VARIANTS
+from commfuse.bench.memory import AVAILABLE, MEASURED as VARIANTS_, measure
 from commfuse.testbed.spawn import run_local
 
-VARIANTS_ = {**{v: VARIANTS[v] for v in VARIANTS if v != "auto"},
-             "sliced-2": ("sliced", {"chunks": 2})}
 SLACK = 256 * 1024  # bytes (a quarter of C here): allocator rounding, other threads
 
 
