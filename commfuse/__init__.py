@@ -17,31 +17,40 @@ Exports resolve lazily (PEP 562), so ``import commfuse.sim`` does not import tor
 from __future__ import annotations
 
 import importlib
+import sys
+
+
+def lazy_exports(package: str, exports: dict[str, tuple[str, ...]]):
+    """PEP 562 for a commfuse package: ``(__getattr__, __dir__, __all__)`` that import module
+    ``m`` on the first use of a name in ``exports[m]``. Every package's ``__init__`` uses it,
+    so importing a package imports none of its modules, nor torch, until a name is used."""
+    where = {name: module for module, names in exports.items() for name in names}
+    namespace = sys.modules[package].__dict__
+
+    def __getattr__(name: str):
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = namespace[name] = getattr(importlib.import_module(where[name]), name)
+        return value
+
+    def __dir__():
+        return sorted({*namespace, *where})
+
+    return __getattr__, __dir__, list(where)
+
 
 __version__ = "0.1.0"
-_EXPORTS = {
-    "fused_all_gather_matmul": "commfuse.ops.fused",
-    "fused_matmul_reduce_scatter": "commfuse.ops.fused",
-    "fused_matmul_all_to_all": "commfuse.ops.fused",
-    "fused_all_to_all_matmul": "commfuse.ops.fused",
-    "duplex": "commfuse.runtime.gloo",
-    "even_sizes": "commfuse.ops.binding",
-    "CommFuseError": "commfuse.errors",
-    "METHODS": "commfuse.schedule",
-    "TOPOLOGIES": "commfuse.schedule",
-}
-__all__ = list(_EXPORTS)
+_getattr, __dir__, __all__ = lazy_exports(__name__, {
+    "commfuse.ops.fused": ("fused_all_gather_matmul", "fused_matmul_reduce_scatter",
+                           "fused_matmul_all_to_all", "fused_all_to_all_matmul"),
+    "commfuse.runtime.gloo": ("duplex",),
+    "commfuse.ops.binding": ("even_sizes",),
+    "commfuse.errors": ("CommFuseError",),
+    "commfuse.schedule": ("METHODS", "TOPOLOGIES"),
+})
 
 
 def __getattr__(name: str):
     if name == "auto":  # commfuse.auto.set_hardware(...), as documented before the ops package
         return importlib.import_module("commfuse.ops.auto")
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value  # resolved once
-        return value
-    raise AttributeError(f"module 'commfuse' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted([*globals(), *_EXPORTS])
+    return _getattr(name)

@@ -17,23 +17,12 @@ Exports resolve lazily (PEP 562): `commfuse.ops.methods` imports without torch.
 
 from __future__ import annotations
 
-import importlib
+from commfuse import lazy_exports
 
-_EXPORTS = {
-    "fused_all_gather_matmul": "commfuse.ops.fused",
-    "fused_matmul_reduce_scatter": "commfuse.ops.fused",
-    "fused_matmul_all_to_all": "commfuse.ops.fused",
-    "fused_all_to_all_matmul": "commfuse.ops.fused",
-    "query_split_attention": "commfuse.ops.attention",
-    "even_sizes": "commfuse.ops.binding",
-    "OPTIONS": "commfuse.ops.methods",
-    "MethodSpec": "commfuse.ops.methods",
-    "method_spec": "commfuse.ops.methods",
-}
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'commfuse.ops' has no attribute {name!r}")
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "commfuse.ops.fused": ("fused_all_gather_matmul", "fused_matmul_reduce_scatter",
+                           "fused_matmul_all_to_all", "fused_all_to_all_matmul"),
+    "commfuse.ops.attention": ("query_split_attention",),
+    "commfuse.ops.binding": ("even_sizes",),
+    "commfuse.ops.methods": ("OPTIONS", "MethodSpec", "method_spec"),
+})

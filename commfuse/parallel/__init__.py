@@ -13,23 +13,11 @@ Exports resolve lazily (PEP 562), so `commfuse.parallel.config` imports without 
 
 from __future__ import annotations
 
-import importlib
+from commfuse import lazy_exports
 
-_EXPORTS = {
-    "ParallelDims": "commfuse.parallel.config",
-    "Mesh": "commfuse.parallel.config",
-    "mark_sharded": "commfuse.parallel.config",
-    "sharded_axes": "commfuse.parallel.config",
-    "SeqLayout": "commfuse.parallel.layout",
-    "ParallelLlama": "commfuse.parallel.plan",
-    "parallelize": "commfuse.parallel.plan",
-    "save_checkpoint": "commfuse.parallel.checkpoint",
-    "load_checkpoint": "commfuse.parallel.checkpoint",
-}
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'commfuse.parallel' has no attribute {name!r}")
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "commfuse.parallel.config": ("ParallelDims", "Mesh", "mark_sharded", "sharded_axes"),
+    "commfuse.parallel.layout": ("SeqLayout",),
+    "commfuse.parallel.plan": ("ParallelLlama", "parallelize"),
+    "commfuse.parallel.checkpoint": ("save_checkpoint", "load_checkpoint"),
+})

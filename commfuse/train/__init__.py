@@ -19,24 +19,10 @@ interleaved): same losses up to summation order, and the ratio of median step ti
 
 from __future__ import annotations
 
-import importlib
+from commfuse import lazy_exports
 
-_EXPORTS = {
-    "TrainConfig": "commfuse.train.config",
-    "DTYPES": "commfuse.train.config",
-    "add_arguments": "commfuse.train.config",
-    "config_from_args": "commfuse.train.config",
-    "run": "commfuse.train.loop",
-    "launch": "commfuse.train.loop",
-    "train_rank": "commfuse.train.loop",
-    "lr_at": "commfuse.train.loop",
-    "seq_len_at": "commfuse.train.loop",
-    "main": "commfuse.train.__main__",
-}
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'commfuse.train' has no attribute {name!r}")
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "commfuse.train.config": ("TrainConfig", "DTYPES", "add_arguments", "config_from_args"),
+    "commfuse.train.loop": ("run", "launch", "train_rank", "lr_at", "seq_len_at"),
+    "commfuse.train.__main__": ("main",),
+})
