@@ -43,7 +43,7 @@ def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal:
     group = checks.resolve_group(group)
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), total=S)
     spec = auto.resolve(spec, "matmul_rs", (S * B, H * d, wo_HdD.shape[1]), group.size(),
-                                q_SBHd)  # costed as its out-projection's GEMM -> RS
+                        q_SBHd)  # costed as its out-projection's GEMM -> RS
     return QuerySplitAttention.apply(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, sizes, group, spec)
 
 

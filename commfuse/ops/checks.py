@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from commfuse.ops.binding import even_sizes
 
+
 def resolve_group(group) -> dist.ProcessGroup:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("commfuse ops need torch.distributed initialised "
@@ -68,6 +69,7 @@ def other_rows(t: torch.Tensor, dim: int) -> int:
 def check_divisible(what: str, size: int, world: int) -> None:
     if size % world:
         raise ValueError(f"{what} ({size}) must be divisible by the group size ({world})")
+
 
 def check_sizes(sizes, world: int, rank: int, *, local: int | None = None,
                 total: int | None = None, what: str = "sizes") -> tuple[int, ...]:

@@ -40,8 +40,8 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     group = checks.resolve_group(group)
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), local=A_shard.shape[dim])
     rows = sum(sizes) * checks.other_rows(A_shard, dim)  # the same on every rank (for auto)
-    spec = auto.resolve(spec, "ag_matmul", (rows, A_shard.shape[-1],
-                                                    sum(b.shape[1] for b in Bs)), group.size(), A_shard)
+    spec = auto.resolve(spec, "ag_matmul", (rows, A_shard.shape[-1], sum(b.shape[1] for b in Bs)),
+                        group.size(), A_shard)
     a, *ys = AllGatherMatmul.apply(A_shard, dim, sizes, group, spec, *Bs)
     return (a if return_A else None), ys
 
@@ -63,7 +63,7 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
     group = checks.resolve_group(group)
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), total=A.shape[dim])
     spec = auto.resolve(spec, "matmul_rs", (A.numel() // max(A.shape[-1], 1), *B.shape),
-                                group.size(), A)
+                        group.size(), A)
     return MatmulReduceScatter.apply(A, B, dim, reduce_op == "avg", sizes, group, spec)
 
 
@@ -112,6 +112,5 @@ def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     if B.device != A.device:
         raise ValueError(f"B is on {B.device} but A is on {A.device}")
     sizes = checks.check_sizes(sizes, w, group.rank(), total=A.shape[dim])
-    spec = auto.resolve(spec, "a2a_matmul", (A.numel() // max(A.shape[-1], 1), *B.shape),
-                                w, A)
+    spec = auto.resolve(spec, "a2a_matmul", (A.numel() // max(A.shape[-1], 1), *B.shape), w, A)
     return AllToAllMatmul.apply(A, B, dim, sizes, group, spec)

@@ -27,7 +27,7 @@ class MethodSpec:
     topology: str = "ring"  # commfuse/decompose: "ring" (the paper) or "direct"
     chunks: int = DEFAULT_CHUNKS  # sliced: number of chunks along the gathered/scattered dim
     timeout: float | None = None  # seconds to wait for a transfer; None: the group's timeout
-    collective: str = "auto"  # none/sliced: "backend", "p2p" or "auto" (commfuse.runtime.collectives)
+    collective: str = "auto"  # none/sliced: "backend", "p2p" or "auto" (runtime.collectives)
     splits: int = 1  # decompose/commfuse: sub-slices per rank's slice (m in docs/design.md)
 
 

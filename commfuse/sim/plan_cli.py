@@ -151,7 +151,6 @@ def main_plan(argv=None) -> int:
     return 0
 
 
-
 def _with_overrides(cfg, sets: list[str]):
     """``cfg`` with FIELD=VALUE overrides (ints, floats or true/false), validated again."""
     import dataclasses

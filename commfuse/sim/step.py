@@ -72,7 +72,7 @@ class OpTimer:
             return t, t, "local"
         if method == "auto":
             method, opts, _ = fastest(op.kind, op.shape, world, self.dtype_bytes, hw,
-                                           self.auto_step_s)
+                                      self.auto_step_s)
         sym = not (hw.compute_straggler or hw.link_straggler)
         spec = OpSpec(op.kind, method, op.shape, **_spec_opts(opts))
         r = simulate_ops([spec], world, self.dtype_bytes, hw, timeline=False, symmetric=sym)

@@ -38,6 +38,7 @@ STATE_DIR = "/tmp/commfuse-netns"
 NETNS_PREFIX = "commfuse-"
 MAX_RANKS = 253  # hosts .1 .. .253 of the run's /24
 
+
 class EmulationUnavailable(RuntimeError):
     """This machine cannot emulate a network (not root, or no iproute2); use loopback instead."""
 
