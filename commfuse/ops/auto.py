@@ -18,6 +18,7 @@ import torch
 from commfuse.ops.methods import MethodSpec, method_spec
 from commfuse.sim.choose import STEP_OVERHEAD_S, fastest
 from commfuse.sim.hardware import Hardware, preset
+from commfuse.sim.hardware import resolve as resolve_hw
 
 _HARDWARE: dict[str, Hardware] = {}  # device type -> hardware model
 _CHOICES: dict[tuple, tuple[str, dict]] = {}
@@ -26,7 +27,7 @@ log = logging.getLogger("commfuse.auto")
 
 def set_hardware(hw, device_type: str = "cpu") -> None:
     """Use ``hw`` (a `commfuse.sim.Hardware` or a preset name) for ``device_type``'s choices."""
-    _HARDWARE[device_type] = preset(hw) if isinstance(hw, str) else hw
+    _HARDWARE[device_type] = resolve_hw(hw)
     if not isinstance(_HARDWARE[device_type], Hardware):
         raise TypeError(f"hw must be a commfuse.sim.Hardware or a preset name, got {hw!r}")
     _CHOICES.clear()

@@ -177,3 +177,8 @@ def preset(name: str) -> Hardware:
     if name not in PRESETS:
         raise ValueError(f"unknown hardware preset {name!r}; known: {sorted(PRESETS)}")
     return PRESETS[name]
+
+
+def resolve(hw) -> Hardware:
+    """``hw`` itself if it is a `Hardware`, else the preset it names."""
+    return preset(hw) if isinstance(hw, str) else hw

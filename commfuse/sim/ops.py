@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from commfuse.sim.costs import OpSpec
 from commfuse.sim.engine import Engine
-from commfuse.sim.hardware import Hardware, preset
+from commfuse.sim.hardware import Hardware
+from commfuse.sim.hardware import resolve as resolve_hw
 from commfuse.trace import write_trace
 
 
@@ -24,10 +25,6 @@ class SimResult:
         write_trace(self.timeline, path)
 
 
-def _hw(hw) -> Hardware:
-    return preset(hw) if isinstance(hw, str) else hw
-
-
 def simulate_ops(specs, world_size: int, dtype_bytes: float, hw, *,
                  timeline: bool = True, symmetric: bool = False) -> SimResult:
     """Run the `OpSpec`s one after the other on every rank (each rank starts op i+1 as soon as
@@ -35,7 +32,7 @@ def simulate_ops(specs, world_size: int, dtype_bytes: float, hw, *,
 
     ``symmetric=True`` simulates rank 0 only and gives every rank its times (exact without
     stragglers, see `commfuse.sim.engine`; the timeline then holds rank 0's spans only)."""
-    hw, specs = _hw(hw), list(specs)
+    hw, specs = resolve_hw(hw), list(specs)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not dtype_bytes > 0:

@@ -29,15 +29,12 @@ from dataclasses import dataclass
 
 from commfuse.sim.choose import fastest
 from commfuse.sim.costs import OpSpec
-from commfuse.sim.hardware import Hardware, preset
+from commfuse.sim.hardware import Hardware
+from commfuse.sim.hardware import resolve as resolve_hw
 from commfuse.sim.model_ops import (FUSED, StepOp, block_ops, grad_sync_ops, head_ops,
                                     model_config)
 from commfuse.sim.ops import simulate_ops
 from commfuse.trace import Span, write_trace
-
-
-def _hw(hw) -> Hardware:
-    return preset(hw) if isinstance(hw, str) else hw
 
 
 class OpTimer:
@@ -120,7 +117,7 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     """
     from commfuse.models.config import flops_per_token
 
-    cfg, hw = model_config(model), _hw(hw)
+    cfg, hw = model_config(model), resolve_hw(hw)
     tp, up, dp = parallel.tp, parallel.up, parallel.dp
     if parallel.query_split:
         raise ValueError("query-split attention is not modelled by simulate_step")
@@ -134,7 +131,7 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
         raise ValueError(f"timer times {timer.dtype_bytes}-byte elements, not {dtype_bytes}")
     before = timer.simulations
     inner, world = tp * up, tp * up * dp
-    inter = _hw(inter_hw) if inter_hw is not None else hw
+    inter = resolve_hw(inter_hw) if inter_hw is not None else hw
     group = {"local": (1, hw), "tp": (tp, hw), "up": (up, hw), "dp": (dp, hw),
              "world": (world, hw)}
     for axis, span in (("tp", inner), ("up", inner), ("dp", inner * dp), ("world", world)):
