@@ -132,3 +132,33 @@ def test_runs_under_torchrun(tmp_path):
 
     metrics = json.loads(out.read_text())
     assert metrics["world"] == 2 and len(metrics["steps"]) == 3
+
+
+def test_link_flag_chooses_where_local_ranks_run(monkeypatch):
+    """--link: loopback / one rank / torchrun run here; auto without emulation falls back to
+    loopback with a note; an explicit rate without emulation is refused, not ignored."""
+    import argparse
+
+    from commfuse.testbed import net
+    from commfuse.train.loop import on_emulated_cluster
+
+    p = argparse.ArgumentParser()
+    train.add_arguments(p)
+
+    def where(*flags):
+        args = p.parse_args(list(flags))
+        return on_emulated_cluster(args, train.config_from_args(args))
+
+    def unavailable():
+        raise net.EmulationUnavailable("not root")
+
+    monkeypatch.setattr(net, "check_available", unavailable)
+    monkeypatch.delenv("RANK", raising=False)
+    assert p.parse_args([]).link == "auto"
+    assert where("--link", "loopback") is None
+    assert where("--dp", "1", "--tp", "1", "--link", "200mbit") is None  # one rank: no network
+    assert where() is None  # auto, emulation unavailable: loopback
+    with pytest.raises(SystemExit, match="--link 200mbit: not root"):
+        where("--link", "200mbit")
+    monkeypatch.setenv("RANK", "0")
+    assert where("--link", "200mbit") is None  # under torchrun: its ranks are already placed

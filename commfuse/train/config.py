@@ -154,6 +154,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument("--" + f.name.replace("_", "-"), **_flag(f, kind, docs.get(f.name, "")))
     p.add_argument("--nproc", type=int, help="Local ranks to spawn (default: tp*up*dp; ignored "
                    "under torchrun)")
+    p.add_argument("--link", default="auto", metavar="RATE", help="The local ranks' network: "
+                   "auto (as root with iproute2: every rank in its own network namespace on a "
+                   "shaped 1gbit link, one core each, as `commfuse launch` runs them, so step "
+                   "times show the overlap; otherwise loopback, saying so), loopback (shared "
+                   "cores, as fast as memcpy: shows no overlap) or a tc rate such as 200mbit "
+                   "(default: auto; ignored under torchrun)")
     p.add_argument("--compare-none", action="store_true", help="After the run, re-run the same "
                    "steps with --method none (no checkpoints) and print the loss difference and "
                    "step-time ratio")

@@ -29,6 +29,9 @@ def run(args) -> int:
     from commfuse.testbed.spawn import RankFailed
 
     cfg = config_from_args(args)
+    relaunched = on_emulated_cluster(args, cfg)
+    if relaunched is not None:
+        return relaunched
     try:
         first = launch(cfg)
     except (RankFailed, CommFuseError, TimeoutError) as e:
@@ -48,6 +51,35 @@ def run(args) -> int:
                   f"{cfg.method} {t(first) * 1e3:.1f} ms / none {t(base) * 1e3:.1f} ms = "
                   f"{t(first) / t(base):.3f}")
     return 0
+
+
+def on_emulated_cluster(args, cfg: TrainConfig) -> int | None:
+    """``--link``: run this same command as ``cfg.world`` ranks on the emulated cluster
+    (`commfuse.testbed.launch`) and return its exit code; None when it runs here instead
+    (under torchrun, one rank, ``--link loopback``, or ``auto`` without root / iproute2)."""
+    link = getattr(args, "link", "loopback")
+    if link == "loopback" or cfg.world == 1 or "RANK" in os.environ:
+        return None
+    from commfuse.testbed.launch import ClusterSpec, launch as launch_ranks
+    from commfuse.testbed.links import LinkSpec
+    from commfuse.testbed.net import EmulationUnavailable, check_available
+
+    try:
+        check_available()
+    except EmulationUnavailable as e:
+        if link != "auto":
+            raise SystemExit(f"commfuse train: --link {link}: {e}")
+        print("commfuse train: local ranks on loopback (network emulation needs root and "
+              "iproute2): they share the cores and transfers cost no time, so step times "
+              "show no overlap", file=sys.stderr)
+        return None
+    rate = "1gbit" if link == "auto" else link
+    spec = ClusterSpec(nproc=cfg.world, link=LinkSpec(rate=rate, delay="0us"))
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])
+    rest = argv[argv.index("train") + 1:] if "train" in argv else argv
+    print(f"commfuse train: {cfg.world} ranks on the emulated cluster ({rate} links, one core "
+          f"each; --link loopback to run them on loopback)", file=sys.stderr)
+    return launch_ranks(spec, [sys.executable, "-m", "commfuse.cli", "train", *rest])
 
 
 def launch(cfg: TrainConfig) -> list[dict]:
@@ -121,7 +153,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
         print(f"commfuse train: {cfg.preset} {sum(p.numel() for p in model.parameters())} local "
               f"params, tp={cfg.tp} up={cfg.up} dp={cfg.dp} method={cfg.method} "
               f"{dims.method_opts}, batch {cfg.batch_size}x{cfg.seq_len}, "
-              f"steps {start}..{cfg.steps}, peak {peak / 1e9:.1f} GFLOP/s per rank", flush=True)
+              f"steps {start}..{cfg.steps}, peak {peak / 1e9:.1f} GFLOP/s per rank, link "
+              f"{os.environ.get('COMMFUSE_LINK', 'loopback' if world > 1 else 'none')}", flush=True)
     for step in range(start, min(cfg.steps, cfg.stop_after or cfg.steps)):
         t0 = time.perf_counter()
         for g in opt.param_groups:
