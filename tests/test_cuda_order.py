@@ -272,3 +272,28 @@ def test_steps_with_nothing_to_move_post_nothing(op, topology):
     for rank in range(4):
         cuda, _, transport, _ = run(op, topology, 4, rank, rows=lambda s: sizes[s % 4])
         assert all(b.transfers for b in cuda.batches)
+
+
+def _sparse_on_gloo(rank, world):
+    """2 rows over 4 gloo ranks, every op with commfuse ring and direct: exact, and no post
+    is ever handed an empty list."""
+    from commfuse.runtime import transport as tr
+    from dist_cases import Case, check
+
+    empty, post = [], tr.Transport.post
+    tr.Transport.post = lambda self, transfers: empty.append(1) if not transfers else post(self, transfers)
+    out = {}
+    for op in S.OPS:
+        for method, opts in (("commfuse", {}), ("commfuse", {"topology": "direct"}),
+                             ("decompose", {})):
+            case = Case(op, method, tuple(opts.items()), 0, torch.float32, uneven="sparse")
+            out[case.id] = check(case, rank, world)
+    return out, len(empty)
+
+
+def test_steps_with_nothing_to_move_on_gloo():
+    from commfuse.testbed.spawn import run_local
+
+    for rank, (res, empty) in enumerate(run_local(_sparse_on_gloo, 4, timeout=120)):
+        assert not {k: v for k, v in res.items() if v}, (rank, res)
+        assert empty == 0, f"rank {rank} posted {empty} empty batches"
