@@ -47,8 +47,8 @@ def test_gpu_presets_serialise_and_auto_times_them_so():
     assert not sim.preset("cpu-testbed").serial_p2p
     hw = sim.preset("h100-nvlink")
     direct = [VARIANTS["commfuse-direct"]]
-    _, _, t = fastest("matmul_rs", SHAPE, 4, 2, hw, step_s=0.0, candidates=direct)
-    serial = sim.simulate_op("matmul_rs", "commfuse", 4, SHAPE, 2, hw, topology="direct").total_s
-    concurrent = sim.simulate_op("matmul_rs", "commfuse", 4, SHAPE, 2,
+    _, _, t = fastest("ag_matmul", SHAPE, 8, 2, hw, step_s=0.0, candidates=direct)
+    serial = sim.simulate_op("ag_matmul", "commfuse", 8, SHAPE, 2, hw, topology="direct").total_s
+    concurrent = sim.simulate_op("ag_matmul", "commfuse", 8, SHAPE, 2,
                                  hw.with_(serial_p2p=False), topology="direct").total_s
     assert t == pytest.approx(serial, rel=1e-9) and serial != pytest.approx(concurrent, rel=1e-6)
