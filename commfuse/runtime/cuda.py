@@ -90,7 +90,8 @@ class CudaTransport(Transport):
     def __init__(self, group, device: torch.device, timeout_s: float | None,
                  collective: str = "auto", backend: Backend | None = None):
         super().__init__(group, device, timeout_s, collective)
-        self.cuda = BACKEND if backend is None else backend
+        # a group may carry its own backend (scripts/gpu_check.py's loopback ranks)
+        self.cuda = backend or getattr(group, "commfuse_backend", None) or BACKEND
         self.comm = self.cuda.comm_stream(device)
         self.compute = self.cuda.current_stream(device)
         # the op's inputs and the outputs receives land in exist: every batch comes after
