@@ -80,7 +80,21 @@ class Backend:
         ops = [dist.P2POp(dist.isend if t.kind == "send" else dist.irecv, buf,
                           dist.get_global_rank(group, t.peer), group, tag=t.tag)
                for t, buf in transfers]
-        return dist.batch_isend_irecv(ops)[-1]  # NCCL: one work for the whole batch
+        works = dist.batch_isend_irecv(ops)  # NCCL (torch >= 2.1): one work for the batch
+        return works[0] if len(works) == 1 else _AllOf(works)
+
+
+class _AllOf:
+    """Several works waited as one (a backend that returns one work per op of a batch)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self, *args) -> bool:
+        return all([w.wait(*args) for w in self.works])
 
 
 BACKEND = Backend()
