@@ -11,9 +11,11 @@ object that knows which buffer a slot is and how to compute it:
 
 A *transport* (`commfuse.runtime.transport`) posts the transfers. On CPU (gloo) ``isend`` /
 ``irecv`` run on the backend's own threads while this thread runs the GEMMs. On CUDA
-(`commfuse.runtime.cuda`) they run on a dedicated communication stream ordered with events, so
-GEMMs on the compute stream overlap them. Every wait has a deadline: a dead or stalled peer
-raises `CommFuseError` naming the op, step and peer instead of hanging. The measurement modes
+(`commfuse.runtime.cuda`) they are issued from a communication stream that waits only for
+each batch's own data (``transport.produced(slot)`` after each Compute/Reduce records it), so
+GEMMs on the compute stream overlap them. Every wait has a deadline (on CUDA when a timeout
+is given; else NCCL's watchdog): a dead or stalled peer raises `CommFuseError` naming the op,
+step and peer instead of hanging. The measurement modes
 (`commfuse.runtime.modes`) pick the transport and a `commfuse.trace.Tracer` receives the spans
 of a traced run.
 """
