@@ -47,7 +47,8 @@ class Case:
         """Rows of each rank's slice of the gathered/scattered dim."""
         if self.uneven == "skewed":  # explicit, not the default split
             return tuple(S - 1 if p % 2 == 0 else S + 2 for p in range(world))
-        total = {"": world * S, "short": world * S - 1, "tiny": world - 1}[self.uneven]
+        total = {"": world * S, "short": world * S - 1, "tiny": world - 1,
+                 "sparse": 2}[self.uneven]
         return commfuse.even_sizes(total, world)
 
     @property
@@ -75,7 +76,8 @@ def all_cases() -> list[Case]:
 
 
 UNEVEN = ("short", "tiny", "skewed")  # W*S-1 rows (even_sizes); W-1 rows (one rank has none);
-# explicit sizes alternating S-1, S+2
+# explicit sizes alternating S-1, S+2; "sparse" (2 rows: on 4 ranks some steps move
+# nothing either way) is run by tests/test_cuda_order.py
 
 
 S, MID, K, N = 3, 5, 7, 3  # per-rank slice, other leading dim, contraction, columns per rank

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from commfuse.ops import auto, checks
 from commfuse.ops.ag_matmul import ag_matmul
@@ -55,24 +56,47 @@ def _attention(q_SBHd, k_SBHd, v_SBHd, causal: bool) -> torch.Tensor:
     return o_BHSd.permute(2, 0, 1, 3).reshape(S, B, H * d)
 
 
+def _runs(pos: list[int]) -> list[tuple[int, int, int]]:
+    """(index in ``pos``, first position, length) of each run of consecutive positions."""
+    runs: list[list[int]] = []
+    for i, p in enumerate(pos):
+        if runs and p == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([i, p, 1])
+    return [tuple(r) for r in runs]
+
+
+def _rows_attention(q_BHRd, k_BHSd, v_BHSd, pos: list[int], causal: bool) -> torch.Tensor:
+    """Attention of the query rows at sequence positions ``pos`` (host integers, so no
+    device sync) over the whole sequence, one SDPA call per run of consecutive rows. A run
+    from position a of n rows sees keys 0..a+n-1, the last n of them causally: SDPA's
+    lower-right causal bias (``is_causal`` when a = 0), which its fused kernels take; no
+    boolean mask is built."""
+    outs = []
+    for i, a, n in _runs(pos):
+        q = q_BHRd[:, :, i:i + n]
+        if not causal:
+            outs.append(F.scaled_dot_product_attention(q, k_BHSd, v_BHSd))
+            continue
+        k, v = k_BHSd[:, :, :a + n], v_BHSd[:, :, :a + n]  # later keys are masked out anyway
+        outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True) if a == 0 else
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, a + n)))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
 def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, sizes, group, spec) -> torch.Tensor:
     S, B, H, d = q_SBHd.shape
     k_BHSd, v_BHSd = k_SBHd.permute(1, 2, 0, 3), v_SBHd.permute(1, 2, 0, 3)
-    pos_S = torch.arange(S, device=q_SBHd.device)
+    pos_S = torch.arange(S)  # on the host: the rows' positions are known from the sizes
 
     def partial(view) -> torch.Tensor:
         q_rows = view(q_SBHd)  # [s, B, H, d] (a slot or uneven chunk) or [W, n, B, H, d] (chunk)
         lead = q_rows.shape[:-3]
-        q_BHRd = q_rows.reshape(-1, B, H, d).permute(1, 2, 0, 3)
-        pos_R = view(pos_S).reshape(-1)
         if modes.current() == "comm_only":
             return q_rows.new_empty((*lead, B, wo_XD.shape[1]))
-        keys = int(pos_R.max()) + 1 if causal else S  # later keys are masked out anyway
-        prefix = causal and int(pos_R[0]) == 0 and keys == len(pos_R)  # rows 0..keys-1
-        # rows from 0 are plain causal attention (SDPA's fast path, half the time of a mask)
-        mask = (pos_S[:keys][None, :] <= pos_R[:, None]) if causal and not prefix else None
-        o_BHRd = F.scaled_dot_product_attention(q_BHRd, k_BHSd[:, :, :keys], v_BHSd[:, :, :keys],
-                                                attn_mask=mask, is_causal=prefix)
+        q_BHRd = q_rows.reshape(-1, B, H, d).permute(1, 2, 0, 3)
+        o_BHRd = _rows_attention(q_BHRd, k_BHSd, v_BHSd, view(pos_S).reshape(-1).tolist(), causal)
         o_RBX = o_BHRd.permute(2, 0, 1, 3).reshape(-1, B, H * d)
         return modes.gemm(o_RBX, wo_XD).reshape(*lead, B, wo_XD.shape[1])
 

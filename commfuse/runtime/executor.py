@@ -11,9 +11,11 @@ object that knows which buffer a slot is and how to compute it:
 
 A *transport* (`commfuse.runtime.transport`) posts the transfers. On CPU (gloo) ``isend`` /
 ``irecv`` run on the backend's own threads while this thread runs the GEMMs. On CUDA
-(`commfuse.runtime.cuda`) they run on a dedicated communication stream ordered with events, so
-GEMMs on the compute stream overlap them. Every wait has a deadline: a dead or stalled peer
-raises `CommFuseError` naming the op, step and peer instead of hanging. The measurement modes
+(`commfuse.runtime.cuda`) they are issued from a communication stream that waits only for
+each batch's own data (``transport.produced(slot)`` after each Compute/Reduce records it), so
+GEMMs on the compute stream overlap them. Every wait has a deadline (on CUDA when a timeout
+is given; else NCCL's watchdog): a dead or stalled peer raises `CommFuseError` naming the op,
+step and peer instead of hanging. The measurement modes
 (`commfuse.runtime.modes`) pick the transport and a `commfuse.trace.Tracer` receives the spans
 of a traced run.
 """
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from commfuse.errors import CommFuseError
 from commfuse.runtime import modes
-from commfuse.runtime.transport import Done, Transport, group_timeout
+from commfuse.runtime.transport import Done, Transport
 from commfuse.schedule import (Collective, Compute, Post, Reduce, Schedule, Transfer, Wait,
                                WaitCollective)
 from commfuse.trace import Tracer
@@ -45,8 +47,8 @@ class Binding(Protocol):
 def make_transport(group: dist.ProcessGroup, device: torch.device, timeout_s: float | None,
                    collective: str = "auto") -> Transport:
     """The transport of one op call: the mode's (`commfuse.runtime.modes`), else CUDA's or
-    gloo's; ``timeout_s`` None means the group's own timeout."""
-    timeout_s = group_timeout(group, device) if timeout_s is None else timeout_s
+    gloo's; ``timeout_s`` None means the group's own timeout (on CUDA: NCCL's watchdog, no
+    host-side deadline)."""
     return modes.transport_class(device)(group, device, timeout_s, collective)
 
 
@@ -60,11 +62,15 @@ def run(schedule: Schedule, binding: Binding, transport: Transport) -> None:
         t0 = time.perf_counter()
         if isinstance(step, Compute):
             binding.compute(step.slot)
+            transport.produced(step.slot)
         elif isinstance(step, Post):
             try:
-                bufs = [(t, binding.buffer(t)) for t in step.transfers]
-                # empty slices (more ranks than rows) move nothing: both sides know the sizes
-                works = iter(transport.post([(t, b) for t, b in bufs if b.numel()]))
+                with transport.allocating():
+                    bufs = [(t, binding.buffer(t)) for t in step.transfers]
+                # empty slices (more ranks than rows) move nothing: both sides know the sizes,
+                # and a batch with nothing left is not posted (NCCL refuses an empty batch)
+                live = [(t, b) for t, b in bufs if b.numel()]
+                works = iter(transport.post(live) if live else ())
                 works = [next(works) if b.numel() else Done() for _, b in bufs]
             except Exception as e:
                 raise _error(schedule, index, step.transfers[0], e) from e
@@ -76,6 +82,7 @@ def run(schedule: Schedule, binding: Binding, transport: Transport) -> None:
             _wait(pending.pop(step.transfer), transport, schedule, index, step.transfer)
         elif isinstance(step, Reduce):
             binding.reduce(step.slot, step.peers)
+            transport.produced(step.slot)
         elif isinstance(step, Collective):
             try:
                 pending[("collective", step.slot)] = _Handle(binding.collective(step.slot, transport))

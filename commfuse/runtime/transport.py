@@ -12,6 +12,7 @@ timeout), so a dead or stalled peer ends in an exception instead of a hang.
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any
 
@@ -42,11 +43,21 @@ class Done:
 class Transport:
     """Posts transfers and collectives for one op call and waits on them with a deadline."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float,
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float | None,
                  collective: str = "auto"):
         self.group, self.device = group, device
-        self.timeout = timedelta(seconds=timeout_s)
+        self.deadline_set = timeout_s is not None  # else the group's own timeout
+        self.timeout = timedelta(seconds=group_timeout(group, device) if timeout_s is None
+                                 else timeout_s)
         self.collective = collective  # see commfuse.runtime.collectives
+
+    def allocating(self):
+        """Context in which the binding allocates the buffers of a post (CUDA: on the
+        communication stream)."""
+        return contextlib.nullcontext()
+
+    def produced(self, slot: int) -> None:
+        """The compute queued so far finished ``slot``'s data (CUDA: records an event)."""
 
     def post(self, transfers: list[tuple[Transfer, torch.Tensor]]) -> list[Any]:
         ops = []

@@ -13,7 +13,9 @@ stream, as NCCL/HCCL/gloo run them); ``WaitCollective`` blocks until it is done.
 Transfers are a fluid model: a transfer drains its bytes at a fair share of its source's
 egress and its destination's ingress (each split evenly among the transfers using it,
 ``duplex_efficiency`` applied when a rank sends and receives at once), rates recomputed at
-every event, then pays ``link_latency``. Compute runs at 1/(1+interference) speed while a
+every event, then pays ``link_latency``. With ``Hardware.serial_p2p`` (NCCL: every P2P batch of a
+group runs on the group's one stream) a rank's ``Post`` batches run one after another: a
+batch's transfers are posted on that rank only once all of its earlier batches are done. Compute runs at 1/(1+interference) speed while a
 transfer or collective is in flight on its rank. Collectives do not share links with P2P
 transfers (no schedule mixes them). Host costs (``Hardware.host_collective_s`` before each
 ``Collective``, ``host_p2p_s`` before each ``Post``) are work on the rank: nothing else runs
@@ -30,6 +32,7 @@ what makes 1024-rank groups cheap to time; tests check it against the full run.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 
 from commfuse.sim.hardware import Hardware
 from commfuse.sim.program import compile_programs
@@ -80,6 +83,8 @@ class Engine:
         self.colls: dict = {}  # key -> [arrived, done, waiters, start]
         self.coll_queue: list = []  # ready collectives; the first one is running
         self.dirty: set = set()  # ranks whose flows' rates are stale (see _reflow)
+        # serial_p2p: each rank's posted batches, in post order; the first one is running
+        self.queue = [deque() for _ in range(w)] if self.hw.serial_p2p else None
         for r in range(w):
             self._advance(r)
         while True:
@@ -127,14 +132,19 @@ class Engine:
                 self._start_task(r, ins[1], ins[2], ins[3])
                 return
             if kind == "post":
+                batch = []
                 for key, is_send, nbytes in ins[1]:
                     f = self.flows.get(key)
                     if f is None:
                         f = self.flows[key] = _Flow(key, key[1], key[2], nbytes,
                                                     f"{key[0]}:tag {key[3]} {key[1]}->{key[2]}")
-                    f.posted += 1
-                    if f.posted == 2:
-                        self._start_flow(f)
+                    batch.append(f)
+                if self.queue is None:
+                    self._activate(batch)
+                else:  # serial_p2p: behind the rank's earlier batches
+                    self.queue[r].append(batch)
+                    if len(self.queue[r]) == 1:
+                        self._activate(batch)
             elif kind == "wait":
                 f = self.flows[ins[1]]
                 if not f.done:
@@ -156,6 +166,21 @@ class Engine:
                     return
             self.pc[r] += 1
         self.finish[r] = self.now
+
+    def _activate(self, batch) -> None:
+        """One side of each transfer of ``batch`` is posted: those with both start."""
+        for f in batch:
+            f.posted += 1
+            if f.posted == 2:
+                self._start_flow(f)
+
+    def _next_batch(self, r: int) -> None:
+        """serial_p2p: rank r's head batch is done once all its transfers are: start the next."""
+        q = self.queue[r]
+        while q and all(f.done for f in q[0]):
+            q.popleft()
+            if q:
+                self._activate(q[0])
 
     def _wake(self, r: int) -> None:
         t0, label = self.blocked[r]
@@ -240,6 +265,9 @@ class Engine:
         if self.comm:
             self._span(f.src, "send", f.label, f.start, self.now)
             self._span(f.dst, "recv", f.label, f.start, self.now)
+        if self.queue is not None:
+            for r in {f.src, f.dst}:
+                self._next_batch(r)
         for r in f.waiters:
             self._wake(r)
 

@@ -53,6 +53,10 @@ class Hardware:
     asynchronous and cheap next to the kernels (the GPU presets)."""
     host_p2p_s: float = 0.0
     """Host time to post one batch of P2P transfers (a schedule's ``Post``), likewise."""
+    serial_p2p: bool = False
+    """A rank's P2P batches (a schedule's ``Post`` steps) run one after another, in post
+    order, each once the previous one is done: NCCL runs every P2P batch of a process group
+    on that group's one internal stream (the GPU presets); gloo runs them concurrently."""
     compute_straggler: dict = field(default_factory=dict)
     """rank -> factor >= 1: that rank's compute (GEMMs, adds) takes factor times longer."""
     link_straggler: dict = field(default_factory=dict)
@@ -120,7 +124,7 @@ LINK_FIELDS = ("link_bandwidth", "link_latency", "duplex_efficiency", "collectiv
 # Efficiency shape shared by the accelerator presets: large bf16 GEMMs reach about 70 % of the
 # datasheet's dense peak (typical of cuBLAS/CANN on big shapes), slices under ~128 rows lose it.
 _GPU = dict(gemm_max_efficiency=0.7, m0=128.0, n0=128.0, k0=128.0, link_latency=5e-6,
-            interference=0.05)
+            interference=0.05, serial_p2p=True)
 
 PRESETS: dict[str, Hardware] = {
     # NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): bf16 dense 989 TFLOP/s

@@ -86,6 +86,9 @@ class TrainConfig:
     """fwd+bwd pairs (normal / compute_only) timed after training; 0: not measured."""
     progress: bool = True
     """Rank 0 prints a header, progress lines and a summary."""
+    device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda")})
+    """cpu: gloo ranks on CPU cores; cuda: NCCL, one GPU per rank (LOCAL_RANK under torchrun,
+    rank i on GPU i when spawned locally), every op on the CUDA stream path."""
     timeout: float = field(default=60.0, metadata={"metavar": "S"})
     """Seconds a rank waits for a peer (every op's timeout and the process group's) before
     the run fails with an error naming the op, step and peer."""
@@ -96,6 +99,18 @@ class TrainConfig:
             if choices is not None and getattr(self, f.name) not in choices:
                 raise ValueError(f"TrainConfig.{f.name} must be one of {list(choices)}, "
                                  f"got {getattr(self, f.name)!r}")
+
+    def device_error(self, local_ranks: int) -> str | None:
+        """Why ``device`` cannot run ``local_ranks`` ranks on this machine (None: it can)."""
+        if self.device != "cuda":
+            return None
+        if not torch.cuda.is_available():
+            return (f"--device cuda: CUDA is not available (this torch {torch.__version__} "
+                    f"{'has no CUDA build' if torch.version.cuda is None else 'sees no GPU'})")
+        if torch.cuda.device_count() < local_ranks:
+            return (f"--device cuda: {local_ranks} local ranks need one GPU each, "
+                    f"{torch.cuda.device_count()} visible (NCCL refuses two ranks on one GPU)")
+        return None
 
     @property
     def world(self) -> int:
@@ -159,7 +174,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "shaped 1gbit link, one core each, as `commfuse launch` runs them, so step "
                    "times show the overlap; otherwise loopback, saying so), loopback (shared "
                    "cores, as fast as memcpy: shows no overlap) or a tc rate such as 200mbit "
-                   "(default: auto; ignored under torchrun)")
+                   "(default: auto; ignored under torchrun and with --device cuda)")
     p.add_argument("--compare-none", action="store_true", help="After the run, re-run the same "
                    "steps with --method none (no checkpoints) and print the loss difference and "
                    "step-time ratio")

@@ -29,6 +29,10 @@ def run(args) -> int:
     from commfuse.testbed.spawn import RankFailed
 
     cfg = config_from_args(args)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if "RANK" in os.environ else cfg.world
+    if (err := cfg.device_error(local)) is not None:
+        print(f"commfuse train: {err}", file=sys.stderr)
+        return 2
     relaunched = on_emulated_cluster(args, cfg)
     if relaunched is not None:
         return relaunched
@@ -58,7 +62,7 @@ def on_emulated_cluster(args, cfg: TrainConfig) -> int | None:
     (`commfuse.testbed.launch`) and return its exit code; None when it runs here instead
     (under torchrun, one rank, ``--link loopback``, or ``auto`` without root / iproute2)."""
     link = getattr(args, "link", "loopback")
-    if link == "loopback" or cfg.world == 1 or "RANK" in os.environ:
+    if link == "loopback" or cfg.world == 1 or "RANK" in os.environ or cfg.device != "cpu":
         return None
     from commfuse.testbed.launch import ClusterSpec, launch as launch_ranks
     from commfuse.testbed.links import LinkSpec
@@ -89,7 +93,10 @@ def launch(cfg: TrainConfig) -> list[dict]:
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout))
+            if cfg.device == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=cfg.timeout))
             duplex()  # one connection per direction between two ranks (commfuse.runtime.gloo)
         return train_rank(dist.get_rank(), dist.get_world_size(), cfg)
     if cfg.world == 1:
@@ -98,7 +105,8 @@ def launch(cfg: TrainConfig) -> list[dict]:
 
     threads = max(1, (os.cpu_count() or 1) // cfg.world)
     return run_local(train_rank, cfg.world, cfg, threads=threads, timeout=24 * 3600,
-                     pg_timeout_s=cfg.timeout)[0]
+                     pg_timeout_s=cfg.timeout,
+                     backend="nccl" if cfg.device == "cuda" else "gloo")[0]
 
 
 def seq_len_at(cfg: TrainConfig, step: int) -> int:
@@ -130,8 +138,10 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
                         query_split=cfg.query_split, world_size=world)
     mcfg = LlamaConfig.preset(cfg.preset, **{"max_seq_len": max(cfg.seq_len, 1), **cfg.model})
     dims.check_model(mcfg, cfg.seq_len, cfg.batch_size)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
+        else torch.device("cpu")
     torch.manual_seed(cfg.seed)  # the same full model on every rank; the plan cuts it
-    model = Llama(mcfg).to(DTYPES[cfg.dtype])
+    model = Llama(mcfg).to(DTYPES[cfg.dtype]).to(device)
     mesh = dims.build_mesh() if world > 1 else None
     pmodel = parallelize(model, mesh)
     params = list(pmodel.parameters())
@@ -146,7 +156,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     dp_index = mesh.dp_index if mesh else 0
     data = batches(load_corpus_tokens(), cfg.batch_size // cfg.dp, cfg.seq_len, cfg.seed,
                    rank=dp_index, world=cfg.dp, start_step=start)
-    peak = cfg.peak_flops or measure_matmul_flops(dtype=DTYPES[cfg.dtype])
+    peak = cfg.peak_flops or measure_matmul_flops(dtype=DTYPES[cfg.dtype], device=device)
     show = cfg.progress and rank == 0
     metrics: list[dict] = []
     if show:
@@ -159,7 +169,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
-        tokens, targets = next(data)
+        tokens, targets = (t.to(device) for t in next(data))
         if cfg.variable_length:
             n = seq_len_at(cfg, step)
             tokens, targets = tokens[:, :n], targets[:, :n]

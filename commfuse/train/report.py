@@ -11,14 +11,18 @@ import torch
 import torch.distributed as dist
 
 
-def measure_matmul_flops(n: int = 512, seconds: float = 0.3, dtype=torch.float32) -> float:
-    """FLOP/s of a dense n x n matmul on this process's threads (the MFU denominator)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+def measure_matmul_flops(n: int = 512, seconds: float = 0.3, dtype=torch.float32,
+                         device="cpu") -> float:
+    """FLOP/s of a dense n x n matmul on this process's threads or GPU (the MFU denominator)."""
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     a @ b
+    sync()
     iters, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         a @ b
         iters += 1
+    sync()
     return 2 * n ** 3 * iters / (time.perf_counter() - t0)
 
 
