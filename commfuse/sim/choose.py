@@ -1,4 +1,5 @@
-"""The fastest method for one op on a hardware model: what ``method="auto"`` runs.
+"""The fastest method for one op on a hardware model: what ``method="auto"`` runs, and the
+``splits`` that ``method="commfuse"`` runs when none is given (`best_splits`).
 
 Pure (no torch): `commfuse.ops.auto` calls `fastest` for the tensors of a live call (and
 caches its choice); the whole-step simulation (`commfuse.sim.step`) calls it for ``auto``
@@ -25,6 +26,9 @@ CANDIDATES = tuple(VARIANTS[label] for label in (
 # not model: it is what keeps small GEMMs on "none", where a few microseconds of GEMM cannot
 # pay for a pipeline of steps
 STEP_OVERHEAD_S = {"cpu": 50e-6, "cuda": 10e-6}
+# the sub-slice counts `best_splits` tries, in order of preference at equal predicted time
+# (m=1, the paper's schedule, first)
+SPLITS = (1, 2, 4, 8)
 
 
 def fastest(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 50e-6,
@@ -48,3 +52,17 @@ def fastest(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 
 def steps(op: str, method: str, world: int, opts: dict) -> int:
     """Steps of rank 0's schedule (what `STEP_OVERHEAD_S` is charged per)."""
     return len(schedule(op, method, world, 0, **opts).steps)
+
+
+def best_splits(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 50e-6,
+                topology: str = "ring", method: str = "commfuse") -> int:
+    """The m of `SPLITS` with which ``method`` runs ``op`` of ``shape`` fastest on ``hw``
+    (``step_s`` per schedule step added, as for `fastest`); ties go to the smaller m.
+
+    A pure function of its arguments (the simulator is deterministic), so every rank that
+    passes the same shape, group size, dtype and hardware gets the same m: it sets the
+    message sizes, which must match between the ranks."""
+    if world <= 1 or min(shape) <= 0:
+        return 1
+    cands = [(method, {"topology": topology, "splits": m}) for m in SPLITS]
+    return fastest(op, shape, world, dtype_bytes, hw, step_s, cands)[1]["splits"]
