@@ -120,3 +120,19 @@ def test_default_commfuse_with_chosen_splits_is_exact(world):
         assert m > 1 and m_rs > 1, (m, m_rs)
         assert max(errs) < 1e-5, errs
     assert len({(m, m_rs) for m, m_rs, _ in res}) == 1  # every rank chose the same
+
+
+def test_search_stops_early_and_caps_the_pieces(monkeypatch):
+    from commfuse.sim import choose
+
+    tried, times = [], {1: 3.0, 2: 2.0, 4: 2.5, 8: 1.0}  # 8 would win: the search stops at 4
+    fake = lambda op, shape, w, d, hw, s, cands: (tried.append(cands[0][1]["splits"])
+                                                  or ("commfuse", {}, times[tried[-1]]))
+    monkeypatch.setattr(choose, "fastest", fake)
+    assert choose.best_splits("ag_matmul", ISSUE, 2, 4, None) == 2 and tried == [1, 2, 4]
+    tried.clear()
+    assert choose.best_splits("ag_matmul", ISSUE, choose.MAX_PIECES, 4, None) == 1
+    assert tried == [1]  # W*2 pieces would exceed the cap
+    tried.clear()
+    times.update({2: 3.0})  # a tie keeps the smaller m
+    assert choose.best_splits("ag_matmul", ISSUE, 2, 4, None) == 1 and tried == [1, 2]
