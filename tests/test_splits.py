@@ -113,7 +113,7 @@ def _rel(x, ref):
     return ((x.double() - ref.detach()).norm() / ref.detach().norm()).item()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_default_commfuse_with_chosen_splits_is_exact(world):
     res = run_local(_exact, world, timeout=120)
     for m, m_rs, errs in res:
