@@ -148,7 +148,7 @@ def run_one(c: Config, args, path: Path, log: Path) -> int:
     """One ``commfuse train`` of configuration ``c``, its output to ``log``; the exit code."""
     flags = c.train_flags() + ["--steps", str(args.steps), "--batch-size", str(args.batch_size),
                                "--seq-len", str(args.seq_len), "--dtype", args.dtype,
-                               "--metrics-json", str(path)]
+                               "--metrics-json", str(path.resolve())]
     train = [sys.executable, "-m", "commfuse.train", *flags]
     if args.local:
         argv = train + ["--nproc", str(c.world)]
