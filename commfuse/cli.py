@@ -34,18 +34,28 @@ def _run_demo(args) -> int:
 
 
 def _bench_parser(sub) -> None:
-    from commfuse.bench import cli as bench_cli
+    from commfuse.bench import cli as bench_cli, training
 
     p = sub.add_parser(
         "bench", help="measure every method side by side on an emulated cluster",
-        description="Benchmark the fused ops or the paper's layers with every method in the "
-                    "same run, interleaved, after warm-up. Per method: median and spread of the "
-                    "step, compute alone, exposed communication, hidden fraction, fraction of the "
-                    "testbed limit, ratio to none. Ranks run in network namespaces with shaped "
-                    "links (root needed; otherwise loopback). Writes a table, JSON, a PNG chart "
-                    "and a Chrome/Perfetto trace (open in ui.perfetto.dev).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bench_cli.add_arguments(p)
+        description="Benchmark the fused ops, the paper's layers (op, layer) or whole training "
+                    "runs (train) with every method. See commfuse bench KIND --help.")
+    kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
+    for kind, what in bench_cli.KINDS.items():
+        q = kinds.add_parser(
+            kind, help=what, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            description=f"Benchmark {what} with every method in the same run, interleaved, "
+                        "after warm-up. Per method: median and spread of the step, compute "
+                        "alone, exposed communication, hidden fraction, fraction of the testbed "
+                        "limit, ratio to none. Ranks run in network namespaces with shaped links "
+                        "(root needed; otherwise loopback). Writes a table, JSON, a PNG chart "
+                        "and a Chrome/Perfetto trace (open in ui.perfetto.dev).")
+        bench_cli.add_arguments(q, kind)
+    q = kinds.add_parser("train", help="commfuse train per preset x layout x method: the "
+                         "training table (docs/benchmarks/<date>-training.md)",
+                         description=training.DESCRIPTION, epilog=training.EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    training.add_arguments(q)
 
 
 def _train_parser(sub) -> None:

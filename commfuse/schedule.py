@@ -44,7 +44,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "none-torch": ("none", {"collective": "backend"}),  # torch's own collective (slow on gloo)
     "sliced": ("sliced", {"chunks": 4}),
     "decompose": ("decompose", {"topology": "ring"}),
-    "commfuse": ("commfuse", {"topology": "ring"}),
+    "commfuse": ("commfuse", {"topology": "ring"}),  # splits: chosen per shape (ops.auto)
+    "commfuse-m1": ("commfuse", {"topology": "ring", "splits": 1}),  # the paper's schedule
     "commfuse-m2": ("commfuse", {"topology": "ring", "splits": 2}),  # 2 sub-slices per rank
     "commfuse-m4": ("commfuse", {"topology": "ring", "splits": 4}),  # 4 sub-slices per rank
     "commfuse-direct": ("commfuse", {"topology": "direct"}),

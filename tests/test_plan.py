@@ -8,12 +8,14 @@ import pytest
 from commfuse import sim
 from commfuse.models.llama import LlamaConfig, matmul_params
 from commfuse.parallel.config import ParallelDims
-from commfuse.sim.model_ops import FUSED, block_ops, grad_sync_ops, head_ops, model_config
+from commfuse.sim.model_ops import (FUSED, StepModel, block_ops, grad_sync_ops, head_ops,
+                                    model_config)
 from commfuse.sim.plan import layouts, method_options, plan, table
 from commfuse.sim.step import OpTimer, simulate_step
 
 HW = sim.Hardware(gemm_flops=100e12, link_bandwidth=50e9, link_latency=5e-6,
                   mem_bandwidth=2e12, m0=64.0, n0=64.0, k0=64.0, interference=0.1)
+PREV = StepModel.previous()  # the step before issue #12 (the tests of its structure use it)
 CFG = LlamaConfig(vocab_size=512, dim=256, n_layers=3, n_heads=8, n_kv_heads=4, ffn_hidden=512,
                   max_seq_len=1024)
 
@@ -44,48 +46,49 @@ def _rank_flops(op, w: int) -> float:
 
 @pytest.mark.parametrize("tp,up,dp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2),
                                       (1, 4, 2)])
-def test_every_matmul_flop_is_counted_once(tp, up, dp):
+@pytest.mark.parametrize("sm", [StepModel(), PREV], ids=["current", "previous"])
+def test_every_matmul_flop_is_counted_once(tp, up, dp, sm):
     """Over all ranks, a step's GEMMs (fused and local) do 6 * matmul params * tokens plus
     causal attention: the PaLM count (flops_per_token) with half of its T x T term."""
     seq, mb = 64, 2
-    fwd, bwd = block_ops(CFG, tp, up, dp, seq, mb)
-    hf, hb = head_ops(CFG, tp, up, dp, seq, mb)
+    fwd, bwd = block_ops(CFG, tp, up, dp, seq, mb, sm=sm)
+    hf, hb = head_ops(CFG, tp, up, dp, seq, mb, sm=sm)
+    group = {"tp": tp, "up": up, "dp": dp, "local": 1}
     total = 0.0
     for op in fwd + bwd:
-        total += _rank_flops(op, {"tp": tp, "up": up, "dp": dp, "local": 1}[op.axis]) \
-            * CFG.n_layers
-    total += sum(_rank_flops(op, dp) for op in hf + hb)
+        total += _rank_flops(op, group[op.axis]) * CFG.n_layers
+    total += sum(_rank_flops(op, group[op.axis]) for op in hf + hb)
     tokens = mb * seq * dp
     attn = 6 * CFG.n_layers * CFG.n_heads * CFG.head_dim * seq * tokens
     assert total * tp * up * dp == pytest.approx(6 * matmul_params(CFG) * tokens + attn)
 
 
 def test_backward_is_the_dual_op():
-    fwd, bwd = block_ops(CFG, 2, 1, 1, 64, 1)
+    fwd, bwd = block_ops(CFG, 2, 1, 1, 64, 1, sm=PREV)
     fused = lambda ops: [(o.name.split()[0], o.kind) for o in ops if o.kind in FUSED]
     dual = {"ag_matmul": "matmul_rs", "matmul_rs": "ag_matmul"}
     assert fused(bwd) == [(n, dual[k]) for n, k in reversed(fused(fwd))]
     fwd, bwd = block_ops(CFG, 1, 2, 1, 64, 1)
     dual = {"matmul_a2a": "a2a_matmul", "a2a_matmul": "matmul_a2a"}
     assert fused(bwd) == [(n, dual[k]) for n, k in reversed(fused(fwd))]
-    fwd, bwd = block_ops(CFG, 1, 1, 2, 64, 1)  # ZeRO-3: AG->GEMM forward, GEMM->RS for dW
+    fwd, bwd = block_ops(CFG, 1, 1, 2, 64, 1, sm=PREV)  # ZeRO-3: AG->GEMM forward, GEMM->RS for dW
     assert {o.kind for o in fwd if o.axis == "dp"} == {"ag_matmul"}
     assert {o.kind for o in bwd if o.axis == "dp"} == {"matmul_rs"}
 
 
 def test_grad_sync_buckets():
     assert grad_sync_ops(CFG, 1, 1, 1) == []
-    assert {o.axis for o in grad_sync_ops(CFG, 2, 1, 1)} == {"tp"}  # norms, embedding, head
-    assert {o.axis for o in grad_sync_ops(CFG, 2, 1, 2)} == {"world", "tp"}
-    up = {o.axis: o.shape[0] for o in grad_sync_ops(CFG, 1, 2, 1)}
+    assert {o.axis for o in grad_sync_ops(CFG, 2, 1, 1, sm=PREV)} == {"tp"}  # norms, emb, head
+    assert {o.axis for o in grad_sync_ops(CFG, 2, 1, 2, sm=PREV)} == {"world", "tp"}
+    up = {o.axis: o.shape[0] for o in grad_sync_ops(CFG, 1, 2, 1, sm=PREV)}
     assert up["up"] > 2 * CFG.n_layers * CFG.dim * CFG.ffn_hidden  # Ulysses' weights too
 
 
 def test_memoized_step_equals_direct_simulation():
     """Every distinct op simulated once (rank 0 alone) and reused across layers and
     micro-batches equals simulating each op of the step on all its ranks, one by one."""
-    d = dims(tp=2, dp=2)
-    r = simulate_step(CFG, d, HW, seq=128, batch=4)
+    d = dims(tp=2, dp=2, splits=1)
+    r = simulate_step(CFG, d, HW, seq=128, batch=4, step_model=PREV)
     direct = 0.0
     for op, times, *_ in r.rows:
         w = {"tp": 2, "dp": 2, "world": 4, "local": 1}[op.axis]
@@ -101,16 +104,16 @@ def test_memoized_step_equals_direct_simulation():
     assert r.step_s == pytest.approx(direct, rel=1e-12)
     assert r.micro_batches == 2 and r.simulations > 0
     timer = OpTimer()
-    a = simulate_step(CFG, d, HW, seq=128, batch=4, timer=timer)
-    b = simulate_step(CFG, d, HW, seq=128, batch=4, timer=timer)
+    a = simulate_step(CFG, d, HW, seq=128, batch=4, timer=timer, step_model=PREV)
+    b = simulate_step(CFG, d, HW, seq=128, batch=4, timer=timer, step_model=PREV)
     assert b.simulations == 0 and a.step_s == b.step_s == r.step_s
 
 
 def test_summing_ops_is_close_to_simulating_them_back_to_back():
     """The documented approximation: ops summed one after the other against the engine running
     the whole TP forward as one program (where a rank starts an op while peers finish)."""
-    d = dims(tp=4)
-    r = simulate_step(CFG, d, HW, seq=512, batch=1, backward=False)
+    d = dims(tp=4, splits=1)
+    r = simulate_step(CFG, d, HW, seq=512, batch=1, backward=False, step_model=PREV)
     fused = [(op, n) for op, n, *_ in r.rows if op.kind in FUSED]
     local = sum(n * HW.gemm_time(*op.shape) for op, n, *_ in r.rows if op.kind == "gemm")
     specs = [sim.OpSpec(op.kind, "commfuse", op.shape) for op, n in fused for _ in range(int(n))]
@@ -154,7 +157,7 @@ def test_auto_is_never_slower_than_the_fixed_methods_by_more_than_its_step_cost(
 
 
 def test_timeline_spans_and_trace(tmp_path):
-    r = simulate_step(CFG, dims(tp=2, dp=2), HW, seq=128, timeline=True)
+    r = simulate_step(CFG, dims(tp=2, dp=2), HW, seq=128, timeline=True, step_model=PREV)
     lanes = {s.kind for s in r.timeline}
     assert {"compute", "tp", "dp", "exposed", "collective"} <= lanes
     assert any(s.label.startswith("L0 fwd ") for s in r.timeline)

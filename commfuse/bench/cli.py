@@ -18,12 +18,16 @@ from commfuse.schedule import VARIANTS
 WORKER_ENV = "COMMFUSE_BENCH_WORKER"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+KINDS = {"op": "the four fused ops",
+         "layer": "the TPSP MLP, TP attention (row-parallel Flash-RS and query-split) and the "
+                  "Ulysses attention block"}
+
+
+def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
+    """The flags of ``commfuse bench op`` / ``commfuse bench layer`` (``kind``)."""
     from commfuse.testbed import launch as cluster
 
-    p.add_argument("kind", choices=["op", "layer"],
-                   help="op: the four fused ops; layer: the TPSP MLP, TP attention (row-parallel "
-                        "Flash-RS and query-split) and the Ulysses attention block")
+    p.set_defaults(kind=kind)
     p.add_argument("--workloads", help="comma-separated subset (ops: " + ",".join(workloads.OPS) +
                    "; layers: " + ",".join(workloads.LAYERS) + "); default all of the kind")
     p.add_argument("--seq", default="2048",

@@ -49,7 +49,7 @@ class Binding:
             k = 1 if spec.method == "none" else min(spec.chunks, shortest)
             self.pieces = [split(n, k) for n in sizes]
         else:
-            self.m = min(spec.splits, shortest)
+            self.m = min(spec.splits or 1, shortest)  # None: unresolved, the paper's m=1
             self.subs = [split(n, self.m) for n in sizes]
 
     def chunks(self, spec: MethodSpec) -> int:

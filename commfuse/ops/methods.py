@@ -28,7 +28,9 @@ class MethodSpec:
     chunks: int = DEFAULT_CHUNKS  # sliced: number of chunks along the gathered/scattered dim
     timeout: float | None = None  # seconds to wait for a transfer; None: the group's timeout
     collective: str = "auto"  # none/sliced: "backend", "p2p" or "auto" (runtime.collectives)
-    splits: int = 1  # decompose/commfuse: sub-slices per rank's slice (m in docs/design.md)
+    splits: int | None = 1  # decompose/commfuse: sub-slices per rank's slice (m in
+    # docs/design.md); None (commfuse without an explicit ``splits``): the public ops pick m
+    # per shape on the cost model (`commfuse.ops.auto.resolve`); run as 1 if used unresolved
 
 
 def method_spec(method: str, opts: dict) -> MethodSpec:
@@ -47,8 +49,10 @@ def method_spec(method: str, opts: dict) -> MethodSpec:
     timeout = opts.get("timeout")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    splits = opts.get("splits", 1)
-    if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
+    splits = opts.get("splits", None if method == "commfuse" else 1)
+    if splits is None and method == "commfuse":
+        pass  # chosen per shape by commfuse.ops.auto.resolve
+    elif not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
         raise ValueError(f"splits must be a positive int, got {splits!r}")
     collective = opts.get("collective", "auto")
     if collective not in schedule.COLLECTIVE_POLICIES:

@@ -23,8 +23,18 @@ from commfuse.sim import choose
 from commfuse.sim.hardware import Hardware, preset
 from commfuse.sim.ops import simulate_op
 
-# the bench's methods the simulator models (not gloo's own collectives, not auto itself)
+# the bench's methods the simulator models (not gloo's own collectives, not auto itself).
+# "commfuse" ran m=1 in results from before `commfuse` chose its splits per shape; newer
+# results also have "commfuse-m1", and there "commfuse" (an m chosen at run time, not
+# recorded) is left out (`_modelled`).
 VARIANTS = {label: v for label, v in ALL_VARIANTS.items() if label not in ("none-torch", "auto")}
+VARIANTS["commfuse"] = VARIANTS["commfuse-m1"]
+
+
+def _modelled(r: dict, label: str) -> bool:
+    """Whether the simulator can time bench result ``r``'s method ``label`` (see VARIANTS)."""
+    return label in VARIANTS and not (
+        label == "commfuse" and any(m["method"] == "commfuse-m1" for m in r["methods"]))
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -65,13 +75,14 @@ def calibrate(results: list[dict], base: str | Hardware = "cpu-testbed", rounds:
 
 
 COLLECTIVE_LABELS = ("sliced",)  # the bench variants that fit each host cost
-P2P_LABELS = ("decompose", "commfuse", "commfuse-m2", "commfuse-m4", "commfuse-direct")
+P2P_LABELS = ("decompose", "commfuse", "commfuse-m1", "commfuse-m2", "commfuse-m4", "commfuse-direct")
 
 
 def _fit_host(hw: Hardware, ops: list[dict], field: str, labels, iters: int = 24) -> Hardware:
     """``hw`` with ``field`` >= 0 set so that the predicted medians of ``labels`` sum to the
     measured ones (0 if the model is already slower; predicted time grows with it)."""
-    pairs = [(r, m) for r in ops for m in r["methods"] if m["method"] in labels]
+    pairs = [(r, m) for r in ops for m in r["methods"]
+             if m["method"] in labels and _modelled(r, m["method"])]
     if not pairs:
         return hw
     measured = sum(m["median_ms"] for _, m in pairs) / 1e3
@@ -110,7 +121,7 @@ def compare(results: list[dict], hw: Hardware) -> list[dict]:
     rows = []
     for r in _ops(results):
         for m in r["methods"]:
-            if m["method"] in VARIANTS:
+            if _modelled(r, m["method"]):
                 pred = _simulate(r, m["method"], hw).total_s * 1e3
                 rows.append({"op": r["workload"], "method": m["method"], "measured_ms": m["median_ms"],
                              "predicted_ms": pred, "error": pred / m["median_ms"] - 1})
@@ -139,11 +150,11 @@ def auto_check(results: list[dict], hw: Hardware) -> list[dict]:
     """What ``method="auto"`` would choose on ``hw`` for every op result, evaluated against the
     measured medians of that (prior) run: its choice among all of auto's candidates (None
     where that candidate was not measured), and its choice among the measured ones only."""
-    label_of = {_canon(*v): k for k, v in VARIANTS.items()}
-    measured_only = [c for c in choose.CANDIDATES if _canon(*c) in label_of]
     rows = []
     for r in _ops(results):
-        med = {m["method"]: m["median_ms"] for m in r["methods"] if m["method"] in VARIANTS}
+        med = {m["method"]: m["median_ms"] for m in r["methods"] if _modelled(r, m["method"])}
+        label_of = {_canon(*VARIANTS[k]): k for k in med}  # the labels this result measured
+        measured_only = [c for c in choose.CANDIDATES if _canon(*c) in label_of]
         best = min(med, key=med.get)
         args = (r["workload"], op_shape(r), r["world"], DTYPE_BYTES[r["dtype"]], hw,
                 choose.STEP_OVERHEAD_S["cpu"])

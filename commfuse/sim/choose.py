@@ -1,4 +1,5 @@
-"""The fastest method for one op on a hardware model: what ``method="auto"`` runs.
+"""The fastest method for one op on a hardware model: what ``method="auto"`` runs, and the
+``splits`` that ``method="commfuse"`` runs when none is given (`best_splits`).
 
 Pure (no torch): `commfuse.ops.auto` calls `fastest` for the tensors of a live call (and
 caches its choice); the whole-step simulation (`commfuse.sim.step`) calls it for ``auto``
@@ -25,6 +26,10 @@ CANDIDATES = tuple(VARIANTS[label] for label in (
 # not model: it is what keeps small GEMMs on "none", where a few microseconds of GEMM cannot
 # pay for a pipeline of steps
 STEP_OVERHEAD_S = {"cpu": 50e-6, "cuda": 10e-6}
+# the sub-slice counts `best_splits` tries, in order of preference at equal predicted time
+# (m=1, the paper's schedule, first)
+SPLITS = (1, 2, 4, 8)
+MAX_PIECES = 256  # best_splits: at most this many pieces (group size x m) along the dim
 
 
 def fastest(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 50e-6,
@@ -48,3 +53,29 @@ def fastest(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 
 def steps(op: str, method: str, world: int, opts: dict) -> int:
     """Steps of rank 0's schedule (what `STEP_OVERHEAD_S` is charged per)."""
     return len(schedule(op, method, world, 0, **opts).steps)
+
+
+def best_splits(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 50e-6,
+                topology: str = "ring", method: str = "commfuse") -> int:
+    """The m of `SPLITS` with which ``method`` runs ``op`` of ``shape`` fastest on ``hw``
+    (``step_s`` per schedule step added, as for `fastest`), searched upwards from m=1 and
+    stopped at the first m that is not faster than the one before (ties keep the smaller m);
+    an m that would cut the dim into more than `MAX_PIECES` pieces (W*m) is not tried: on
+    wide groups each slice is already a small piece, and simulating them would dominate
+    the planner's time.
+
+    A pure function of its arguments (the simulator is deterministic), so every rank that
+    passes the same shape, group size, dtype and hardware gets the same m: it sets the
+    message sizes, which must match between the ranks."""
+    if world <= 1 or min(shape) <= 0:
+        return 1
+    best_m, best_t = 1, float("inf")
+    for m in SPLITS:
+        if m > 1 and world * m > MAX_PIECES:
+            break
+        t = fastest(op, shape, world, dtype_bytes, hw, step_s,
+                    [(method, {"topology": topology, "splits": m})])[2]
+        if t >= best_t:
+            break
+        best_m, best_t = m, t
+    return best_m

@@ -10,6 +10,7 @@ Whole-model steps and layouts: `commfuse plan` (`commfuse.sim.plan_cli`).
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from commfuse import sim
 from commfuse.schedule import OPS
@@ -87,15 +88,27 @@ def main_simulate(argv=None) -> int:
                   f"{r[name + '_exposed'] * 1e3:>12.1f}{exp_paper * 1e3:>12.1f}")
         return 0
     rows = []
-    from commfuse.sim.calibrate import VARIANTS  # the bench's methods, by the same labels
+    from commfuse.schedule import VARIANTS  # the bench's methods, by the same labels
+    from commfuse.sim.choose import STEP_OVERHEAD_S, best_splits
+    from commfuse.sim.ops import mlp_specs
 
     for name, (method, opts) in VARIANTS.items():
+        if name in ("none-torch", "auto"):
+            continue
         opts = dict(opts, chunks=a.chunks)
-        if a.op == "mlp":
-            r = sim.simulate_layer(method, a.world, a.tokens, a.d_model, a.dtype_bytes, a.hw,
-                                   layers=a.layers, timeline=bool(a.trace or a.png), **opts)
+        if a.op == "mlp":  # commfuse without splits: each op's own m, as the ops pick it
+            specs = [replace(spec, splits=best_splits(spec.op, spec.shape, a.world,
+                                                      a.dtype_bytes, sim.preset(a.hw),
+                                                      STEP_OVERHEAD_S["cpu"]))
+                     if method == "commfuse" and "splits" not in opts else spec
+                     for spec in mlp_specs(method, a.world, a.tokens, a.d_model, **opts)]
+            r = sim.simulate_ops(specs * a.layers, a.world, a.dtype_bytes, a.hw,
+                                 timeline=bool(a.trace or a.png))
         else:
             shape = tuple(int(x) for x in a.shape.split(","))
+            if method == "commfuse" and "splits" not in opts:
+                opts["splits"] = best_splits(a.op, shape, a.world, a.dtype_bytes,
+                                             sim.preset(a.hw), STEP_OVERHEAD_S["cpu"])
             r = sim.simulate_op(a.op, method, a.world, shape, a.dtype_bytes, a.hw,
                                 timeline=bool(a.trace or a.png), **opts)
         if a.trace:

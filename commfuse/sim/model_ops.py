@@ -18,6 +18,22 @@ micro-batch of ``mb`` sequences of ``S`` tokens on one DP replica (``n = mb * S`
 - Once per step: the all-reduce of the replicated parameters' gradients, one per group of
   axes (`ParallelLlama.sync_grads`): norms, embedding, the TP output head, Ulysses' weights.
 
+`StepModel` says which step: the current one (its defaults) or, field by field, the previous
+one (`StepModel.previous()`), so both can be predicted. What the current step changes:
+
+- ``grad_sync="bucketed"``: the all-reduces run as buckets of ``bucket_mb`` posted during the
+  backward (DDP style); `commfuse.sim.step` counts exposed only the last bucket, or what does
+  not fit behind the backward compute. ("end": all of them after the backward, exposed.)
+- ``vocab_parallel``: with tp or up > 1 the head's rows are sharded over that group (T ranks):
+  the final hidden all-gathered fused with the head GEMM, [n/T, D] -> logits [n, V/T]; the
+  vocab-parallel cross-entropy adds two all-reduces of [n] and [2, n] floats; backward the
+  GEMM->RS of dx. The embedding's rows too: its output reduce-scattered ([n, D] in forward,
+  all-gathered in backward). Neither has a gradient all-reduce over the group any more.
+- ``ag_backward="regather"``: AG->GEMM's backward gathers A again fused with the weight-grad
+  GEMM (an AG->GEMM of the same bytes and FLOPs) instead of saving it ("save": local GEMM).
+- ``rs_backward="stream"``: GEMM->RS's backward weight-grad GEMM consumes dC's slices as the
+  gather brings them: one AG->GEMM doing dx and dW per slice ("after": dW local, afterwards).
+
 Attention (QK^T and PV per head and sequence, causal) is a "gemm" of (S, head_dim, S) per
 (sequence, local head): two GEMMs of that size, half of each masked; its backward is two such.
 Not modelled: elementwise work (norms, RoPE, softmax, SwiGLU, loss), the embedding lookup,
@@ -26,7 +42,7 @@ the optimizer step, pipeline parallelism, activation recomputation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from commfuse.models.config import PRESETS as LLAMA_PRESETS, LlamaConfig
 
@@ -53,6 +69,47 @@ def model_config(model) -> LlamaConfig:
     return LlamaConfig(**MODELS[model])
 
 
+LOSS_BYTES = 4  # the cross-entropy's statistics are float32 whatever the model's dtype
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Which training step `simulate_step` times (module doc): defaults, the current one."""
+
+    grad_sync: str = "bucketed"
+    """"bucketed" (all-reduce buckets during the backward) or "end" (after it)."""
+    bucket_mb: float = 25.0
+    """Bucket size in MiB for "bucketed" (torch DDP's default)."""
+    vocab_parallel: bool = True
+    """Head and embedding rows sharded over the TP/UP group (else replicated there)."""
+    ag_backward: str = "regather"
+    """AG->GEMM backward: "regather" (fused AG with the weight grad) or "save" (local dW)."""
+    rs_backward: str = "stream"
+    """GEMM->RS backward: "stream" (dW fused into the dx gather) or "after" (local dW)."""
+
+    def __post_init__(self):
+        for name, allowed in (("grad_sync", ("bucketed", "end")),
+                              ("ag_backward", ("regather", "save")),
+                              ("rs_backward", ("stream", "after"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"StepModel.{name} must be one of {allowed}, "
+                                 f"got {getattr(self, name)!r}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"StepModel.bucket_mb must be > 0, got {self.bucket_mb!r}")
+
+    @classmethod
+    def previous(cls) -> "StepModel":
+        """The step before issue #12: sync at the end, replicated head and embedding, A saved
+        for AG->GEMM's backward, GEMM->RS's dW after the gather."""
+        return cls("end", 25.0, False, "save", "after")
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+
+CURRENT = StepModel()
+
+
 @dataclass(frozen=True)
 class StepOp:
     """One op of a step. ``kind``: a fused op (``FUSED``; ``shape`` = its (M, K, N), see
@@ -67,7 +124,7 @@ class StepOp:
     count: float = 1.0
 
 
-def _linear_local(name, n, i, o, backward):
+def _linear_local(name, n, i, o, backward, sm=None):
     """A Linear [o, i] on n local tokens: y = x @ W^T; backward dx and dW."""
     fwd = [StepOp(name, "gemm", "local", (n, i, o))]
     bwd = [StepOp(f"{name} dx", "gemm", "local", (n, o, i)),
@@ -75,16 +132,36 @@ def _linear_local(name, n, i, o, backward):
     return fwd, bwd
 
 
-def _linear_zero3(name, n, i, o, backward):
-    """ShardedLinear: y^T = AG(W rows) @ x^T fused; backward dW = RS(dy^T @ x) fused, dx local."""
+def _linear_zero3(name, n, i, o, backward, sm: StepModel = CURRENT):
+    """ShardedLinear: y^T = AG(W rows) @ x^T fused; backward dW = RS(dy^T @ x) fused, and dx on
+    the saved W (local) or on W gathered again fused with it (``sm.ag_backward``)."""
     fwd = [StepOp(name, "ag_matmul", "dp", (o, i, n))]
-    bwd = [StepOp(f"{name} dW", "matmul_rs", "dp", (o, n, i)),
-           StepOp(f"{name} dx", "gemm", "local", (i, o, n))] if backward else []
+    dx = StepOp(f"{name} dx", "ag_matmul", "dp", (o, i, n)) if sm.ag_backward == "regather" \
+        else StepOp(f"{name} dx", "gemm", "local", (i, o, n))
+    bwd = [StepOp(f"{name} dW", "matmul_rs", "dp", (o, n, i)), dx] if backward else []
     return fwd, bwd
 
 
+def _ag_backward(name, n, k, o, axis, sm: StepModel):
+    """Backward of an AG->GEMM [n/W, k] -> [n, o]: dx = RS(dy @ W^T), then dW = x^T @ dy on
+    the saved x ("save") or on x gathered again slice by slice ("regather")."""
+    dw = StepOp(f"{name} dW", "ag_matmul", axis, (n, k, o)) if sm.ag_backward == "regather" \
+        else StepOp(f"{name} dW", "gemm", "local", (k, n, o))
+    return [StepOp(f"{name} dx", "matmul_rs", axis, (n, o, k)), dw]
+
+
+def _rs_backward(name, n, k, o, axis, sm: StepModel):
+    """Backward of a GEMM->RS [n, k] -> [n/W, o]: dx = AG(dy) @ W^T and dW = x^T @ AG(dy),
+    dW per arriving slice in the same op ("stream": an AG->GEMM of 2k columns) or afterwards."""
+    if sm.rs_backward == "stream":
+        return [StepOp(f"{name} dx+dW", "ag_matmul", axis, (n, o, 2 * k))]
+    return [StepOp(f"{name} dx", "ag_matmul", axis, (n, o, k)),
+            StepOp(f"{name} dW", "gemm", "local", (k, n, o))]
+
+
 def block_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, seq: int, mb: int,
-              backward: bool = True, dtype_bytes: float = 2) -> tuple[list, list]:
+              backward: bool = True, dtype_bytes: float = 2,
+              sm: StepModel = CURRENT) -> tuple[list, list]:
     """(forward ops, backward ops in backward order) of one transformer block."""
     D, hd, H, G, F = cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden
     qkv, o_in, n, inner = (H + 2 * G) * hd, H * hd, mb * seq, tp * up
@@ -106,14 +183,10 @@ def block_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, seq: int, mb: int,
             StepOp("gate|up", "ag_matmul", "tp", (n, D, 2 * F // t)),
             StepOp("down", "matmul_rs", "tp", (n, F // t, D))]
         if backward:
-            bwd += [StepOp("down dx", "ag_matmul", "tp", (n, D, F // t)),
-                    StepOp("down dW", "gemm", "local", (F // t, n, D)),
-                    StepOp("gate|up dx", "matmul_rs", "tp", (n, 2 * F // t, D)),
-                    StepOp("gate|up dW", "gemm", "local", (D, n, 2 * F // t)),
-                    StepOp("out-proj dx", "ag_matmul", "tp", (n, D, o_in // t)),
-                    StepOp("out-proj dW", "gemm", "local", (o_in // t, n, D)), attn_b,
-                    StepOp("q|k|v dx", "matmul_rs", "tp", (n, qkv // t, D)),
-                    StepOp("q|k|v dW", "gemm", "local", (D, n, qkv // t))]
+            bwd += (_rs_backward("down", n, F // t, D, "tp", sm)
+                    + _ag_backward("gate|up", n, D, 2 * F // t, "tp", sm)
+                    + _rs_backward("out-proj", n, o_in // t, D, "tp", sm) + [attn_b]
+                    + _ag_backward("q|k|v", n, D, qkv // t, "tp", sm))
             bwd += [StepOp(g.name.replace("gather", "grad RS"), "reduce_scatter", "dp", g.shape)
                     for g in gathers]
         return fwd, bwd
@@ -131,35 +204,69 @@ def block_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, seq: int, mb: int,
                     for g in gathers]
     else:
         for name, o in (("wq", o_in), ("wk", G * hd), ("wv", G * hd)):
-            f, b = lin(name, nl, D, o, backward)
+            f, b = lin(name, nl, D, o, backward, sm)
             fwd, bwd = fwd + f, b + bwd
         fwd.append(attn)
         bwd.insert(0, attn_b)
-        f, b = lin("wo", nl, o_in, D, backward)
+        f, b = lin("wo", nl, o_in, D, backward, sm)
         fwd, bwd = fwd + f, b + bwd
     for name, i, o in (("w_gate", D, F), ("w_up", D, F), ("w_down", F, D)):  # local or ZeRO-3
-        f, b = lin(name, nl, i, o, backward)
+        f, b = lin(name, nl, i, o, backward, sm)
         fwd, bwd = fwd + f, b + bwd
     return fwd, bwd
 
 
+def _seq_axis(tp: int, up: int) -> str:
+    return "tp" if tp > 1 else "up"
+
+
 def head_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, seq: int, mb: int,
-             backward: bool = True) -> tuple[list, list]:
-    """The output head on this rank's tokens: ZeRO-3 over DP unless tied, else local."""
-    nl = mb * seq // (tp * up)
-    lin = _linear_zero3 if dp > 1 and not cfg.tie_embeddings else _linear_local
-    return lin("output", nl, cfg.dim, cfg.vocab_size, backward)
+             backward: bool = True, dtype_bytes: float = 2,
+             sm: StepModel = CURRENT) -> tuple[list, list]:
+    """The output head and the loss. Replicated over TP/UP: on this rank's tokens, ZeRO-3 over
+    DP unless tied, else local. Vocabulary-parallel (``sm.vocab_parallel``, tp or up > 1):
+    AG->GEMM of the hidden with the head's V/T rows, the loss's two all-reduces (max; sum of
+    exp and target logit), backward dx by GEMM->RS; under DP the V/T rows are gathered with
+    a plain all-gather (their gradient reduce-scattered), unless tied."""
+    T, n, D, V = tp * up, mb * seq, cfg.dim, cfg.vocab_size
+    if not (sm.vocab_parallel and T > 1):
+        lin = _linear_zero3 if dp > 1 and not cfg.tie_embeddings else _linear_local
+        return lin("output", n // T, D, V, backward, sm)
+    ax = _seq_axis(tp, up)
+    gather = [StepOp("gather output", "all_gather", "dp", (V // T * D * dtype_bytes,))] \
+        if dp > 1 and not cfg.tie_embeddings else []
+    fwd = gather + [StepOp("output", "ag_matmul", ax, (n, D, V // T)),
+                    StepOp("loss max", "all_reduce", ax, (n * LOSS_BYTES,)),
+                    StepOp("loss sum", "all_reduce", ax, (2 * n * LOSS_BYTES,))]
+    bwd = _ag_backward("output", n, D, V // T, ax, sm) if backward else []
+    bwd += [StepOp("grad RS output", "reduce_scatter", "dp", g.shape) for g in gather] \
+        if backward else []
+    return fwd, bwd
 
 
-def grad_sync_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, dtype_bytes: float = 2) -> list:
+def embed_ops(cfg: LlamaConfig, tp: int, up: int, seq: int, mb: int, backward: bool = True,
+              dtype_bytes: float = 2, sm: StepModel = CURRENT) -> tuple[list, list]:
+    """The vocabulary-parallel embedding's collectives (``sm.vocab_parallel``, tp or up > 1):
+    forward a reduce-scatter of the [n, D] lookups, backward an all-gather of their grads."""
+    if not (sm.vocab_parallel and tp * up > 1):
+        return [], []
+    nbytes, ax = mb * seq * cfg.dim * dtype_bytes, _seq_axis(tp, up)
+    return ([StepOp("embedding", "reduce_scatter", ax, (nbytes,))],
+            [StepOp("embedding dx", "all_gather", ax, (nbytes,))] if backward else [])
+
+
+def grad_sync_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, dtype_bytes: float = 2,
+                  sm: StepModel = CURRENT) -> list:
     """The per-step all-reduces of replicated gradients, one per group of axes."""
     L, D, hd, V = cfg.n_layers, cfg.dim, cfg.head_dim, cfg.vocab_size
     block = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd * D + cfg.n_heads * hd * D \
         + 3 * cfg.ffn_hidden * D
     seq = tp * up
-    params = [((2 * L + 1) * D, ()), (V * D, ())]  # norms, embedding (tied head included)
+    vocab = ("seq",) if sm.vocab_parallel and seq > 1 else ()  # rows sharded over TP/UP
+    V_local = V / seq if vocab else V
+    params = [((2 * L + 1) * D, ()), (V_local * D, vocab)]  # norms, embedding (tied head too)
     if not cfg.tie_embeddings:
-        params.append((V * D / dp, ("dp",)) if dp > 1 else (V * D, ()))
+        params.append((V_local * D / dp, vocab + ("dp",)) if dp > 1 else (V_local * D, vocab))
     sharded = ("seq",) if tp > 1 else ()
     params.append((L * block / (tp * dp), sharded + (("dp",) if dp > 1 else ())))
     buckets: dict[str, float] = {}
@@ -171,3 +278,18 @@ def grad_sync_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, dtype_bytes: floa
     axis = {"seq": "tp" if tp > 1 else "up", "dp": "dp", "seq+dp": "world"}
     return [StepOp(f"grad all-reduce ({k})", "all_reduce", axis[k], (b,))
             for k, b in buckets.items()]
+
+
+def wire_bytes(op: StepOp, world: int, dtype_bytes: float) -> float:
+    """Bytes one rank sends for ``op`` on a group of ``world`` ranks, whatever the schedule
+    (conventions of `commfuse.sim.costs.op_costs`): an all-gather or reduce-scatter moves
+    (W-1)/W of its buffer, an all-reduce twice that, an all-to-all (W-1)/W^2; GEMMs none."""
+    if world <= 1 or op.kind == "gemm":
+        return 0.0
+    part = (world - 1) / world * op.count
+    if op.kind not in FUSED:
+        return part * op.shape[0] * (2 if op.kind == "all_reduce" else 1)
+    M, K, N = op.shape
+    moved = {"ag_matmul": M * K, "matmul_rs": M * N, "matmul_a2a": M * N / world,
+             "a2a_matmul": M * K / world}[op.kind]
+    return part * moved * dtype_bytes

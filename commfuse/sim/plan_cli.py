@@ -26,9 +26,16 @@ What a step is: for every micro-batch, the forward and backward of every block a
 output head, with the fused ops the plans use (TPSP: AG->GEMM q|k|v and gate|up, GEMM->RS
 out-proj and down; Ulysses: GEMM->a2a, a2a->GEMM; ZeRO-3 DP: parameter all-gather fused with
 each GEMM, gradient reduce-scatter fused with the weight-gradient GEMM; backward the dual
-ops), attention as GEMMs of (S, head_dim, S) (causal: half of QK^T and PV), then once per step
-the all-reduce of the replicated gradients. Under TP/UP x DP the plans gather the TP/UP
-weights with a plain all-gather before each op: counted as exposed. Not counted: elementwise
+ops), attention as GEMMs of (S, head_dim, S) (causal: half of QK^T and PV), and the
+all-reduce of the replicated gradients. Under TP/UP x DP the plans gather the TP/UP weights
+with a plain all-gather before each op: counted as exposed. The step is the current one
+(--step current): gradient all-reduces in buckets during the backward (only the last bucket,
+or what the backward cannot cover, exposed); under TP/UP a vocabulary-parallel head (the
+hidden all-gathered fused with the head GEMM, two small all-reduces for the cross-entropy)
+and embedding (reduce-scatter forward, all-gather backward); AG->GEMM's backward gathers its
+input again fused with the weight-gradient GEMM; GEMM->RS's backward computes the weight
+gradient per arriving slice. --step previous: the step before (sync after the backward,
+replicated head and embedding, saved inputs, weight gradients afterwards). Not counted: elementwise
 work, the optimizer step, pipeline parallelism, activation memory (a plan may not fit).
 
 How it is timed: each distinct op is simulated once on its own group (tp/up ranks are
@@ -36,7 +43,8 @@ neighbours, dp strides over them; a group wider than --node-size uses --inter-hw
 the times are summed along the step: no overlap between consecutive ops, no contention
 between groups (see commfuse/sim/step.py).
 
-Columns: step s (one step of the global batch), tokens/s, MFU = flops_per_token * tokens /
+Columns: step s (one step of the global batch), limit s (the same compute and bytes with no
+dependency: max(compute alone, wire time per link)), tokens/s, MFU = flops_per_token * tokens /
 step / (devices * peak), flops_per_token = 6N + 12*L*H*Q*T (PaLM appendix B, as nanoGPT and
 `commfuse train`), peak = the --hw preset's dense GEMM flop/s; exposed = share of the step
 not hidden behind compute; then the seconds per step spent in ops on the TP/UP group, on the
@@ -81,7 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     a("--methods", default="none,sliced,decompose,commfuse",
       help="comma-separated methods to compare: none, sliced, decompose, commfuse, auto "
            "(auto: per op, the fastest of commfuse.auto's candidates) (default: the four)")
-    a("--splits", type=int, default=1, help="decompose/commfuse: sub-slices per slice (m)")
+    a("--splits", type=int, default=None,
+      help="decompose/commfuse: sub-slices per slice (m; default: decompose 1, commfuse the "
+           "cost model's choice per op shape, as method='commfuse' picks it)")
+    a("--step", default="current", choices=("current", "previous"),
+      help="which training step: current (bucketed grad sync, vocabulary-parallel head, "
+           "re-gathering backwards) or previous (before issue #12) (default current)")
     a("--topology", default="ring", choices=TOPOLOGIES, help="decompose/commfuse")
     a("--chunks", type=int, default=4, help="sliced: chunks per op (default 4)")
     a("--dtype-bytes", type=float, default=2, help="bytes per element (bf16: 2)")
@@ -95,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
 def main_plan(argv=None) -> int:
     a = _parser().parse_args(argv)
     from commfuse.parallel.config import ParallelDims
-    from commfuse.sim.model_ops import model_config
+    from commfuse.sim.model_ops import StepModel, model_config
     from commfuse.sim.plan import method_options, plan, table
     from commfuse.sim.step import OpTimer, simulate_step
 
@@ -105,7 +118,8 @@ def main_plan(argv=None) -> int:
     inter = None if a.inter_hw == "same" else a.inter_hw
     opts = {"splits": a.splits, "topology": a.topology, "chunks": a.chunks}
     kw = dict(seq=seq, batch=a.batch, micro_batch=a.micro_batch, dtype_bytes=a.dtype_bytes,
-              inter_hw=inter, node_size=a.node_size)
+              inter_hw=inter, node_size=a.node_size,
+              step_model=StepModel() if a.step == "current" else StepModel.previous())
     t0, timer = time.perf_counter(), OpTimer(a.dtype_bytes)
     plans, rejected = plan(cfg, a.devices, a.hw, methods=methods, method_opts=opts,
                            timer=timer, **kw)

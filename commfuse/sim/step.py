@@ -17,6 +17,13 @@ they run one after the other, as they do in the plans. A group within one node
 ``inter_hw``'s links. Plain collectives take the ring model's time (`Hardware.collective_time`,
 all-reduce = reduce-scatter + all-gather), local GEMMs `Hardware.gemm_time`.
 
+The step is `commfuse.sim.model_ops.StepModel` (default: the current one; ``previous()`` the
+step before issue #12). With ``grad_sync="bucketed"`` the gradient all-reduces run during the
+backward: exposed is the larger of the last bucket's time and the all-reduces' total less the
+backward's time (one micro-batch's; the links are not shared with the backward's own
+transfers here). The step's limit (``limit_s``): the same compute and the same bytes with no
+dependency between them, max(compute alone, each link's wire time) per rank.
+
 Scale: layers are identical, so each distinct (op, shape, method, group size, hardware) is
 simulated once (`OpTimer` memoizes across layers, micro-batches and plans), and without
 stragglers the engine runs rank 0 only (``symmetric``, exact by rotation symmetry): an 80-layer
@@ -27,12 +34,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commfuse.sim.choose import fastest
+import math
+
+from commfuse.sim.choose import best_splits, fastest
 from commfuse.sim.costs import OpSpec
 from commfuse.sim.hardware import Hardware
 from commfuse.sim.hardware import resolve as resolve_hw
-from commfuse.sim.model_ops import (FUSED, StepOp, block_ops, grad_sync_ops, head_ops,
-                                    model_config)
+from commfuse.sim.model_ops import (CURRENT, FUSED, StepModel, StepOp, block_ops, embed_ops,
+                                    grad_sync_ops, head_ops, model_config, wire_bytes)
 from commfuse.sim.ops import simulate_ops
 from commfuse.trace import Span, write_trace
 
@@ -41,7 +50,8 @@ class OpTimer:
     """Times `StepOp`s (seconds: total, compute alone), each distinct one once.
 
     A fused op runs the given method; method "auto" takes the fastest of `commfuse.sim.choose`'s
-    candidates for that shape (``auto_step_s`` per schedule step added, as `auto` does)."""
+    candidates for that shape (``auto_step_s`` per schedule step added, as `auto` does), and
+    "commfuse" without ``splits`` the m `commfuse.sim.choose.best_splits` picks, as the ops do."""
 
     def __init__(self, dtype_bytes: float = 2, auto_step_s: float = 10e-6):
         self.dtype_bytes, self.auto_step_s = dtype_bytes, auto_step_s
@@ -70,6 +80,10 @@ class OpTimer:
         if method == "auto":
             method, opts, _ = fastest(op.kind, op.shape, world, self.dtype_bytes, hw,
                                       self.auto_step_s)
+        elif method == "commfuse" and opts.get("splits") is None:
+            topology = opts.get("topology", "ring")
+            opts = {**opts, "splits": best_splits(op.kind, op.shape, world, self.dtype_bytes, hw,
+                                                  self.auto_step_s, topology)}
         sym = not (hw.compute_straggler or hw.link_straggler)
         spec = OpSpec(op.kind, method, op.shape, **_spec_opts(opts))
         r = simulate_ops([spec], world, self.dtype_bytes, hw, timeline=False, symmetric=sym)
@@ -88,6 +102,9 @@ class StepResult:
     step_s: float  # the whole step: micro_batches x (forward + backward) + gradient sync
     compute_s: float  # the same with free communication (fused ops' compute alone, GEMMs)
     exposed_comm_s: float  # step_s - compute_s
+    limit_s: float  # no dependencies: max(compute_s, wire time of each link's bytes)
+    comm_s: float  # the wire time of every byte the step moves (all links, one after another)
+    sync_exposed_s: float  # of the gradient sync, the part not hidden behind the backward
     micro_batches: int  # forward+backward passes per step on each DP replica
     tokens: int  # tokens per step (global batch x sequence)
     mfu: float  # model FLOPs utilisation (see `simulate_step`)
@@ -103,7 +120,7 @@ class StepResult:
 def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | None = None,
                   micro_batch: int = 1, dtype_bytes: float = 2, backward: bool = True,
                   inter_hw=None, node_size: int = 8, timeline: bool = False,
-                  timer: OpTimer | None = None) -> StepResult:
+                  timer: OpTimer | None = None, step_model: StepModel = CURRENT) -> StepResult:
     """Time one training step of ``model`` (a `LlamaConfig` or a name in `MODELS`) under
     ``parallel`` (a `commfuse.parallel.config.ParallelDims`: tp, up, dp, method and its options;
     method "auto" allowed) on ``hw`` (a `Hardware` or a preset name).
@@ -111,7 +128,8 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     ``batch`` global sequences of ``seq`` tokens per step (default dp * micro_batch), in
     micro-batches of ``micro_batch`` sequences per DP replica. ``inter_hw``: the links of groups
     that span nodes of ``node_size`` ranks (None: ``hw``'s everywhere). ``backward=False``:
-    forward only. MFU = flops_per_token * tokens / step_s / (ranks * hw.gemm_flops), with
+    forward only. ``step_model``: which step (`StepModel`; default the current one).
+    MFU = flops_per_token * tokens / step_s / (ranks * hw.gemm_flops), with
     `commfuse.models.llama.flops_per_token` (6N + 12*L*H*Q*T, PaLM appendix B, as
     ``commfuse train`` reports it), the preset's dense peak in the denominator.
     """
@@ -137,36 +155,73 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     for axis, span in (("tp", inner), ("up", inner), ("dp", inner * dp), ("world", world)):
         if span > node_size:
             group[axis] = (group[axis][0], hw.with_links_of(inter))
-    fwd, bwd = block_ops(cfg, tp, up, dp, seq, micro_batch, backward, dtype_bytes)
-    hf, hb = head_ops(cfg, tp, up, dp, seq, micro_batch, backward)
+    sm, mb = step_model, micro_batch
+    fwd, bwd = block_ops(cfg, tp, up, dp, seq, mb, backward, dtype_bytes, sm)
+    hf, hb = head_ops(cfg, tp, up, dp, seq, mb, backward, dtype_bytes, sm)
+    ef, eb = embed_ops(cfg, tp, up, seq, mb, backward, dtype_bytes, sm)
+    hf, hb = ef + hf, hb + eb  # embedding first in the forward, last in the backward
     per_mb = [(op, cfg.n_layers) for op in fwd + bwd] + [(op, 1) for op in hf + hb]
-    sync = grad_sync_ops(cfg, tp, up, dp, dtype_bytes) if backward else []
-    n_mb = batch // (dp * micro_batch)
-    times, breakdown = {}, {}
-    total = compute = 0.0
+    sync = grad_sync_ops(cfg, tp, up, dp, dtype_bytes, sm) if backward else []
+    n_mb = batch // (dp * mb)
+    times, breakdown, wire = {}, {}, {}
+    total = compute = backward_s = 0.0
+    bucketed = sm.grad_sync == "bucketed"
     for op, reps in per_mb + [(op, 1 / n_mb) for op in sync]:
         w, h = group[op.axis]
         if op not in times:
             times[op] = timer.time(op, parallel.method, parallel.method_opts, w, h)
         t, c, _ = times[op]
         k = reps * n_mb * op.count
+        wire[repr(h)] = wire.get(repr(h), 0.0) + k * wire_bytes(op, w, dtype_bytes) / h.link_bandwidth
+        if op in sync and bucketed:
+            continue  # its exposed part is added below
+        if op in bwd or op in hb:
+            backward_s += reps * op.count * t
         total, compute = total + k * t, compute + k * c
         breakdown[op.axis] = breakdown.get(op.axis, 0.0) + k * t
+    sync_exposed = sum(times[op][0] for op in sync)
+    if sync and bucketed:
+        sync_exposed = bucketed_exposed([_buckets(op, group[op.axis], sm.bucket_mb)
+                                         for op in sync], backward_s)
+        total += sync_exposed
+        breakdown[sync[-1].axis] = breakdown.get(sync[-1].axis, 0.0) + sync_exposed
     rows = tuple((op, reps * n_mb * op.count, *times[op])
                  for op, reps in per_mb + [(op, 1 / n_mb) for op in sync])
-    spans = _timeline(cfg, fwd, bwd, hf, hb, sync, times) if timeline else ()
+    spans = _timeline(cfg, fwd, bwd, hf, hb, sync, times, sync_exposed if bucketed else None) \
+        if timeline else ()
     mfu = flops_per_token(cfg, seq) * batch * seq / total / (world * hw.gemm_flops)
-    return StepResult(total, compute, total - compute, n_mb, batch * seq, mfu, breakdown,
-                      rows, spans, timer.simulations - before)
+    limit = max([compute, *wire.values()])
+    return StepResult(total, compute, total - compute, limit, sum(wire.values()), sync_exposed,
+                      n_mb, batch * seq, mfu, breakdown, rows, spans, timer.simulations - before)
 
 
-def _timeline(cfg, fwd, bwd, hf, hb, sync, times) -> tuple:
+def _buckets(op: StepOp, group, bucket_mb: float) -> list[float]:
+    """Seconds of each bucket of an all-reduce ``op`` cut into ``bucket_mb`` MiB buckets."""
+    (w, h), size = group, bucket_mb * 2 ** 20
+    n = max(1, math.ceil(op.shape[0] / size))
+    sizes = [size] * (n - 1) + [op.shape[0] - size * (n - 1)]
+    return [2 * h.collective_time("reduce_scatter", b, w) for b in sizes]
+
+
+def bucketed_exposed(buckets: list[list[float]], backward_s: float) -> float:
+    """Exposed seconds of bucketed all-reduces posted during a backward of ``backward_s``
+    (``buckets``: each all-reduce's bucket times, in posting order): the last bucket of each
+    is posted when the backward ends, so at least the longest last bucket shows; the rest
+    hides as long as all of them fit in the backward."""
+    if not buckets:
+        return 0.0
+    return max(max(b[-1] for b in buckets), sum(map(sum, buckets)) - backward_s)
+
+
+def _timeline(cfg, fwd, bwd, hf, hb, sync, times, sync_exposed=None) -> tuple:
     """Rank 0's predicted micro-batch (every block forward, head, every block backward) and the
-    gradient sync: each op as a span on its group's lane, its exposed part on "exposed"."""
+    gradient sync: each op as a span on its group's lane, its exposed part on "exposed". A
+    bucketed sync (``sync_exposed`` given) is drawn on its own lane, ending ``sync_exposed``
+    after the backward, its exposed part on "exposed"."""
     order = [(f"L{i} fwd ", op) for i in range(cfg.n_layers) for op in fwd]
     order += [("head ", op) for op in hf + hb]
     order += [(f"L{i} bwd ", op) for i in reversed(range(cfg.n_layers)) for op in bwd]
-    order += [("", op) for op in sync]
+    order += [("", op) for op in sync] if sync_exposed is None else []
     spans, t = [], 0.0
     for prefix, op in order:
         total, comp, label = times[op]
@@ -178,4 +233,11 @@ def _timeline(cfg, fwd, bwd, hf, hb, sync, times) -> tuple:
             spans.append(Span(0, "exposed", f"{prefix}{op.name} exposed", t + comp * op.count,
                               t + d))
         t += d
+    if sync_exposed is not None and sync:
+        end = t + sync_exposed  # the buckets run back to back, the last ending here
+        for op in reversed(sync):
+            start = end - times[op][0]
+            spans.append(Span(0, "grad sync", f"{op.name} (bucketed)", start, end))
+            end = start
+        spans.append(Span(0, "exposed", "grad sync exposed", t, t + sync_exposed))
     return tuple(spans)

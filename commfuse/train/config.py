@@ -43,9 +43,10 @@ class TrainConfig:
     query_split: bool = False
     """With tp > 1: attention and the out-projection partial run per query slice, inside the
     reduce-scatter ring."""
-    splits: int = 1
-    """decompose / commfuse: sub-slices per rank's slice (m; 1 is the paper's, 4 hid the most
-    communication in the layer benchmarks of docs/benchmarks/2026-11-29.md)."""
+    splits: int | None = None
+    """decompose / commfuse: sub-slices per rank's slice (m; 1 is the paper's). Not given
+    (None): decompose runs 1, commfuse picks m per op shape on the simulator's cost model of
+    the hardware (commfuse.ops.auto.set_hardware; cpu-testbed on CPU)."""
     steps: int = 150
     """Optimizer steps of the whole run (a resumed run continues to this step)."""
     seed: int = 0
@@ -120,7 +121,7 @@ class TrainConfig:
         """The method's options among the flags (only those the method accepts)."""
         given = {"chunks": self.chunks, "topology": self.topology, "splits": self.splits,
                  "timeout": self.timeout}
-        return {k: v for k, v in given.items() if k in OPTIONS[self.method]}
+        return {k: v for k, v in given.items() if k in OPTIONS[self.method] and v is not None}
 
 
 # Fields without a flag: model (a dict of LlamaConfig overrides; --preset names the model),
