@@ -21,7 +21,7 @@ from commfuse.sim.hardware import Hardware, preset
 from commfuse.sim.hardware import resolve as resolve_hw
 
 _HARDWARE: dict[str, Hardware] = {}  # device type -> hardware model
-_CHOICES: dict[tuple, tuple[str, dict]] = {}
+_CHOICES: dict[tuple, tuple[str, tuple]] = {}  # key -> (method, sorted option items)
 log = logging.getLogger("commfuse.auto")
 
 
@@ -33,16 +33,26 @@ def set_hardware(hw, device_type: str = "cpu") -> None:
     _CHOICES.clear()
 
 
-def choose(op: str, shape: tuple[int, int, int], world: int, like: torch.Tensor) -> tuple[str, dict]:
+def choose(op: str, shape: tuple[int, int, int], world: int,
+           like: torch.Tensor) -> tuple[str, dict]:
     """The fastest (method, options) for ``op`` of logical GEMM ``shape`` = (M, K, N)."""
-    hw = _HARDWARE.get(like.device.type) or preset("h100-nvlink" if like.is_cuda else "cpu-testbed")
-    key = (op, tuple(shape), world, like.element_size(), like.device.type, id(hw))
+    method, opts = _choose(op, tuple(shape), world, like.element_size(), like.device.type)
+    return method, dict(opts)
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: run once while tracing, so
+def _choose(op: str, shape: tuple[int, ...], world: int, itemsize: int,  # plain values only
+            device_type: str) -> tuple[str, tuple]:
+    hw = _HARDWARE.get(device_type) or preset("h100-nvlink" if device_type == "cuda" else
+                                              "cpu-testbed")
+    key = (op, shape, world, itemsize, device_type, id(hw))
     if key not in _CHOICES:
         if world == 1 or min(shape) == 0:
-            _CHOICES[key] = ("none", {})
+            _CHOICES[key] = ("none", ())
         else:
-            step_s = STEP_OVERHEAD_S.get(like.device.type, 50e-6)
-            _CHOICES[key] = fastest(op, shape, world, like.element_size(), hw, step_s)[:2]
+            step_s = STEP_OVERHEAD_S.get(device_type, 50e-6)
+            method, opts = fastest(op, shape, world, itemsize, hw, step_s)[:2]
+            _CHOICES[key] = (method, tuple(sorted(opts.items())))
         log.info("auto: %s M,K,N=%s on %d ranks -> %s %s", op, shape, world, *_CHOICES[key])
     return _CHOICES[key]
 
