@@ -164,3 +164,20 @@ CASES = [f"{n}-{m}-{o}" for m, o in METHODS for n in ("mlp", "ulysses")] + \
 def test_compiled_matches_eager(case):
     problems = {r: res[case] for r, res in enumerate(results()) if res[case]}
     assert not problems, problems
+
+
+def _inductor_case(rank, world) -> list[str]:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(rank)
+    s, f = S // world, FF // world
+    inputs = [torch.randn(B, s, D, generator=g), torch.randn(D, f, generator=g),
+              torch.randn(D, f, generator=g), torch.randn(f, D, generator=g)]
+    return _compare(tpsp_mlp, inputs, "commfuse", {}, "inductor")
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("COMMFUSE_TEST_INDUCTOR"),
+                    reason="inductor compiles C++ (minutes on a small CPU): "
+                           "set COMMFUSE_TEST_INDUCTOR=1")
+def test_inductor_mlp_matches_eager():
+    problems = {r: p for r, p in enumerate(run_local(_inductor_case, 2, timeout=900)) if p}
+    assert not problems, problems
