@@ -166,6 +166,24 @@ def test_compiled_matches_eager(case):
     assert not problems, problems
 
 
+# --- no processes ----------------------------------------------------------------------------
+
+def test_method_spec_travels_as_a_string():
+    from commfuse.ops import library
+    from commfuse.ops.methods import method_spec
+    from commfuse.schedule import VARIANTS
+
+    for method, opts in [*VARIANTS.values(), ("commfuse", {"timeout": 2.5})]:
+        spec = method_spec(method, opts)
+        if method == "auto":
+            with pytest.raises(ValueError, match="must be resolved"):
+                library.spec_str(spec)
+        else:
+            assert library._spec(library.spec_str(spec)) == spec
+    with pytest.raises(ValueError, match="not a commfuse method spec"):
+        library._spec("method=commfuse")
+
+
 def _inductor_case(rank, world) -> list[str]:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(rank)

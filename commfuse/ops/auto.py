@@ -21,7 +21,7 @@ from commfuse.sim.hardware import Hardware, preset
 from commfuse.sim.hardware import resolve as resolve_hw
 
 _HARDWARE: dict[str, Hardware] = {}  # device type -> hardware model
-_CHOICES: dict[tuple, tuple[str, tuple]] = {}  # key -> (method, sorted option items)
+_CHOICES: dict[tuple, tuple[str, dict]] = {}
 log = logging.getLogger("commfuse.auto")
 
 
@@ -36,30 +36,39 @@ def set_hardware(hw, device_type: str = "cpu") -> None:
 def choose(op: str, shape: tuple[int, int, int], world: int,
            like: torch.Tensor) -> tuple[str, dict]:
     """The fastest (method, options) for ``op`` of logical GEMM ``shape`` = (M, K, N)."""
-    method, opts = _choose(op, tuple(shape), world, like.element_size(), like.device.type)
-    return method, dict(opts)
+    return _choose(op, tuple(shape), world, like.element_size(), like.device.type)
 
 
-@torch.compiler.assume_constant_result  # under torch.compile: run once while tracing, so
-def _choose(op: str, shape: tuple[int, ...], world: int, itemsize: int,  # plain values only
-            device_type: str) -> tuple[str, tuple]:
+def _choose(op: str, shape: tuple[int, ...], world: int, itemsize: int,
+            device_type: str) -> tuple[str, dict]:
     hw = _HARDWARE.get(device_type) or preset("h100-nvlink" if device_type == "cuda" else
                                               "cpu-testbed")
     key = (op, shape, world, itemsize, device_type, id(hw))
     if key not in _CHOICES:
         if world == 1 or min(shape) == 0:
-            _CHOICES[key] = ("none", ())
+            _CHOICES[key] = ("none", {})
         else:
             step_s = STEP_OVERHEAD_S.get(device_type, 50e-6)
-            method, opts = fastest(op, shape, world, itemsize, hw, step_s)[:2]
-            _CHOICES[key] = (method, tuple(sorted(opts.items())))
+            _CHOICES[key] = fastest(op, shape, world, itemsize, hw, step_s)[:2]
         log.info("auto: %s M,K,N=%s on %d ranks -> %s %s", op, shape, world, *_CHOICES[key])
     return _CHOICES[key]
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: run once while tracing
+def _choose_items(*args) -> tuple[str, tuple]:
+    """`_choose` with the options as sorted items: a constant Dynamo can hold."""
+    method, opts = _choose(*args)
+    return method, tuple(sorted(opts.items()))
 
 
 def resolve(spec: MethodSpec, op: str, shape, world: int, like) -> MethodSpec:
     """``spec`` itself, or for method "auto" the method `choose` picks for the shape."""
     if spec.method != "auto":
         return spec
-    method, opts = choose(op, tuple(int(x) for x in shape), world, like)
+    args = (op, tuple(int(x) for x in shape), world, like.element_size(), like.device.type)
+    if torch.compiler.is_compiling():  # the choice is made while tracing, as in eager
+        method, items = _choose_items(*args)
+        opts = dict(items)
+    else:
+        method, opts = _choose(*args)
     return method_spec(method, {**opts, "timeout": spec.timeout} if spec.timeout else opts)
