@@ -70,16 +70,16 @@ def _rel(x, ref) -> float:
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _compare(fn, inputs, method, opts, backend) -> list[str]:
-    """Compiled vs eager ``fn``: output and every input's gradient; what differs. Compiled
-    first, so that method="auto" chooses while tracing (its cache is cleared)."""
+def _compare(fn, compiled_fn, inputs, method, opts) -> list[str]:
+    """``compiled_fn`` vs eager ``fn``: output and every input's gradient; what differs.
+    Compiled first, so that method="auto" chooses while tracing (its cache is cleared)."""
     from commfuse.ops import auto
 
     auto._CHOICES.clear()
     results = []
     for compiled in (True, False):
         leaves = [t.detach().clone().requires_grad_() for t in inputs]
-        run = torch.compile(fn, backend=backend, fullgraph=True) if compiled else fn
+        run = compiled_fn if compiled else fn
         out = run(*leaves, method, opts)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         results.append([out.detach()] + [t.grad for t in leaves])
@@ -104,7 +104,8 @@ def _op_cases(rank, world) -> dict[str, list[str]]:
                                               ["commfuse.matmul_a2a", "commfuse.a2a_matmul"]))):
             torch._dynamo.reset()
             rec = Recorder()
-            problems = _compare(fn, inputs, method, opts, rec)
+            problems = _compare(fn, torch.compile(fn, backend=rec, fullgraph=True), inputs,
+                                method, opts)
             fw, bw = rec.ops("forward"), rec.ops("backward")
             if len(rec.graphs["dynamo"]) != 1:
                 problems.append(f"{len(rec.graphs['dynamo'])} Dynamo graphs, want 1")
@@ -143,9 +144,25 @@ def _llama_case(rank, world, method) -> list[str]:
     return problems
 
 
+def _dynamic_case(rank, world) -> list[str]:
+    """One compilation with symbolic sizes serves sequences of 3, 5 and 4 rows per rank."""
+    torch._dynamo.reset()
+    rec, problems = Recorder(), []
+    compiled = torch.compile(tpsp_mlp, backend=rec, fullgraph=True, dynamic=True)
+    for s in (3, 5, 4):
+        g = torch.Generator().manual_seed(rank + s)
+        inputs = [torch.randn(B, s, D, generator=g)] + [torch.randn(*shape, generator=g) for shape in
+                                                         ((D, 6), (D, 6), (6, D))]
+        problems += _compare(tpsp_mlp, compiled, inputs, "commfuse", {})
+    if len(rec.graphs["dynamo"]) != 1:
+        problems.append(f"{len(rec.graphs['dynamo'])} compilations, want 1")
+    return problems
+
+
 def _all_cases(rank, world):
     torch.set_num_threads(1)
     out = _op_cases(rank, world)
+    out["mlp-dynamic"] = _dynamic_case(rank, world)
     for method in ("none", "commfuse"):
         out[f"llama-tp2-{method}"] = _llama_case(rank, world, method)
     return out
@@ -157,7 +174,7 @@ def results() -> list[dict]:
 
 
 CASES = [f"{n}-{m}-{o}" for m, o in METHODS for n in ("mlp", "ulysses")] + \
-    ["llama-tp2-none", "llama-tp2-commfuse"]
+    ["mlp-dynamic", "llama-tp2-none", "llama-tp2-commfuse"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -190,7 +207,8 @@ def _inductor_case(rank, world) -> list[str]:
     s, f = S // world, FF // world
     inputs = [torch.randn(B, s, D, generator=g), torch.randn(D, f, generator=g),
               torch.randn(D, f, generator=g), torch.randn(f, D, generator=g)]
-    return _compare(tpsp_mlp, inputs, "commfuse", {}, "inductor")
+    compiled = torch.compile(tpsp_mlp, backend="inductor", fullgraph=True)
+    return _compare(tpsp_mlp, compiled, inputs, "commfuse", {})
 
 
 @pytest.mark.skipif(not __import__("os").environ.get("COMMFUSE_TEST_INDUCTOR"),
