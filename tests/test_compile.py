@@ -1,4 +1,5 @@
-"""torch.compile of models built from the fused ops (`commfuse.ops.library`), on 2 gloo ranks.
+"""torch.compile of models built from the fused ops (`commfuse.ops.library`), on 2 gloo ranks:
+a TPSP MLP, a Ulysses pair, and the Llama under the TP (plain and query-split), UP and DP plans.
 
 Compiled with ``fullgraph=True`` (no graph break) by a backend that records the graphs Dynamo
 and AOTAutograd produce and runs them as ``aot_eager`` does: every fused call must be one
@@ -21,6 +22,10 @@ METHODS = (("none", {}), ("commfuse", {}), ("commfuse", {"topology": "direct", "
            ("sliced", {"chunks": 2}), ("auto", {}))
 LLAMA = dict(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=16,
              max_seq_len=8)
+LLAMA_CASES = [("llama-tp2-none", dict(tp=2), "none"),
+               ("llama-tp2-commfuse", dict(tp=2), "commfuse"),
+               ("llama-tp2-query-split", dict(tp=2, query_split=True), "commfuse"),
+               ("llama-up2", dict(up=2), "commfuse"), ("llama-dp2", dict(dp=2), "commfuse")]
 
 
 class Recorder:
@@ -117,7 +122,7 @@ def _op_cases(rank, world) -> dict[str, list[str]]:
     return out
 
 
-def _llama_case(rank, world, method) -> list[str]:
+def _llama_case(rank, world, layout, method) -> list[str]:
     from commfuse.models.llama import Llama, LlamaConfig
     from commfuse.parallel import ParallelDims, parallelize
 
@@ -125,7 +130,7 @@ def _llama_case(rank, world, method) -> list[str]:
     ref = Llama(LlamaConfig(**LLAMA))
     g = torch.Generator().manual_seed(1)
     tokens, targets = (torch.randint(LLAMA["vocab_size"], (2, 8), generator=g) for _ in "tt")
-    dims = ParallelDims(tp=2, method=method)
+    dims = ParallelDims(**layout, method=method)
     mesh = dims.build_mesh()
     runs = []
     for compiled in (False, True):
@@ -151,8 +156,8 @@ def _dynamic_case(rank, world) -> list[str]:
     compiled = torch.compile(tpsp_mlp, backend=rec, fullgraph=True, dynamic=True)
     for s in (3, 5, 4):
         g = torch.Generator().manual_seed(rank + s)
-        inputs = [torch.randn(B, s, D, generator=g)] + [torch.randn(*shape, generator=g) for shape in
-                                                         ((D, 6), (D, 6), (6, D))]
+        inputs = [torch.randn(*shape, generator=g) for shape in
+                  ((B, s, D), (D, 6), (D, 6), (6, D))]
         problems += _compare(tpsp_mlp, compiled, inputs, "commfuse", {})
     if len(rec.graphs["dynamo"]) != 1:
         problems.append(f"{len(rec.graphs['dynamo'])} compilations, want 1")
@@ -163,8 +168,8 @@ def _all_cases(rank, world):
     torch.set_num_threads(1)
     out = _op_cases(rank, world)
     out["mlp-dynamic"] = _dynamic_case(rank, world)
-    for method in ("none", "commfuse"):
-        out[f"llama-tp2-{method}"] = _llama_case(rank, world, method)
+    for name, layout, method in LLAMA_CASES:
+        out[name] = _llama_case(rank, world, layout, method)
     return out
 
 
@@ -174,7 +179,7 @@ def results() -> list[dict]:
 
 
 CASES = [f"{n}-{m}-{o}" for m, o in METHODS for n in ("mlp", "ulysses")] + \
-    ["mlp-dynamic", "llama-tp2-none", "llama-tp2-commfuse"]
+    ["mlp-dynamic"] + [name for name, _, _ in LLAMA_CASES]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -196,9 +201,9 @@ def test_method_spec_travels_as_a_string():
             with pytest.raises(ValueError, match="must be resolved"):
                 library.spec_str(spec)
         else:
-            assert library._spec(library.spec_str(spec)) == spec
+            assert library.parse_spec(library.spec_str(spec)) == spec
     with pytest.raises(ValueError, match="not a commfuse method spec"):
-        library._spec("method=commfuse")
+        library.parse_spec("method=commfuse")
 
 
 def _inductor_case(rank, world) -> list[str]:

@@ -58,7 +58,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (10000 in Llama 2, 500000 in Llama 3)."""
     rope_scaling: RopeScaling | None = None
-    """Llama 3.1+ frequency rescaling (a `RopeScaling` or its fields as a dict); None: plain RoPE."""
+    """Llama 3.1+ frequency rescaling (a `RopeScaling`, or its fields as a dict); None: none."""
     tie_embeddings: bool = False
     """Share one weight between tok_emb and output (Llama 3.2 1B/3B do)."""
     init_std: float = 0.02

@@ -50,7 +50,7 @@ def spec_str(spec: MethodSpec) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _spec(s: str) -> MethodSpec:
+def parse_spec(s: str) -> MethodSpec:
     """The `MethodSpec` of a `spec_str` string."""
     pairs = dict(item.split("=", 1) for item in s.split(";"))
     if set(pairs) != set(_FIELDS):
@@ -58,16 +58,17 @@ def _spec(s: str) -> MethodSpec:
     return MethodSpec(**{k: None if v == "None" else _FIELDS[k](v) for k, v in pairs.items()})
 
 
-def _group(name: str):
+def group_of(name: str):
+    """The ProcessGroup of ``name`` (``group.group_name``)."""
     return _resolve_process_group(name)
 
 
-def _world(name: str) -> int:
-    return _group(name).size()
+def world_of(name: str) -> int:
+    return group_of(name).size()
 
 
-def _rank(name: str) -> int:
-    return _group(name).rank()
+def rank_of(name: str) -> int:
+    return group_of(name).rank()
 
 
 # --- all-gather -> GEMM ----------------------------------------------------------------------
@@ -75,7 +76,8 @@ def _rank(name: str) -> int:
 @torch.library.custom_op("commfuse::ag_matmul", mutates_args=())
 def ag_matmul(a_sMK: Tensor, bs_KN: list[Tensor], sizes: list[int], group: str,
               spec: str) -> list[Tensor]:
-    a_SMK, ys_SMN = _ag_kernel(a_sMK, list(bs_KN), tuple(sizes), _group(group), _spec(spec))
+    a_SMK, ys_SMN = _ag_kernel(a_sMK, list(bs_KN), tuple(sizes), group_of(group),
+                               parse_spec(spec))
     return [a_SMK, *ys_SMN]
 
 
@@ -110,26 +112,26 @@ ag_matmul.register_autograd(_ag_backward, setup_context=_ag_setup)
 def matmul_rs_terms(xs_SMK: list[Tensor], bs_KN: list[Tensor], extra_SMN: Tensor | None,
                     sizes: list[int], group: str, spec: str) -> Tensor:
     """``reduce_scatter(sum_i xs[i] @ bs[i] + extra, 0)``: the input grad of ag_matmul."""
-    return _rs_kernel(list(zip(xs_SMK, bs_KN)), extra_SMN, tuple(sizes), _group(group),
-                      _spec(spec))
+    return _rs_kernel(list(zip(xs_SMK, bs_KN)), extra_SMN, tuple(sizes), group_of(group),
+                      parse_spec(spec))
 
 
 @matmul_rs_terms.register_fake
 def _(xs_SMK, bs_KN, extra_SMN, sizes, group, spec):
     x = xs_SMK[0]
-    return x.new_empty((sizes[_rank(group)], *x.shape[1:-1], bs_KN[0].shape[1]))
+    return x.new_empty((sizes[rank_of(group)], *x.shape[1:-1], bs_KN[0].shape[1]))
 
 
 @torch.library.custom_op("commfuse::matmul_rs", mutates_args=())
 def matmul_rs(a_SMK: Tensor, b_KN: Tensor, avg: bool, sizes: list[int], group: str,
               spec: str) -> Tensor:
-    c_sMN = _rs_kernel([(a_SMK, b_KN)], None, tuple(sizes), _group(group), _spec(spec))
-    return c_sMN.div_(_world(group)) if avg else c_sMN
+    c_sMN = _rs_kernel([(a_SMK, b_KN)], None, tuple(sizes), group_of(group), parse_spec(spec))
+    return c_sMN.div_(world_of(group)) if avg else c_sMN
 
 
 @matmul_rs.register_fake
 def _(a_SMK, b_KN, avg, sizes, group, spec):
-    return a_SMK.new_empty((sizes[_rank(group)], *a_SMK.shape[1:-1], b_KN.shape[1]))
+    return a_SMK.new_empty((sizes[rank_of(group)], *a_SMK.shape[1:-1], b_KN.shape[1]))
 
 
 def _rs_setup(ctx, inputs, output):
@@ -152,12 +154,12 @@ matmul_rs.register_autograd(_rs_backward, setup_context=_rs_setup)
 
 @torch.library.custom_op("commfuse::matmul_a2a", mutates_args=())
 def matmul_a2a(a_sMK: Tensor, b_KN: Tensor, sizes: list[int], group: str, spec: str) -> Tensor:
-    return a2a.matmul_a2a(a_sMK, b_KN, tuple(sizes), _group(group), _spec(spec))
+    return a2a.matmul_a2a(a_sMK, b_KN, tuple(sizes), group_of(group), parse_spec(spec))
 
 
 @matmul_a2a.register_fake
 def _(a_sMK, b_KN, sizes, group, spec):
-    return a_sMK.new_empty((sum(sizes), *a_sMK.shape[1:-1], b_KN.shape[1] // _world(group)))
+    return a_sMK.new_empty((sum(sizes), *a_sMK.shape[1:-1], b_KN.shape[1] // world_of(group)))
 
 
 def _ma_setup(ctx, inputs, output):
@@ -181,14 +183,15 @@ def a2a_matmul(a_SMk: Tensor, b_KN: Tensor, keep_x: bool, sizes: list[int], grou
                spec: str) -> tuple[Tensor, Tensor]:
     """``(all_to_all(a) @ b, x)``, x the exchanged input ``[s, M, W*k]`` if ``keep_x`` (for
     dB, and the input grad of matmul_a2a), else an empty tensor."""
-    y_sMN, binding = a2a.a2a_matmul(a_SMk, b_KN, tuple(sizes), _group(group), _spec(spec))
+    y_sMN, binding = a2a.a2a_matmul(a_SMk, b_KN, tuple(sizes), group_of(group),
+                                    parse_spec(spec))
     return y_sMN, binding.gathered() if keep_x else a_SMk.new_empty(0)
 
 
 @a2a_matmul.register_fake
 def _(a_SMk, b_KN, keep_x, sizes, group, spec):
-    s, rest = sizes[_rank(group)], a_SMk.shape[1:-1]
-    x = a_SMk.new_empty((s, *rest, _world(group) * a_SMk.shape[-1])) if keep_x else \
+    s, rest = sizes[rank_of(group)], a_SMk.shape[1:-1]
+    x = a_SMk.new_empty((s, *rest, world_of(group) * a_SMk.shape[-1])) if keep_x else \
         a_SMk.new_empty(0)
     return a_SMk.new_empty((s, *rest, b_KN.shape[1])), x
 
@@ -226,7 +229,7 @@ def _kernel_a2a_matmul(a_SMk, b_KN, sizes, group, spec, keep_x=True):
 KERNELS = types.SimpleNamespace(
     ag_matmul=_kernel_ag, matmul_rs=_kernel_rs,
     matmul_a2a=lambda a, b, sizes, group, spec: matmul_a2a(a, b, list(sizes), group, spec),
-    a2a_matmul=_kernel_a2a_matmul, world=_world)
+    a2a_matmul=_kernel_a2a_matmul, world=world_of)
 
 
 # --- what the public functions call under torch.compile (A's dim moved first and back) -------
@@ -252,3 +255,4 @@ def all_to_all_matmul(a, b, dim: int, sizes, group, spec) -> Tensor:
     y, _ = a2a_matmul(a.movedim(dim, 0), b, keep_x, list(sizes), group.group_name,
                       spec_str(spec))
     return y.movedim(0, dim)
+
