@@ -11,6 +11,9 @@ Functions: the same kernels, without the custom-op dispatch.
     commfuse::a2a_matmul(a_SMk, b_KN, keep_x, sizes, group, spec) -> (y_sMN, x)  autograd
     commfuse::matmul_rs_terms(xs, bs, extra, sizes, group, spec) -> c_sMN        (backward only)
 
+(`commfuse::query_split_attention` is registered by `commfuse.ops.attention`, with these
+helpers.)
+
 Every op works in the layout of the kernels, the gathered/scattered/sequence dim first (the
 wrapper moves it); the legends of `commfuse.ops.gather_scatter` and `commfuse.ops.all_to_all`
 apply. A ProcessGroup cannot be an op argument: ``group`` is its name (``group.group_name``,
