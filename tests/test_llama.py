@@ -2,6 +2,7 @@
 and weight-for-weight agreement with Hugging Face transformers' LlamaForCausalLM."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -10,10 +11,12 @@ from commfuse.models.llama import (
     PRESETS,
     Llama,
     LlamaConfig,
+    RopeScaling,
     flops_per_token,
     from_hf,
     matmul_params,
     num_params,
+    rope_inv_freq,
     to_hf,
 )
 
@@ -208,3 +211,67 @@ def test_to_hf_matches_logits(tie):
     assert back.cfg == ours.cfg
     for (name, p), (name2, q) in zip(ours.state_dict().items(), back.state_dict().items()):
         assert name == name2 and torch.equal(p, q)
+
+
+# Llama 3.1's rope_scaling, at a short original context so that 40 tokens feel it
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def test_rope_inv_freq_matches_transformers_llama3():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {**LLAMA3_ROPE, "original_max_position_embeddings": 64}  # all three bands at K=64
+    hf_cfg = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2, rope_theta=500000.0,
+                                      rope_scaling=rope)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    got = rope_inv_freq(64, 500000.0, RopeScaling(8.0, 1.0, 4.0, 64))
+    torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
+    plain = rope_inv_freq(64, 500000.0)
+    wavelen = 2 * torch.pi / plain
+    short, long = wavelen < 64 / 4, wavelen > 64 / 1
+    assert short.any() and long.any() and not (short | long).all()
+    assert torch.equal(got[short], plain[short]) and torch.equal(got[long], plain[long] / 8)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_from_hf_llama3_rope_scaling_matches_logits(tie):
+    hf = hf_model(tie, rope_scaling=dict(LLAMA3_ROPE))
+    ours = from_hf(hf).eval()
+    assert ours.cfg.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 16)
+    tokens = torch.randint(0, 128, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-5, rtol=1e-5)
+        unscaled = Llama(dataclasses.replace(ours.cfg, rope_scaling=None)).eval()
+        unscaled.load_state_dict(ours.state_dict())
+        assert (unscaled(tokens) - hf(tokens).logits).abs().max() > 1e-3  # the scaling matters
+    back = to_hf(ours)  # round trip: the same config and logits again
+    assert back.config.rope_parameters["rope_type"] == "llama3"
+    assert from_hf(back).cfg == ours.cfg
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, ours(tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_scaling_config_validation():
+    assert LlamaConfig(rope_scaling={"factor": 32.0}).rope_scaling == RopeScaling(factor=32.0)
+    with pytest.raises(ValueError, match="factor must be a positive number"):
+        RopeScaling(factor=0.0)
+    with pytest.raises(ValueError, match="must exceed low_freq_factor"):
+        RopeScaling(low_freq_factor=4.0, high_freq_factor=4.0)
+    with pytest.raises(TypeError, match="rope_scaling must be"):
+        LlamaConfig(rope_scaling=8.0)
+
+
+def test_from_hf_refuses_other_rope_types_and_qwen2():
+    transformers = pytest.importorskip("transformers")
+    hf = hf_model()
+    config = copy.deepcopy(hf.config)
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        from_hf(hf.state_dict(), config)
+    qwen = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                    num_hidden_layers=1, num_attention_heads=4,
+                                    num_key_value_heads=2)
+    with pytest.raises(ValueError, match="model_type 'qwen2'"):
+        from_hf(transformers.Qwen2ForCausalLM(qwen))

@@ -9,6 +9,34 @@ import math
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's rescaling of the rotary frequencies (Hugging Face ``rope_type="llama3"``).
+
+    Wavelengths shorter than ``original_max_seq_len / high_freq_factor`` are kept, those longer
+    than ``original_max_seq_len / low_freq_factor`` are stretched by ``factor``, and the band
+    between is interpolated smoothly (`commfuse.models.llama.rope_inv_freq`).
+    """
+
+    factor: float = 8.0
+    """How much the low frequencies are slowed down (8 in Llama 3.1, 32 in Llama 3.2 1B/3B)."""
+    low_freq_factor: float = 1.0
+    """Wavelengths above original_max_seq_len / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """Wavelengths below original_max_seq_len / high_freq_factor are left unchanged."""
+    original_max_seq_len: int = 8192
+    """The context length of pre-training (HF ``original_max_position_embeddings``)."""
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"RopeScaling.{name} must be a positive number, got {value!r}")
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(f"RopeScaling.high_freq_factor ({self.high_freq_factor}) must exceed "
+                             f"low_freq_factor ({self.low_freq_factor})")
+
+
 @dataclass
 class LlamaConfig:
     vocab_size: int = 4096
@@ -29,6 +57,8 @@ class LlamaConfig:
     """Epsilon of every RMSNorm."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (10000 in Llama 2, 500000 in Llama 3)."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1+ frequency rescaling (a `RopeScaling`, or its fields as a dict); None: none."""
     tie_embeddings: bool = False
     """Share one weight between tok_emb and output (Llama 3.2 1B/3B do)."""
     init_std: float = 0.02
@@ -37,6 +67,11 @@ class LlamaConfig:
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"LlamaConfig.rope_scaling must be a RopeScaling, a dict or None, "
+                            f"got {type(self.rope_scaling).__name__}")
         if self.ffn_hidden is None:
             self.ffn_hidden = 256 * math.ceil(int(8 * self.dim / 3) / 256)
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
@@ -74,7 +109,8 @@ PRESETS: dict[str, dict] = {
                   max_seq_len=1024),
     # Real shapes, for planning (FLOPs, memory, shard sizes); build them on the meta device.
     "1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,  # Llama 3.2 1B
-               ffn_hidden=8192, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
+               ffn_hidden=8192, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True,
+               rope_scaling=RopeScaling(factor=32.0)),
     "7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_hidden=11008,  # Llama 2 7B
                max_seq_len=4096),
     "8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,  # Llama 3 8B

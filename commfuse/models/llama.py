@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commfuse.models.config import (PRESETS, LlamaConfig, flops_per_token,  # noqa: F401
-                                    matmul_params, num_params)
+from commfuse.models.config import (PRESETS, LlamaConfig, RopeScaling,  # noqa: F401
+                                    flops_per_token, matmul_params, num_params)
 
 
 class RMSNorm(nn.Module):
@@ -37,9 +37,25 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(x_BSD.dtype)
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None):
-    """cos_SK, sin_SK of rotary embeddings for positions 0..seq_len-1 (float32, rotate-half)."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                  device=None) -> torch.Tensor:
+    """The K/2 rotary frequencies (float32), rescaled as Llama 3.1 does if ``scaling``: long
+    wavelengths slowed by ``factor``, short ones kept, a smooth blend between."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if scaling is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    ctx, low, high = scaling.original_max_seq_len, scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = (ctx / wavelen - low) / (high - low)  # 0 at ctx/low, 1 at ctx/high
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > ctx / low, inv_freq / scaling.factor, inv_freq)
+    return torch.where((wavelen >= ctx / high) & (wavelen <= ctx / low), blended, scaled)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None,
+                 scaling: RopeScaling | None = None):
+    """cos_SK, sin_SK of rotary embeddings for positions 0..seq_len-1 (float32, rotate-half)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     angles_SK = torch.cat((angles, angles), dim=-1)
     return angles_SK.cos(), angles_SK.sin()
@@ -131,7 +147,8 @@ class Llama(nn.Module):
         S = tokens_BS.size(1)
         if S > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.cfg.max_seq_len}")
-        cos_SK, sin_SK = rope_cos_sin(S, self.cfg.head_dim, self.cfg.rope_theta, tokens_BS.device)
+        cos_SK, sin_SK = rope_cos_sin(S, self.cfg.head_dim, self.cfg.rope_theta, tokens_BS.device,
+                                      self.cfg.rope_scaling)
         x_BSD = self.tok_emb(tokens_BS)
         for layer in self.layers:
             x_BSD = layer(x_BSD, cos_SK, sin_SK)
@@ -162,28 +179,40 @@ def _name_map(cfg: LlamaConfig) -> dict[str, str]:
 
 
 def config_from_hf(hf_config) -> LlamaConfig:
-    """Our LlamaConfig from a transformers LlamaConfig; ValueError for what we do not model."""
+    """Our LlamaConfig from a transformers LlamaConfig; ValueError for what we do not model
+    (other architectures: Qwen2's q/k/v biases are for `commfuse.tp`, which shards transformers
+    models as they are)."""
     # transformers >= 5 keeps RoPE settings in rope_parameters, 4.x in rope_theta / rope_scaling
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
-    rope_type = (rope or {}).get("rope_type") or "default"
-    theta = (rope or {}).get("rope_theta") or getattr(hf_config, "rope_theta", 10000.0)
+    rope = dict(rope or {})
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    theta = rope.get("rope_theta") or getattr(hf_config, "rope_theta", 10000.0)
+    model_type = getattr(hf_config, "model_type", "llama")
     unsupported = {
+        f"model_type {model_type!r} (only 'llama')": model_type != "llama",
         "hidden_act != 'silu'": hf_config.hidden_act != "silu",
         "attention_bias": getattr(hf_config, "attention_bias", False),
         "mlp_bias": getattr(hf_config, "mlp_bias", False),
-        f"rope_type {rope_type!r}": rope_type != "default",
+        f"rope_type {rope_type!r} (only 'default', 'llama3')": rope_type not in ("default",
+                                                                                 "llama3"),
+        "partial_rotary_factor != 1": rope.get("partial_rotary_factor", 1.0) != 1.0,
         "head_dim != hidden_size / num_attention_heads":
             getattr(hf_config, "head_dim", None) not in
             (None, hf_config.hidden_size // hf_config.num_attention_heads),
     }
     if any(unsupported.values()):
         raise ValueError(f"unsupported HF Llama config: {[k for k, v in unsupported.items() if v]}")
+    scaling = None
+    if rope_type == "llama3":
+        scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
+                              float(rope["high_freq_factor"]),
+                              int(rope["original_max_position_embeddings"]))
     return LlamaConfig(
         vocab_size=hf_config.vocab_size, dim=hf_config.hidden_size,
         n_layers=hf_config.num_hidden_layers, n_heads=hf_config.num_attention_heads,
         n_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
         ffn_hidden=hf_config.intermediate_size, max_seq_len=hf_config.max_position_embeddings,
-        norm_eps=hf_config.rms_norm_eps, rope_theta=float(theta),
+        norm_eps=hf_config.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
         tie_embeddings=bool(hf_config.tie_word_embeddings),
         init_std=getattr(hf_config, "initializer_range", 0.02) or 0.02)
 
@@ -230,6 +259,11 @@ def to_hf(model: Llama):
         num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+        rope_scaling=None if cfg.rope_scaling is None else {
+            "rope_type": "llama3", "factor": cfg.rope_scaling.factor,
+            "low_freq_factor": cfg.rope_scaling.low_freq_factor,
+            "high_freq_factor": cfg.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_scaling.original_max_seq_len},
         initializer_range=cfg.init_std, attention_bias=False, mlp_bias=False)
     hf_model = LlamaForCausalLM(hf_config).to(model.tok_emb.weight.dtype)
     ours = model.state_dict()

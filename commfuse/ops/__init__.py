@@ -9,6 +9,7 @@
     all_to_all.py       GEMM <-> all-to-all (Ulysses), bindings and autograd
     attention.py        query-split attention (TP attention inside the RS ring)
     auto.py             method="auto": the cost model's choice, cached per shape
+    library.py          the ops as torch.library custom ops (what torch.compile sees)
     registry.py         the ops by name: function, one way to call them, shapes (demo, bench,
                         tests)
 

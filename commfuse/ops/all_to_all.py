@@ -12,6 +12,8 @@ uneven (rank p's has sizes[p] rows; S = sum(sizes)); column blocks are always N/
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from commfuse.ops.binding import Binding, execute
@@ -130,6 +132,34 @@ def a2a_matmul(a_SMk, b_KN, sizes, group, spec) -> tuple[torch.Tensor, _GatherCo
     return binding.y_sMN, binding
 
 
+def _a2a_matmul_x(a_SMk, b_KN, sizes, group, spec, keep_x: bool = True):
+    """`a2a_matmul` -> (y, the exchanged input x or None)."""
+    y_sMN, binding = a2a_matmul(a_SMk, b_KN, sizes, group, spec)
+    return y_sMN, binding.gathered() if keep_x else None
+
+
+# The kernels the backward formulas run: these Python ones in eager, the custom ops of
+# `commfuse.ops.library` (which take the group by name) under torch.compile.
+KERNELS = types.SimpleNamespace(matmul_a2a=matmul_a2a, a2a_matmul=_a2a_matmul_x)
+
+
+def matmul_a2a_backward(a_sMK, b_KN, gy_SMn, sizes, group, spec, need_b: bool,
+                        kernels=KERNELS):
+    """(dA, dB) of `MatmulAllToAll`, sequence dim first: the a2a -> GEMM of ``dY`` by B^T,
+    and ``A^T @ all_to_all(dY)`` from its exchanged input."""
+    ga_sMK, x = kernels.a2a_matmul(gy_SMn, b_KN.t(), sizes, group, spec, keep_x=need_b)
+    gb = a_sMK.flatten(0, -2).t() @ x.flatten(0, -2) if need_b else None
+    return ga_sMK, gb
+
+
+def a2a_matmul_backward(b_KN, x, gy_sMN, sizes, group, spec, kernels=KERNELS):
+    """(dA, dB) of `AllToAllMatmul`, sequence dim first: the GEMM -> a2a of ``dY @ B^T``, and
+    ``X^T @ dY`` with X the forward's exchanged input (None: dB not needed)."""
+    ga_SMk = kernels.matmul_a2a(gy_sMN, b_KN.t(), sizes, group, spec)
+    gb = x.flatten(0, -2).t() @ gy_sMN.flatten(0, -2) if x is not None else None
+    return ga_SMk, gb
+
+
 class MatmulAllToAll(torch.autograd.Function):
     """``Y = all_to_all(A @ B)``: my sequence slice, all heads -> full sequence, my heads.
 
@@ -150,10 +180,8 @@ class MatmulAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         a, b = ctx.saved_tensors
-        ga_sMK, binding = a2a_matmul(gy.movedim(ctx.dim, 0), b.t(), ctx.sizes, ctx.group, ctx.spec)
-        gb = None
-        if ctx.needs_input_grad[1]:
-            gb = a.movedim(ctx.dim, 0).flatten(0, -2).t() @ binding.gathered().flatten(0, -2)
+        ga_sMK, gb = matmul_a2a_backward(a.movedim(ctx.dim, 0), b, gy.movedim(ctx.dim, 0),
+                                         ctx.sizes, ctx.group, ctx.spec, ctx.needs_input_grad[1])
         return ga_sMK.movedim(0, ctx.dim), gb, None, None, None, None
 
 
@@ -178,7 +206,6 @@ class AllToAllMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         b, x = ctx.saved_tensors
-        gy_sMN = gy.movedim(ctx.dim, 0)
-        ga_SMk = matmul_a2a(gy_sMN, b.t(), ctx.sizes, ctx.group, ctx.spec)
-        gb = x.flatten(0, -2).t() @ gy_sMN.flatten(0, -2) if x is not None else None
+        ga_SMk, gb = a2a_matmul_backward(b, x, gy.movedim(ctx.dim, 0), ctx.sizes, ctx.group,
+                                         ctx.spec)
         return ga_SMk.movedim(0, ctx.dim), gb, None, None, None, None

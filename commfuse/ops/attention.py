@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from commfuse.ops import auto, checks
-from commfuse.ops.ag_matmul import ag_matmul
+from commfuse.ops import auto, checks, library
+from commfuse.ops import gather_scatter as gs
 from commfuse.ops.matmul_rs import reduce_scatter_of
 from commfuse.ops.methods import method_spec
 from commfuse.runtime import modes
@@ -45,6 +45,9 @@ def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal:
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), total=S)
     spec = auto.resolve(spec, "matmul_rs", (S * B, H * d, wo_HdD.shape[1]), group.size(),
                         q_SBHd)  # costed as its out-projection's GEMM -> RS
+    if torch.compiler.is_compiling():  # one opaque custom op in the graph
+        return query_split_op(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, list(sizes),
+                              group.group_name, library.spec_str(spec))
     return QuerySplitAttention.apply(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, sizes, group, spec)
 
 
@@ -121,11 +124,46 @@ class QuerySplitAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_sBD):
-        q, k, v, wo = ctx.saved_tensors
-        g_SBD, (go_SBX,) = ag_matmul(g_sBD.contiguous(), [wo.t()], ctx.sizes, ctx.group, ctx.spec)
-        with torch.enable_grad():
-            qkv = [t.detach().requires_grad_() for t in (q, k, v)]
-            o_SBX = _attention(*qkv, ctx.causal)
-            gq, gk, gv = torch.autograd.grad(o_SBX, qkv, go_SBX)
-        gwo = o_SBX.detach().flatten(0, -2).t() @ g_SBD.flatten(0, -2)
-        return gq, gk, gv, gwo, None, None, None, None
+        grads = query_split_backward(*ctx.saved_tensors, g_sBD, ctx.causal, ctx.sizes, ctx.group,
+                                     ctx.spec)
+        return (*grads, None, None, None, None)
+
+
+def query_split_backward(q, k, v, wo, g_sBD, causal: bool, sizes, group, spec,
+                         kernels=gs.KERNELS):
+    """(dq, dk, dv, dwo) of `QuerySplitAttention`: dOut gathered fused with its GEMM by wo^T,
+    the attention recomputed and backpropagated (a vjp), dwo = O^T @ all_gather(dOut)."""
+    g_SBD, (go_SBX,) = kernels.ag_matmul(g_sBD.contiguous(), [wo.t()], sizes, group, spec)
+    o_SBX, vjp = torch.func.vjp(lambda q, k, v: _attention(q, k, v, causal), q, k, v)
+    gq, gk, gv = vjp(go_SBX)
+    return gq, gk, gv, o_SBX.flatten(0, -2).t() @ g_SBD.flatten(0, -2)
+
+
+# --- torch.compile: the op as a custom op (see commfuse.ops.library) -------------------------
+
+@torch.library.custom_op("commfuse::query_split_attention", mutates_args=())
+def query_split_op(q_SBHd: torch.Tensor, k_SBHd: torch.Tensor, v_SBHd: torch.Tensor,
+                   wo_XD: torch.Tensor, causal: bool, sizes: list[int], group: str,
+                   spec: str) -> torch.Tensor:
+    return _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal, tuple(sizes), library.group_of(group),
+                    library.parse_spec(spec))
+
+
+@query_split_op.register_fake
+def _(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal, sizes, group, spec):
+    return q_SBHd.new_empty((sizes[library.rank_of(group)], q_SBHd.shape[1], wo_XD.shape[1]))
+
+
+def _setup(ctx, inputs, output):
+    *qkvw, causal, sizes, group, spec = inputs
+    ctx.save_for_backward(*qkvw)
+    ctx.causal, ctx.sizes, ctx.group, ctx.spec = causal, tuple(sizes), group, spec
+
+
+def _backward(ctx, g_sBD):
+    grads = query_split_backward(*ctx.saved_tensors, g_sBD, ctx.causal, ctx.sizes, ctx.group,
+                                 ctx.spec, library.KERNELS)
+    return (*grads, None, None, None, None)
+
+
+query_split_op.register_autograd(_backward, setup_context=_setup)

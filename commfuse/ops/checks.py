@@ -63,7 +63,7 @@ def check_dim(name: str, dim, a_name: str, a: torch.Tensor) -> int:
 
 def other_rows(t: torch.Tensor, dim: int) -> int:
     """The product of ``t``'s dims other than ``dim`` and the last (GEMM rows per row of dim)."""
-    return math.prod(t.shape[i] for i in range(t.dim() - 1) if i != dim)
+    return math.prod([t.shape[i] for i in range(t.dim() - 1) if i != dim])  # a list: Dynamo
 
 
 def check_divisible(what: str, size: int, world: int) -> None:

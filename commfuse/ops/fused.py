@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from commfuse.ops import auto, checks
+from commfuse.ops import auto, checks, library
 from commfuse.ops.all_to_all import AllToAllMatmul, MatmulAllToAll
 from commfuse.ops.gather_scatter import AllGatherMatmul, MatmulReduceScatter
 from commfuse.ops.methods import method_spec
@@ -42,7 +42,10 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     rows = sum(sizes) * checks.other_rows(A_shard, dim)  # the same on every rank (for auto)
     spec = auto.resolve(spec, "ag_matmul", (rows, A_shard.shape[-1], sum(b.shape[1] for b in Bs)),
                         group.size(), A_shard)
-    a, *ys = AllGatherMatmul.apply(A_shard, dim, sizes, group, spec, *Bs)
+    if torch.compiler.is_compiling():  # one opaque custom op in the graph
+        a, *ys = library.all_gather_matmul(A_shard, Bs, dim, sizes, group, spec)
+    else:
+        a, *ys = AllGatherMatmul.apply(A_shard, dim, sizes, group, spec, *Bs)
     return (a if return_A else None), ys
 
 
@@ -64,6 +67,8 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), total=A.shape[dim])
     spec = auto.resolve(spec, "matmul_rs", (A.numel() // max(A.shape[-1], 1), *B.shape),
                         group.size(), A)
+    if torch.compiler.is_compiling():
+        return library.matmul_reduce_scatter(A, B, dim, reduce_op == "avg", sizes, group, spec)
     return MatmulReduceScatter.apply(A, B, dim, reduce_op == "avg", sizes, group, spec)
 
 
@@ -86,6 +91,8 @@ def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), local=A.shape[dim])
     rows = sum(sizes) * checks.other_rows(A, dim)
     spec = auto.resolve(spec, "matmul_a2a", (rows, *B.shape), group.size(), A)
+    if torch.compiler.is_compiling():
+        return library.matmul_all_to_all(A, B, dim, sizes, group, spec)
     return MatmulAllToAll.apply(A, B, dim, sizes, group, spec)
 
 
@@ -113,4 +120,6 @@ def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
         raise ValueError(f"B is on {B.device} but A is on {A.device}")
     sizes = checks.check_sizes(sizes, w, group.rank(), total=A.shape[dim])
     spec = auto.resolve(spec, "a2a_matmul", (A.numel() // max(A.shape[-1], 1), *B.shape), w, A)
+    if torch.compiler.is_compiling():
+        return library.all_to_all_matmul(A, B, dim, sizes, group, spec)
     return AllToAllMatmul.apply(A, B, dim, sizes, group, spec)

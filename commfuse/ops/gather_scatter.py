@@ -9,10 +9,41 @@ whole dim (moved to the front), M the other leading dims, K the contraction, N o
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from commfuse.ops.ag_matmul import ag_matmul
 from commfuse.ops.matmul_rs import matmul_rs
+
+# The kernels the backward formulas run: these Python ones in eager, the custom ops of
+# `commfuse.ops.library` (which take the group by name) under torch.compile.
+KERNELS = types.SimpleNamespace(ag_matmul=ag_matmul, matmul_rs=matmul_rs,
+                                world=lambda group: group.size())
+
+
+def ag_matmul_backward(a_SMK, bs_KN, ga_SMK, gys_SMN, sizes, group, spec, need_a: bool,
+                       need_bs, kernels=KERNELS):
+    """(dA_shard, [dB_i]) of `AllGatherMatmul`, dim first: the GEMM -> reduce-scatter of
+    ``ga + sum_i gy_i @ B_i^T`` and the local ``A^T @ gy_i`` (None where not needed)."""
+    ga_sMK = None
+    if need_a:
+        terms = [(g, b.t()) for g, b in zip(gys_SMN, bs_KN)]
+        ga_sMK = kernels.matmul_rs(terms, ga_SMK, sizes, group, spec)
+    a_XK = a_SMK.flatten(0, -2)
+    return ga_sMK, [a_XK.t() @ g.flatten(0, -2) if need else None
+                    for g, need in zip(gys_SMN, need_bs)]
+
+
+def matmul_rs_backward(a_SMK, b_KN, gc_sMN, avg: bool, sizes, group, spec, need_b: bool,
+                       kernels=KERNELS):
+    """(dA, dB) of `MatmulReduceScatter`, dim first: the all-gather -> GEMM of ``dC @ B^T``
+    (dC / W for avg), and ``A^T @ all_gather(dC)`` from the gathered dC."""
+    if avg:
+        gc_sMN = gc_sMN / kernels.world(group)
+    gc_SMN, (ga_SMK,) = kernels.ag_matmul(gc_sMN, [b_KN.t()], sizes, group, spec)
+    gb = a_SMK.flatten(0, -2).t() @ gc_SMN.flatten(0, -2) if need_b else None
+    return ga_SMK, gb
 
 
 class AllGatherMatmul(torch.autograd.Function):
@@ -35,15 +66,11 @@ class AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, ga, *gys):
         a_SMK, *bs = ctx.saved_tensors
-        gys_SMN = [g.movedim(ctx.dim, 0) for g in gys]
-        ga_shard = None
-        if ctx.needs_input_grad[0]:
-            terms = [(g, b.t()) for g, b in zip(gys_SMN, bs)]
-            ga_shard = matmul_rs(terms, ga.movedim(ctx.dim, 0), ctx.sizes, ctx.group, ctx.spec)
-            ga_shard = ga_shard.movedim(0, ctx.dim)
-        a_XK = a_SMK.flatten(0, -2)
-        gbs = [a_XK.t() @ g.flatten(0, -2) if need else None
-               for g, need in zip(gys_SMN, ctx.needs_input_grad[5:])]
+        ga_sMK, gbs = ag_matmul_backward(a_SMK, bs, ga.movedim(ctx.dim, 0),
+                                         [g.movedim(ctx.dim, 0) for g in gys], ctx.sizes,
+                                         ctx.group, ctx.spec, ctx.needs_input_grad[0],
+                                         ctx.needs_input_grad[5:])
+        ga_shard = ga_sMK.movedim(0, ctx.dim) if ga_sMK is not None else None
         return (ga_shard, None, None, None, None, *gbs)
 
 
@@ -70,11 +97,7 @@ class MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gc):
         a, b = ctx.saved_tensors
-        gc_sMN = gc.movedim(ctx.dim, 0)
-        if ctx.avg:
-            gc_sMN = gc_sMN / ctx.group.size()
-        gc_SMN, (ga_SMK,) = ag_matmul(gc_sMN, [b.t()], ctx.sizes, ctx.group, ctx.spec)
-        gb = None
-        if ctx.needs_input_grad[1]:
-            gb = a.movedim(ctx.dim, 0).flatten(0, -2).t() @ gc_SMN.flatten(0, -2)
+        ga_SMK, gb = matmul_rs_backward(a.movedim(ctx.dim, 0), b, gc.movedim(ctx.dim, 0),
+                                        ctx.avg, ctx.sizes, ctx.group, ctx.spec,
+                                        ctx.needs_input_grad[1])
         return ga_SMK.movedim(0, ctx.dim), gb, None, None, None, None, None
