@@ -4,16 +4,23 @@
     mesh = dims.build_mesh()                   # the process groups (collective, every rank)
     pmodel = parallelize(Llama(cfg), mesh)     # the model's blocks swapped for sharded ones
     loss = pmodel.loss(tokens_BS, targets_BS)  # this rank's share of the global mean loss
-    loss.backward(); pmodel.sync_grads()       # + all-reduce of the replicated parameters
+    loss.backward()                            # posts the gradient buckets' all-reduces
+    pmodel.sync_grads()                        # waits for them, copies the sums back
     opt = torch.optim.AdamW(pmodel.parameters())  # sharded by construction (local shards)
 
 The plan: TP (`tensor.py`) swaps each block's `attn` / `mlp` for `TPAttention` / `TPMLP`;
-UP (`ulysses.py`) swaps `attn` for `UPAttention`; with TP or UP the embedding is replaced by
-one that keeps this rank's sequence shard (same weight), so everything between the blocks,
-the final norm and the output head included, runs on [B, S/seq, D]. DP (`data.py`) replaces
-every remaining Linear by a `ShardedLinear` (ZeRO-3; the output head too, unless tied) and,
-under TP/UP x DP, shards the TP/UP weights by rows over DP as well. The unsharded model is the
-reference: `parallelize` copies the shards out of it, so build it from the same seed everywhere.
+UP (`ulysses.py`) swaps `attn` for `UPAttention`; with TP or UP the embedding and the output
+head become vocabulary-parallel (`vocab.py`): the embedding returns this rank's sequence shard,
+so everything between the blocks and the final norm runs on [B, S/seq, D]; the head gathers it
+fused with its GEMM and returns this rank's vocabulary slice of the whole sequence's logits,
+[B, S, V/seq], and the loss is a vocabulary-parallel cross-entropy. DP (`data.py`) replaces
+every remaining Linear by a `ShardedLinear` (ZeRO-3; the output head too, unless tied or
+vocabulary-parallel) and, under TP/UP x DP, shards the TP/UP weights (and the untied head's
+vocabulary shard) by rows over DP as well. What stays replicated over an axis (the norms; the
+embedding over DP; Ulysses' weights over UP) has its gradient summed by bucketed all-reduces
+that the backward posts as each bucket's gradients land (`grad_sync.py`); `sync_grads` waits
+for them. The unsharded model is the reference: `parallelize` copies the shards out of it, so
+build it from the same seed everywhere.
 
 Checkpoints of a parallelized model: `commfuse.parallel.checkpoint`.
 """
