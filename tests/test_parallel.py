@@ -168,6 +168,8 @@ def test_dims_defaults_to_product_and_builds_kwargs():
     (dict(tp=2, dp=16), dict(n_heads=4, n_kv_heads=2, dim=32), {},
      r"rows of wk/wv \(per TP rank\) \(8\)"),
     (dict(dp=2), dict(), dict(seq_len=4096), "exceeds max_seq_len"),
+    (dict(up=2), dict(vocab_size=63), {}, r"vocab_size \(63\) must be divisible by 2"),
+    (dict(tp=2, dp=4), dict(vocab_size=36), {}, r"rows of output \(per TP rank\) \(18\)"),
 ])
 def test_check_model_rejects(dims, cfg, kw, match):
     d = ParallelDims(**dims)
