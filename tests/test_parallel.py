@@ -35,16 +35,28 @@ VARIANTS = {"f32": ({}, torch.float32, 1e-5), "bf16": ({}, torch.bfloat16, 3e-2)
             "seq15": ({}, torch.float32, 1e-5),  # 15 tokens: uneven sequence shards
             "kv4": ({"n_kv_heads": 4}, torch.float32, 1e-5),  # for tp=4
             "tp3": ({"dim": 48, "n_heads": 6, "n_kv_heads": 3, "ffn_hidden": 96, "vocab_size": 66},
-                    torch.float32, 1e-5)}
+                    torch.float32, 1e-5),
+            # 33 head rows per TP rank: not divisible by dp=2, the head stays replicated over DP
+            "v66": ({"vocab_size": 66}, torch.float32, 1e-5)}
 SEQ_OF = {"seq15": 15}
-ONLY = {"kv4": dict(tp=4), "tp3": dict(tp=3)}  # these variants run on (only) these layouts
+ONLY = {"kv4": dict(tp=4), "tp3": dict(tp=3), "v66": dict(tp=2, dp=2)}  # where these run
+
+
+def _fits_cfg(layout: dict) -> bool:
+    """Whether the default CFG splits over ``layout`` (tp=3 / tp=4 need their own shapes)."""
+    try:
+        ParallelDims(**layout, world_size=functools.reduce(int.__mul__, (
+            layout.get(a, 1) for a in ("tp", "up", "dp")))).check_model(LlamaConfig(**CFG))
+    except ValueError:
+        return False
+    return True
 
 
 def _cases(world: int) -> list[tuple[dict, str, dict, str]]:
     out = []
     for lay in LAYOUTS[world]:
         own = [v for v, only in ONLY.items() if only == lay]
-        for v in own or [v for v in VARIANTS if v not in ONLY]:
+        for v in [v for v in VARIANTS if v not in ONLY and _fits_cfg(lay)] + own:
             out += [(lay, m, o, v) for m, o in METHODS
                     if v in ("f32", "seq15", *own) or (m, o) == ("commfuse", {"topology": "ring"})]
     return out
@@ -169,7 +181,7 @@ def test_dims_defaults_to_product_and_builds_kwargs():
      r"rows of wk/wv \(per TP rank\) \(8\)"),
     (dict(dp=2), dict(), dict(seq_len=4096), "exceeds max_seq_len"),
     (dict(up=2), dict(vocab_size=63), {}, r"vocab_size \(63\) must be divisible by 2"),
-    (dict(tp=2, dp=4), dict(vocab_size=36), {}, r"rows of output \(per TP rank\) \(18\)"),
+    (dict(dp=4), dict(vocab_size=66), {}, r"rows of output \(66\)"),
 ])
 def test_check_model_rejects(dims, cfg, kw, match):
     d = ParallelDims(**dims)

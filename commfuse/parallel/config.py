@@ -98,8 +98,8 @@ class ParallelDims:
             if self.up > 1:
                 rows = {"wqkv (q|k|v)": (cfg.n_heads + 2 * cfg.n_kv_heads) * hd,
                         "wo": cfg.dim, "w_gate/w_up": cfg.ffn_hidden, "w_down": cfg.dim}
-            if not cfg.tie_embeddings:
-                rows["output"] = cfg.vocab_size // self.seq
+            if not cfg.tie_embeddings and self.seq == 1:  # under TP/UP: sharded if divisible
+                rows["output"] = cfg.vocab_size
             need += [(f"rows of {k} (per TP rank)" if t > 1 else f"rows of {k}", v, self.dp)
                      for k, v in rows.items()]
         for what, size, ranks in need:

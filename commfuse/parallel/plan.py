@@ -16,7 +16,7 @@ fused with its GEMM and returns this rank's vocabulary slice of the whole sequen
 [B, S, V/seq], and the loss is a vocabulary-parallel cross-entropy. DP (`data.py`) replaces
 every remaining Linear by a `ShardedLinear` (ZeRO-3; the output head too, unless tied or
 vocabulary-parallel) and, under TP/UP x DP, shards the TP/UP weights (and the untied head's
-vocabulary shard) by rows over DP as well. What stays replicated over an axis (the norms; the
+vocabulary shard, when its rows divide by DP; else it is replicated over DP) by rows over DP. What stays replicated over an axis (the norms; the
 embedding over DP; Ulysses' weights over UP) has its gradient summed by bucketed all-reduces
 that the backward posts as each bucket's gradients land (`grad_sync.py`); `sync_grads` waits
 for them. The unsharded model is the reference: `parallelize` copies the shards out of it, so
@@ -69,7 +69,9 @@ def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None,
     tied = model.cfg.tie_embeddings
     if dims.seq > 1:  # vocabulary-parallel embedding and head over the TP/UP group
         emb = model.tok_emb = VocabParallelEmbedding(model.tok_emb, mesh.seq_group, layout)
-        head = emb if tied else weight(emb.shard(model.output.weight), dp, kw, "output", "seq")
+        w_vD = emb.shard(model.output.weight)
+        split = dp is not None and w_vD.shape[0] % dp.size() == 0  # else replicated over DP
+        head = emb if tied else weight(w_vD, dp if split else None, kw, "output", "seq")
         model.output = VocabParallelHead(head, mesh.seq_group, layout, kw, emb.start)
     elif dp is not None and not tied:
         model.output = ShardedLinear(model.output.weight, dp, kw, "output")
