@@ -71,7 +71,7 @@ class GradSync:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
         self.timeout_s, self.enabled = timeout_s, True
         self.buckets: list[_Bucket] = []
-        self.log: list[tuple[int, bool]] = []  # (bucket, posted by a hook) per post, in order
+        self.log: list[tuple[int, bool]] = []  # this round's posts: (bucket, by a hook)
         limit = bucket_mb * 2 ** 20
         for key, group, params in groups:
             current, size = [], 0
@@ -113,6 +113,8 @@ class GradSync:
             self._post(self.buckets[self._next], by_hook=True)
 
     def _post(self, bucket: _Bucket, by_hook: bool) -> None:
+        if bucket.index == 0:  # a new round
+            self.log.clear()
         bucket.post()
         self.log.append((bucket.index, by_hook))
         self._next = bucket.index + 1
