@@ -16,11 +16,11 @@ fused with its GEMM and returns this rank's vocabulary slice of the whole sequen
 [B, S, V/seq], and the loss is a vocabulary-parallel cross-entropy. DP (`data.py`) replaces
 every remaining Linear by a `ShardedLinear` (ZeRO-3; the output head too, unless tied or
 vocabulary-parallel) and, under TP/UP x DP, shards the TP/UP weights (and the untied head's
-vocabulary shard, when its rows divide by DP; else it is replicated over DP) by rows over DP. What stays replicated over an axis (the norms; the
-embedding over DP; Ulysses' weights over UP) has its gradient summed by bucketed all-reduces
-that the backward posts as each bucket's gradients land (`grad_sync.py`); `sync_grads` waits
-for them. The unsharded model is the reference: `parallelize` copies the shards out of it, so
-build it from the same seed everywhere.
+vocabulary shard, when its rows divide by DP; else it is replicated over DP) by rows over DP.
+What stays replicated over an axis (the norms; the embedding over DP; Ulysses' weights over
+UP) has its gradient summed by bucketed all-reduces that the backward posts as each bucket's
+gradients land (`grad_sync.py`); `sync_grads` waits for them. The unsharded model is the
+reference: `parallelize` copies the shards out of it, so build it from the same seed everywhere.
 
 Checkpoints of a parallelized model: `commfuse.parallel.checkpoint`.
 """
@@ -88,8 +88,8 @@ class ParallelLlama(nn.Module):
         self.grad_sync = None
         if mesh is not None:
             groups = {"seq": mesh.seq_group, "dp": mesh.dp_group, "seq+dp": mesh.world_group}
-            self.grad_sync = GradSync([(k, groups[k], ps) for k, ps in self._sync_buckets().items()],
-                                      bucket_mb)
+            self.grad_sync = GradSync(
+                [(k, groups[k], ps) for k, ps in self._sync_buckets().items()], bucket_mb)
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """Logits of this rank's batch. With TP/UP: this rank's vocabulary slice of the whole
