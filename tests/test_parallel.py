@@ -2,7 +2,8 @@
 
 One spawn per world size runs every layout x method: each rank rebuilds the reference model
 from the seed, computes its loss, logits and gradients in one process, then parallelizes a
-copy and compares its logits (its batch rows and sequence shard), the global loss, every full
+copy and compares its logits (its batch rows; with TP/UP its vocabulary slice of the whole
+sequence), the global loss, every full
 gradient (`gather_full_grads`) and, for DP, each rank's gradient shard as the fused backward
 left it (no collective after backward touches sharded weights).
 """
@@ -25,18 +26,40 @@ CFG = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidde
 BATCH, SEQ = 4, 16
 METHODS = (("none", {}), ("sliced", {"chunks": 2}), ("decompose", {"topology": "ring"}),
            ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"}))
-LAYOUTS = {2: [dict(tp=2), dict(tp=2, query_split=True), dict(up=2), dict(dp=2)], 4: [dict(tp=2, dp=2), dict(up=2, dp=2)]}
+LAYOUTS = {2: [dict(tp=2), dict(tp=2, query_split=True), dict(up=2), dict(dp=2)],
+           3: [dict(tp=3)], 4: [dict(tp=2, dp=2), dict(up=2, dp=2), dict(tp=4)]}
 # variant: (LlamaConfig overrides, dtype of the parallel model, norm-relative tolerance vs the
 # float32 reference); float32 runs every method, the others commfuse (ring) only
 VARIANTS = {"f32": ({}, torch.float32, 1e-5), "bf16": ({}, torch.bfloat16, 3e-2),
             "tied": ({"tie_embeddings": True}, torch.float32, 1e-5),
-            "seq15": ({}, torch.float32, 1e-5)}  # 15 tokens: uneven sequence shards
+            "seq15": ({}, torch.float32, 1e-5),  # 15 tokens: uneven sequence shards
+            "kv4": ({"n_kv_heads": 4}, torch.float32, 1e-5),  # for tp=4
+            "tp3": ({"dim": 48, "n_heads": 6, "n_kv_heads": 3, "ffn_hidden": 96, "vocab_size": 66},
+                    torch.float32, 1e-5),
+            # 33 head rows per TP rank: not divisible by dp=2, the head stays replicated over DP
+            "v66": ({"vocab_size": 66}, torch.float32, 1e-5)}
 SEQ_OF = {"seq15": 15}
+ONLY = {"kv4": dict(tp=4), "tp3": dict(tp=3), "v66": dict(tp=2, dp=2)}  # where these run
+
+
+def _fits_cfg(layout: dict) -> bool:
+    """Whether the default CFG splits over ``layout`` (tp=3 / tp=4 need their own shapes)."""
+    try:
+        ParallelDims(**layout, world_size=functools.reduce(int.__mul__, (
+            layout.get(a, 1) for a in ("tp", "up", "dp")))).check_model(LlamaConfig(**CFG))
+    except ValueError:
+        return False
+    return True
 
 
 def _cases(world: int) -> list[tuple[dict, str, dict, str]]:
-    return [(lay, m, o, v) for lay in LAYOUTS[world] for v in VARIANTS for m, o in METHODS
-            if v in ("f32", "seq15") or (m, o) == ("commfuse", {"topology": "ring"})]
+    out = []
+    for lay in LAYOUTS[world]:
+        own = [v for v, only in ONLY.items() if only == lay]
+        for v in [v for v in VARIANTS if v not in ONLY and _fits_cfg(lay)] + own:
+            out += [(lay, m, o, v) for m, o in METHODS
+                    if v in ("f32", "seq15", *own) or (m, o) == ("commfuse", {"topology": "ring"})]
+    return out
 
 
 def _case_id(layout: dict, method: str, opts: dict, variant: str) -> str:
@@ -52,12 +75,13 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 def _reference(variant: str):
     """(untouched model, tokens, targets, logits, loss, grads) of the unsharded float32 model."""
     torch.manual_seed(0)
-    ref = Llama(LlamaConfig(**{**CFG, **VARIANTS[variant][0]}))
+    cfg = LlamaConfig(**{**CFG, **VARIANTS[variant][0]})
+    ref = Llama(cfg)
     model0 = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(1)
     seq = SEQ_OF.get(variant, SEQ)
-    tokens = torch.randint(CFG["vocab_size"], (BATCH, seq), generator=g)
-    targets = torch.randint(CFG["vocab_size"], (BATCH, seq), generator=g)
+    tokens = torch.randint(cfg.vocab_size, (BATCH, seq), generator=g)
+    targets = torch.randint(cfg.vocab_size, (BATCH, seq), generator=g)
     targets[0, 3] = -100  # an ignored target: the loss must count tokens globally
     logits = ref(tokens).detach()
     loss = ref.loss(tokens, targets)
@@ -77,7 +101,7 @@ def _check(mesh, method, opts, variant) -> list[str]:
     local = pmodel.loss(tokens[rows], targets[rows])
     local.backward()
     pmodel.sync_grads()
-    logits, want = pmodel(tokens[rows]).detach(), pmodel.seq_shard(logits_ref[rows])
+    logits, want = pmodel(tokens[rows]).detach(), logits_ref[rows][..., pmodel.vocab_slice()]
     if _rel(logits, want) > tol:
         problems.append(f"logits rel {_rel(logits, want):.2e}")
     loss = pmodel.global_loss(local)
@@ -156,6 +180,8 @@ def test_dims_defaults_to_product_and_builds_kwargs():
     (dict(tp=2, dp=16), dict(n_heads=4, n_kv_heads=2, dim=32), {},
      r"rows of wk/wv \(per TP rank\) \(8\)"),
     (dict(dp=2), dict(), dict(seq_len=4096), "exceeds max_seq_len"),
+    (dict(up=2), dict(vocab_size=63), {}, r"vocab_size \(63\) must be divisible by 2"),
+    (dict(dp=4), dict(vocab_size=66), {}, r"rows of output \(66\)"),
 ])
 def test_check_model_rejects(dims, cfg, kw, match):
     d = ParallelDims(**dims)

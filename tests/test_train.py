@@ -24,6 +24,8 @@ RUNS = {f"{name}-{m}": dataclasses.replace(BASE, method=m, **kw)
 VARLEN = dataclasses.replace(BASE, steps=12, seq_len=31, variable_length=True)  # 16..31 tokens
 VARLEN_RUNS = {f"{name}-varlen": dataclasses.replace(VARLEN, **kw)
                for name, kw in LAYOUTS.items() if name != "dp2"}
+TIED = dataclasses.replace(BASE, steps=10, model={**SMALL, "tie_embeddings": True})
+TIED_RUNS = {f"{name}-tied": dataclasses.replace(TIED, **kw) for name, kw in LAYOUTS.items()}
 
 
 def _runs(rank, world, configs, ckpt_root):
@@ -44,7 +46,7 @@ def _runs(rank, world, configs, ckpt_root):
 
 @functools.lru_cache(maxsize=None)
 def results(tmp: str) -> dict:
-    return run_local(_runs, 2, {**RUNS, **VARLEN_RUNS}, tmp, timeout=300)[0]
+    return run_local(_runs, 2, {**RUNS, **VARLEN_RUNS, **TIED_RUNS}, tmp, timeout=300)[0]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +82,12 @@ def test_variable_uneven_lengths_match_single_process(runs, name):
     assert len(lengths) > 3 and any(n % 2 for n in lengths)  # odd: uneven over 2 ranks
     want = [m["loss"] for m in train.launch(VARLEN)]
     assert _max_rel(runs[name], want) < 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(TIED_RUNS))
+def test_tied_embeddings_match_single_process(runs, name):
+    """One weight for the embedding and the head: a vocabulary shard under TP/UP."""
+    assert _max_rel(runs[name], [m["loss"] for m in train.launch(TIED)]) < 1e-4
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -5,6 +5,8 @@
     tensor.py      TPSP: column/row-parallel attention and MLP over the fused AG/RS ops
     ulysses.py     Ulysses: attention between the fused GEMM<->all-to-all ops
     data.py        ZeRO-3 DP: weight rows gathered inside the forward GEMM
+    vocab.py       vocabulary-parallel embedding, output head and cross-entropy (TP/UP)
+    grad_sync.py   replicated parameters' gradients, bucketed, all-reduced during the backward
     plan.py        `parallelize` and the `ParallelLlama` wrapper (loss, gradient sync)
     checkpoint.py  DCP save/load of every rank's shards
 

@@ -84,6 +84,8 @@ class ParallelDims:
                      ("ffn_hidden", cfg.ffn_hidden, self.tp)]
         if self.up > 1:
             need += [("n_heads", cfg.n_heads, self.up), ("n_kv_heads", cfg.n_kv_heads, self.up)]
+        if self.seq > 1:  # vocabulary-parallel embedding and head (commfuse.parallel.vocab)
+            need.append(("vocab_size", cfg.vocab_size, self.seq))
         if seq_len is not None:  # any length: the sequence is split as evenly as it goes
             if seq_len > cfg.max_seq_len:
                 raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={cfg.max_seq_len}")
@@ -96,7 +98,7 @@ class ParallelDims:
             if self.up > 1:
                 rows = {"wqkv (q|k|v)": (cfg.n_heads + 2 * cfg.n_kv_heads) * hd,
                         "wo": cfg.dim, "w_gate/w_up": cfg.ffn_hidden, "w_down": cfg.dim}
-            if not cfg.tie_embeddings:
+            if not cfg.tie_embeddings and self.seq == 1:  # under TP/UP: sharded if divisible
                 rows["output"] = cfg.vocab_size
             need += [(f"rows of {k} (per TP rank)" if t > 1 else f"rows of {k}", v, self.dp)
                      for k, v in rows.items()]

@@ -1,19 +1,17 @@
-"""How the current forward's sequence is split over the seq (TP or UP) ranks, and the embedding
-that keeps only this rank's shard."""
+"""How the current forward's sequence is split over the seq (TP or UP) ranks."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from commfuse.ops.binding import even_sizes
 
 
 class SeqLayout:
     """How the current forward's sequence is split over the seq ranks: `even_sizes` of its
-    length (any length: 10 tokens over 4 ranks = 3, 3, 2, 2). The sharding embedding sets it
-    from the tokens; the TP/UP blocks pass it to the fused ops that take a shard."""
+    length (any length: 10 tokens over 4 ranks = 3, 3, 2, 2). The vocabulary-parallel
+    embedding sets it from the tokens; the TP/UP blocks and the head pass it to the fused ops
+    that take a shard."""
 
     def __init__(self, index: int, world: int):
         self.index, self.world = index, world
@@ -24,15 +22,3 @@ class SeqLayout:
         self.sizes = even_sizes(t_BS.shape[1], self.world)
         start = sum(self.sizes[:self.index])
         return t_BS[:, start:start + self.sizes[self.index]]
-
-
-class SeqShardEmbedding(nn.Module):
-    """The replicated embedding, returning only this rank's sequence shard [B, s, D]."""
-
-    def __init__(self, emb: nn.Embedding, layout: SeqLayout):
-        super().__init__()
-        self.weight = emb.weight  # same Parameter (stays tied to the output head if it was)
-        self.layout = layout
-
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        return F.embedding(self.layout.shard(tokens_BS), self.weight)

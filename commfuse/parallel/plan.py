@@ -4,15 +4,22 @@
     mesh = dims.build_mesh()                   # the process groups (collective, every rank)
     pmodel = parallelize(Llama(cfg), mesh)     # the model's blocks swapped for sharded ones
     loss = pmodel.loss(tokens_BS, targets_BS)  # this rank's share of the global mean loss
-    loss.backward(); pmodel.sync_grads()       # + all-reduce of the replicated parameters
+    loss.backward()                            # posts the gradient buckets' all-reduces
+    pmodel.sync_grads()                        # waits for them, copies the sums back
     opt = torch.optim.AdamW(pmodel.parameters())  # sharded by construction (local shards)
 
 The plan: TP (`tensor.py`) swaps each block's `attn` / `mlp` for `TPAttention` / `TPMLP`;
-UP (`ulysses.py`) swaps `attn` for `UPAttention`; with TP or UP the embedding is replaced by
-one that keeps this rank's sequence shard (same weight), so everything between the blocks,
-the final norm and the output head included, runs on [B, S/seq, D]. DP (`data.py`) replaces
-every remaining Linear by a `ShardedLinear` (ZeRO-3; the output head too, unless tied) and,
-under TP/UP x DP, shards the TP/UP weights by rows over DP as well. The unsharded model is the
+UP (`ulysses.py`) swaps `attn` for `UPAttention`; with TP or UP the embedding and the output
+head become vocabulary-parallel (`vocab.py`): the embedding returns this rank's sequence shard,
+so everything between the blocks and the final norm runs on [B, S/seq, D]; the head gathers it
+fused with its GEMM and returns this rank's vocabulary slice of the whole sequence's logits,
+[B, S, V/seq], and the loss is a vocabulary-parallel cross-entropy. DP (`data.py`) replaces
+every remaining Linear by a `ShardedLinear` (ZeRO-3; the output head too, unless tied or
+vocabulary-parallel) and, under TP/UP x DP, shards the TP/UP weights (and the untied head's
+vocabulary shard, when its rows divide by DP; else it is replicated over DP) by rows over DP.
+What stays replicated over an axis (the norms; the embedding over DP; Ulysses' weights over
+UP) has its gradient summed by bucketed all-reduces that the backward posts as each bucket's
+gradients land (`grad_sync.py`); `sync_grads` waits for them. The unsharded model is the
 reference: `parallelize` copies the shards out of it, so build it from the same seed everywhere.
 
 Checkpoints of a parallelized model: `commfuse.parallel.checkpoint`.
@@ -20,23 +27,30 @@ Checkpoints of a parallelized model: `commfuse.parallel.checkpoint`.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from commfuse.parallel.config import Mesh, ParallelDims, sharded_axes
-from commfuse.parallel.data import ShardedLinear, shard_linears
-from commfuse.parallel.layout import SeqLayout, SeqShardEmbedding
+from commfuse.parallel.data import ShardedLinear, gather_rows, shard_linears, weight
+from commfuse.parallel.grad_sync import DEFAULT_BUCKET_MB, GradSync
+from commfuse.parallel.layout import SeqLayout
 from commfuse.parallel.tensor import TPAttention, TPMLP
 from commfuse.parallel.ulysses import UPAttention
+from commfuse.parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,
+                                     vocab_parallel_cross_entropy)
 
 
-def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None) -> ParallelLlama:
+def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None,
+                bucket_mb: float = DEFAULT_BUCKET_MB) -> ParallelLlama:
     """Apply ``plan`` to ``model`` (a Llama, modified in place) and wrap it.
 
     ``plan``: a `Mesh` (its groups are used), a `ParallelDims` (``build_mesh()`` is called,
-    which is collective), or None (single process: the wrapper only).
+    which is collective), or None (single process: the wrapper only). ``bucket_mb``: size of
+    the gradient-sync buckets (`commfuse.parallel.grad_sync`).
     """
     if plan is None:
         return ParallelLlama(model, None)
@@ -44,8 +58,6 @@ def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None) -> ParallelL
     dims, kw, dp = mesh.dims, mesh.dims.op_kwargs, mesh.dp_group
     dims.check_model(model.cfg)
     layout = SeqLayout(mesh.seq_index, dims.seq)
-    if dims.seq > 1:
-        model.tok_emb = SeqShardEmbedding(model.tok_emb, layout)
     for i, layer in enumerate(model.layers):
         if dims.tp > 1:
             layer.attn = TPAttention(layer.attn, mesh.seq_group, kw, dp, dims.query_split, layout)
@@ -54,21 +66,42 @@ def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None) -> ParallelL
             layer.attn = UPAttention(layer.attn, mesh.seq_group, kw, dp, layout)
         if dp is not None:  # whatever Linear is left (UP's MLP, or all of them without TP/UP)
             shard_linears(layer, dp, kw, f"layers.{i}.")
-    if dp is not None and not model.cfg.tie_embeddings:
+    tied = model.cfg.tie_embeddings
+    if dims.seq > 1:  # vocabulary-parallel embedding and head over the TP/UP group
+        emb = model.tok_emb = VocabParallelEmbedding(model.tok_emb, mesh.seq_group, layout)
+        w_vD = emb.shard(model.output.weight)
+        split = dp is not None and w_vD.shape[0] % dp.size() == 0  # else replicated over DP
+        head = emb if tied else weight(w_vD, dp if split else None, kw, "output", "seq")
+        model.output = VocabParallelHead(head, mesh.seq_group, layout, kw, emb.start)
+    elif dp is not None and not tied:
         model.output = ShardedLinear(model.output.weight, dp, kw, "output")
-    return ParallelLlama(model, mesh)
+    return ParallelLlama(model, mesh, bucket_mb)
 
 
 class ParallelLlama(nn.Module):
-    """A parallelized Llama: local logits, a correctly scaled loss, gradient sync, full grads."""
+    """A parallelized Llama: logits, a correctly scaled loss, gradient sync, full grads."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh | None):
+    def __init__(self, model: nn.Module, mesh: Mesh | None,
+                 bucket_mb: float = DEFAULT_BUCKET_MB):
         super().__init__()
         self.model, self.mesh = model, mesh
+        self.grad_sync = None
+        if mesh is not None:
+            groups = {"seq": mesh.seq_group, "dp": mesh.dp_group, "seq+dp": mesh.world_group}
+            self.grad_sync = GradSync(
+                [(k, groups[k], ps) for k, ps in self._sync_buckets().items()], bucket_mb)
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """Logits of this rank's tokens: its batch, its sequence shard [B, S/seq, V]."""
+        """Logits of this rank's batch. With TP/UP: this rank's vocabulary slice of the whole
+        sequence, [B, S, V/seq] (`vocab_slice`); otherwise all of them, [B, S, V]."""
         return self.model(tokens_BS)
+
+    def vocab_slice(self) -> slice:
+        """The vocabulary columns of `forward`'s logits (all of them without TP/UP)."""
+        if self.mesh is None or self.mesh.dims.seq == 1:
+            return slice(None)
+        emb = self.model.tok_emb
+        return slice(emb.start, emb.start + emb.weight.shape[0])
 
     def seq_shard(self, t_BS: torch.Tensor) -> torch.Tensor:
         """This rank's sequence shard of a [B, S, ...] tensor (all of it without TP/UP)."""
@@ -80,24 +113,29 @@ class ParallelLlama(nn.Module):
         """This rank's share of the global mean cross-entropy (float32; -100 ignored).
 
         ``tokens_BS`` / ``targets_BS`` are this rank's DP batch, whole sequences. Returns
-        sum(local token losses) / (target tokens over all ranks), so the sum over ranks is the
-        mean over the global batch and ``backward()`` on every rank yields its gradients
-        (DP averaging included). `global_loss` turns it into the reported value.
+        sum(token losses of this DP batch) / (target tokens over the DP group), so the sum over
+        the DP group is the mean over the global batch and ``backward()`` on every rank yields
+        its gradients (DP averaging included). With TP/UP the cross-entropy is vocabulary-
+        parallel (`commfuse.parallel.vocab`) and the ranks of a TP/UP group hold the same value.
+        `global_loss` turns it into the reported value.
         """
-        logits_BsV = self(tokens_BS)
-        targets_Bs = self.seq_shard(targets_BS)
-        total = F.cross_entropy(logits_BsV.flatten(0, 1).float(), targets_Bs.flatten(),
-                                ignore_index=-100, reduction="sum")
-        count = (targets_Bs != -100).sum().to(torch.float32)
-        if self.mesh is not None:
-            dist.all_reduce(count, group=self.mesh.world_group)
+        logits = self(tokens_BS)
+        if self.mesh is not None and self.mesh.dims.seq > 1:
+            total = vocab_parallel_cross_entropy(logits, targets_BS, self.vocab_slice().start,
+                                                 self.mesh.seq_group).sum()
+        else:
+            total = F.cross_entropy(logits.flatten(0, 1).float(), targets_BS.flatten(),
+                                    ignore_index=-100, reduction="sum")
+        count = (targets_BS != -100).sum().to(torch.float32)
+        if self.mesh is not None and self.mesh.dp_group is not None:
+            dist.all_reduce(count, group=self.mesh.dp_group)
         return total / count.clamp_min(1.0)
 
     def global_loss(self, local_loss: torch.Tensor) -> float:
-        """The global mean loss from every rank's `loss` (collective)."""
+        """The global mean loss from every rank's `loss` (collective over the DP group)."""
         value = local_loss.detach().clone().float()
-        if self.mesh is not None:
-            dist.all_reduce(value, group=self.mesh.world_group)
+        if self.mesh is not None and self.mesh.dp_group is not None:
+            dist.all_reduce(value, group=self.mesh.dp_group)
         return value.item()
 
     def _sync_buckets(self) -> dict[str, list[nn.Parameter]]:
@@ -110,28 +148,23 @@ class ParallelLlama(nn.Module):
                 buckets.setdefault("+".join(need), []).append(p)
         return buckets
 
-    @torch.no_grad()
+    def no_sync(self):
+        """Context for the micro-steps of gradient accumulation: their backward posts no
+        gradient sync; `sync_grads` after the last backward sums the accumulated gradients."""
+        return self.grad_sync.no_sync() if self.grad_sync else contextlib.nullcontext()
+
     def sync_grads(self) -> None:
-        """Sum the gradients of replicated parameters over the axes they are replicated on.
+        """Finish the gradient sum of replicated parameters over the axes they are replicated on.
 
         Sharded weights already hold their gradient shard (the fused ops' backward did the
-        reduce-scatter); the norms, the embedding, the TP output head and the UP weights are
-        replicated, so each rank has its contribution: one coalesced all-reduce per group.
+        reduce-scatter; the vocabulary-parallel embedding and head are local). The replicated
+        ones (norms; embedding / head over DP; Ulysses weights over UP) are summed by bucketed
+        all-reduces that the backward posted as each bucket's gradients became ready
+        (`commfuse.parallel.grad_sync`); this posts any bucket left, waits (CommFuseError past
+        the group's timeout) and copies the sums into ``.grad``.
         """
-        if self.mesh is None:
-            return
-        groups = {"seq": self.mesh.seq_group, "dp": self.mesh.dp_group,
-                  "seq+dp": self.mesh.world_group}
-        for key, params in self._sync_buckets().items():
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.flatten() for p in params])
-            dist.all_reduce(flat, group=groups[key])
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
 
     @torch.no_grad()
     def gather_full_grads(self) -> dict[str, torch.Tensor]:
@@ -145,6 +178,13 @@ class ParallelLlama(nn.Module):
                 for k, g in mod.full_grads().items():
                     out[f"{name}.{k}.weight"] = g
                 done.update(id(p) for p in mod.parameters())
+            elif isinstance(mod, VocabParallelHead):
+                if mod.w is not self.model.tok_emb:  # tied: the embedding's gradient holds both
+                    out[f"{name}.weight"] = gather_rows(mod.w.full_grad(), self.mesh.seq_group)
+                done.update(id(p) for p in mod.parameters())
+            elif isinstance(mod, VocabParallelEmbedding):
+                out[f"{name}.weight"] = gather_rows(mod.weight.grad, self.mesh.seq_group)
+                done.add(id(mod.weight))
             elif isinstance(mod, ShardedLinear) and id(mod.weight) not in done:
                 out[f"{name}.weight"] = mod.full_grad()
                 done.add(id(mod.weight))

@@ -15,8 +15,9 @@ Per block (docs/design.md, "Where each op goes in a model"):
 Rank r holds the head-group rows of wq / wk / wv (heads [r*H/T, (r+1)*H/T), kv heads likewise;
 GQA needs n_kv_heads divisible by T), the matching columns of wo, the rows r*F/T.. of w_gate /
 w_up and the matching columns of w_down. Their backward passes are the dual fused ops (the op
-contracts): no TP gradient needs another collective. The embedding, the norms and the output
-head are replicated; their gradients are summed over the TP group (`ParallelLlama.sync_grads`).
+contracts): no TP gradient needs another collective. The embedding and the output head are
+vocabulary-parallel (`commfuse.parallel.vocab`, local gradients); the norms are replicated and
+their gradients summed over the TP group (`commfuse.parallel.grad_sync`).
 
 Shape suffixes: B batch, S sequence, s = S/T, D model, H/G heads / kv heads, h = H/T,
 g = G/T, K head dim, F ffn hidden, f = F/T.

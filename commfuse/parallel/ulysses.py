@@ -9,10 +9,11 @@ Between blocks the activations are sequence-sharded, x_BsD with s = S/U. Attenti
 
 ``Wqkv`` is the replicated q|k|v weight with its rows permuted so that row block p (column
 block p of Wqkv^T) holds head group p's q, k and v: the all-to-all hands rank p its own heads
-(GQA: n_kv_heads divisible by U). The MLP, norms, embedding and output head run on the local
-sequence shard with replicated weights. All weights are replicated over the UP group and their
-gradients (each rank's contribution, per the op contracts) are summed over it
-(`ParallelLlama.sync_grads`).
+(GQA: n_kv_heads divisible by U). The MLP and norms run on the local sequence shard with
+replicated weights; the embedding and output head are vocabulary-parallel over the UP group
+(`commfuse.parallel.vocab`). The replicated weights' gradients (each rank's contribution, per
+the op contracts) are summed over it by buckets posted during the backward
+(`commfuse.parallel.grad_sync`).
 
 Shape suffixes: B batch, S sequence, s = S/U, D model, h / g = H/U / G/U heads of my group,
 K head dim, c = (h + 2g) * K my group's q|k|v columns.

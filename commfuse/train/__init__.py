@@ -8,11 +8,13 @@ Per step: the global mean loss, tokens/s, MFU = flops_per_token * tokens/s / pea
 flops_per_token is `commfuse.models.llama.flops_per_token` (6N + 12*L*H*Q*T, PaLM appendix B,
 as nanoGPT) and peak is ``--peak-flops`` per rank, or a dense matmul measured on each rank at
 startup (CPUs publish no usable peak). Exposed communication is measured once, after training:
-the median fwd+bwd(+grad all-reduce) time minus the median of the same fwd+bwd with the
-executor in ``compute_only`` mode (same partitioned GEMMs, no transfers), interleaved. It is not
-measured per step (that would double the work). The plain gradient all-reduce counts as exposed;
-the other plain collectives (the loss's token count, the DP weight all-gather under TP/UP x DP)
-still run in compute_only mode, so they count as compute: the figure is a lower bound.
+the median fwd+bwd+grad sync time minus the median of the same fwd+bwd with the executor in
+``compute_only`` mode (same partitioned GEMMs, no transfers), interleaved. It is not measured
+per step (that would double the work). What the gradient buckets posted during the backward
+did not hide (`sync_grads` waits for them) counts as exposed, and so do the vocabulary-parallel
+embedding's and loss's collectives (skipped in compute_only mode); the other plain collectives
+(the loss's token count, the DP weight all-gather under TP/UP x DP) still run in compute_only
+mode, so they count as compute: the figure is a lower bound.
 --compare-none runs the same steps again with method none afterwards (sequential, not
 interleaved): same losses up to summation order, and the ratio of median step times.
 """

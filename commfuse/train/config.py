@@ -90,11 +90,16 @@ class TrainConfig:
     device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda")})
     """cpu: gloo ranks on CPU cores; cuda: NCCL, one GPU per rank (LOCAL_RANK under torchrun,
     rank i on GPU i when spawned locally), every op on the CUDA stream path."""
+    bucket_mb: float = field(default=25.0, metadata={"metavar": "MB"})
+    """Size of the gradient-sync buckets of replicated parameters, each all-reduced as soon as
+    the backward has filled it (`commfuse.parallel.grad_sync`)."""
     timeout: float = field(default=60.0, metadata={"metavar": "S"})
     """Seconds a rank waits for a peer (every op's timeout and the process group's) before
     the run fails with an error naming the op, step and peer."""
 
     def __post_init__(self):
+        if not self.bucket_mb > 0:
+            raise ValueError(f"TrainConfig.bucket_mb must be positive, got {self.bucket_mb!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:

@@ -143,7 +143,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     torch.manual_seed(cfg.seed)  # the same full model on every rank; the plan cuts it
     model = Llama(mcfg).to(DTYPES[cfg.dtype]).to(device)
     mesh = dims.build_mesh() if world > 1 else None
-    pmodel = parallelize(model, mesh)
+    pmodel = parallelize(model, mesh, bucket_mb=cfg.bucket_mb)
     params = list(pmodel.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],

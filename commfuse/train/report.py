@@ -53,7 +53,12 @@ def report(s: dict) -> None:
 
 
 def exposed(pmodel, tokens, targets, iters: int) -> dict:
-    """Median fwd+bwd(+grad sync) minus the same fwd+bwd in compute_only mode, interleaved."""
+    """Median fwd+bwd+grad sync minus the same fwd+bwd in compute_only mode, interleaved.
+
+    The normal step ends when `sync_grads` has waited for the gradient buckets the backward
+    posted (`commfuse.parallel.grad_sync`), so what they did not hide counts as exposed. In
+    compute_only mode every fused op, the vocabulary-parallel embedding and loss move nothing
+    and the backward posts no bucket, so no sync is waited for."""
     from commfuse.runtime import modes
 
     normal, alone = [], []
