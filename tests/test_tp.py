@@ -12,6 +12,7 @@ import functools
 
 import pytest
 import torch
+from torch import nn
 
 from commfuse.testbed.spawn import run_local
 
@@ -20,7 +21,9 @@ CFG = dict(vocab_size=63, hidden_size=32, intermediate_size=42, num_hidden_layer
            tie_word_embeddings=False)  # vocab 63, ffn 42: uneven column shards on 2 and 4 ranks
 ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
-         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8})}  # q_norm / k_norm
+         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),  # q_norm / k_norm
+         "llama-bias": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True,
+                                                            "mlp_bias": True})}
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "commfuse-direct":
            {"topology": "direct"}, "auto": {}}
 TOL = 1e-5  # norm-relative, float32, as tests/test_parallel.py
@@ -28,7 +31,7 @@ TOL = 1e-5  # norm-relative, float32, as tests/test_parallel.py
 EXACT = ([(a, m, "sdpa", 11) for a in ("llama", "qwen2") for m in METHODS
           if a == "llama" or m in ("none", "commfuse", "auto")]
          + [("llama", "commfuse", "eager", 16), ("qwen3", "commfuse", "sdpa", 11),
-            ("qwen3", "none", "eager", 8)])
+            ("qwen3", "none", "eager", 8), ("llama-bias", "commfuse", "sdpa", 11)])
 TRAIN = [("llama", "none"), ("llama", "commfuse"), ("llama", "auto"), ("qwen2", "commfuse")]
 STEPS, BATCH = 20, 4
 
@@ -151,12 +154,73 @@ def _check_fsdp(method) -> list[str]:
     return [] if err < 1e-4 else [f"losses {got} vs {want} (max rel {err:.1e})"]
 
 
+class MLP(torch.nn.Module):
+    def __init__(self, d, f):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(d, f), nn.Linear(d, f), nn.Linear(f, d)
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d, f):
+        super().__init__()
+        self.norm, self.mlp = nn.RMSNorm(d), MLP(d, f)
+
+    def forward(self, h):
+        return h + self.mlp(self.norm(h))
+
+
+class Toy(torch.nn.Module):
+    """The README's model of one's own: embedding, a residual SwiGLU block (biases), head."""
+
+    def __init__(self, vocab=63, d=32, f=42):
+        super().__init__()
+        self.emb, self.block = nn.Embedding(vocab, d), Block(d, f)
+        self.norm, self.head = nn.RMSNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.block(self.emb(ids))))
+
+
+def _check_styles(mesh, method) -> list[str]:
+    """`parallelize_module` with the styles on a model of one's own (as in the README)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    from commfuse.tp import (FusedColwiseParallel, FusedProjections, FusedRowwiseParallel,
+                             ReplicateParallel, SeqSplit, SequenceParallelNorm, ShardSequence)
+    torch.manual_seed(0)
+    ref = Toy()
+    model = copy.deepcopy(ref)
+    split = SeqSplit()
+    kw = dict(method=method, split=split)
+    parallelize_module(model, mesh, {
+        "emb": ReplicateParallel(), "block": ShardSequence(split),
+        "block.norm": SequenceParallelNorm(), "norm": SequenceParallelNorm(),
+        "block.mlp": FusedProjections(["gate", "up"], **kw),
+        "block.mlp.gate": FusedColwiseParallel(**kw), "block.mlp.up": FusedColwiseParallel(**kw),
+        "block.mlp.down": FusedRowwiseParallel(**kw),
+        "head": FusedColwiseParallel(gather_output=True, **kw)})
+    ids = _tokens(3, 2, 11)[0]
+    want, got = ref(ids), model(ids)
+    problems = [] if _rel(got.detach(), want.detach()) <= TOL else ["logits"]
+    (want ** 2).sum().backward()
+    (got ** 2).sum().backward()
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if _rel(p.grad.full_tensor(), grads[name].grad) > TOL:
+            problems.append(f"grad {name} rel {_rel(p.grad.full_tensor(), grads[name].grad):.1e}")
+    return problems
+
+
 def _run(rank: int, world: int) -> dict[str, list[str]]:
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for arch, method, attn, seq in EXACT:
         out[f"exact-{arch}-{method}-{attn}-seq{seq}"] = _check_exact(arch, method, attn, seq, mesh)
+    for method in ("none", "commfuse"):
+        out[f"styles-{method}"] = _check_styles(mesh, method)
     for arch, method in TRAIN:
         out[f"train-{arch}-{method}"] = _check_train(arch, method, mesh)
     if world == 4:
@@ -171,6 +235,7 @@ def results(world: int) -> list[dict]:
 
 
 CASES = [(w, f"exact-{a}-{m}-{at}-seq{s}") for w in (2, 4) for a, m, at, s in EXACT]
+CASES += [(w, f"styles-{m}") for w in (2, 4) for m in ("none", "commfuse")]
 CASES += [(w, f"train-{a}-{m}") for w in (2, 4) for a, m in TRAIN]
 CASES += [(4, f"fsdp2-{m}") for m in ("commfuse", "none")]
 
@@ -179,3 +244,45 @@ CASES += [(4, f"fsdp2-{m}") for m in ("commfuse", "none")]
 def test_matches_unsharded_model(world, case):
     problems = {r: res[case] for r, res in enumerate(results(world)) if res[case]}
     assert not problems, problems
+
+
+# --- no processes: what parallelize refuses ------------------------------------------------
+
+def test_unknown_architecture_names_what_is_missing():
+    import transformers
+    from commfuse.tp.hf import check
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2,
+                                                                vocab_size=10))
+    with pytest.raises(ValueError, match=r"does not know GPT2LMHeadModel.*missing: "
+                                         r"model\.embed_tokens, model\.layers, model\.norm"):
+        check(gpt2, 2)
+
+
+@pytest.mark.parametrize("arch,cfg,T,match", [
+    ("llama", {"num_attention_heads": 4}, 3, r"num_attention_heads \(4\) must be divisible"),
+    ("llama", {"num_attention_heads": 12, "num_key_value_heads": 3, "hidden_size": 48}, 4,
+     r"num_key_value_heads \(3\) and the TP size \(4\)"),
+    ("llama", {"tie_word_embeddings": True}, 2, "tied input/output embeddings"),
+])
+def test_check_rejects(arch, cfg, T, match):
+    import transformers
+    from commfuse.tp.hf import check
+    c = transformers.LlamaConfig(**{**CFG, **cfg})
+    with pytest.raises(ValueError, match=match):
+        check(transformers.LlamaForCausalLM(c), T)
+
+
+def test_check_returns_kv_replication():
+    from commfuse.tp.hf import check
+    assert check(build("llama"), 2) == 1 and check(build("llama"), 4) == 2
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(method="fast"), ValueError, "method must be one of"),
+    (dict(method="none", topology="ring"), ValueError, "unknown option"),
+    (dict(replicas=0), ValueError, "replicas must be a positive int"),
+])
+def test_styles_reject_bad_options(kw, err, match):
+    from commfuse.tp import FusedColwiseParallel
+    with pytest.raises(err, match=match):
+        FusedColwiseParallel(**kw)

@@ -114,7 +114,6 @@ class FusedColwiseParallel(_Fused):
                     t = t.reshape(T // k, -1, *t.shape[1:]).repeat_interleave(k, 0).flatten(0, 1)
                 module.register_parameter(name, _param(t, device_mesh, Shard(0), p.requires_grad))
         module._commfuse_colwise = self
-        self.cols = chunk_sizes(module.weight.shape[0], T)
         return self._install(module, device_mesh, self._forward)
 
     def local(self, module: nn.Module, group) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -135,7 +134,9 @@ class FusedColwiseParallel(_Fused):
             _, (y,) = fused_all_gather_matmul(x, [w], self.dim, group, return_A=False,
                                               sizes=self.sizes, **self.op_kwargs)
             y = y if b is None else y + b
-        return gather_cols(y, self.cols, group) if self.gather_output else y
+        if not self.gather_output:
+            return y
+        return gather_cols(y, chunk_sizes(module.weight.shape[0], group.size()), group)
 
 
 class _Shared:
