@@ -216,10 +216,23 @@ def _check_styles(mesh, method) -> list[str]:
     return problems
 
 
-def _run(rank: int, world: int) -> dict[str, list[str]]:
+def _save(mesh, path: str) -> dict[str, torch.Tensor]:
+    """One AdamW step of the sharded Llama, saved with torch.distributed.checkpoint; returns
+    the full (unsharded) weights it saved, from every rank."""
+    import torch.distributed.checkpoint as dcp
+    import commfuse.tp as tp
+    ids, labels = _batches(1)
+    model = tp.parallelize(build("llama"), mesh, method="commfuse")
+    _train(model, None, ids, labels, 1)
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    # as numpy: tensors would cross the result queue as shared memory that dies with the rank
+    return {n: p.full_tensor().numpy() for n, p in model.state_dict().items()}
+
+
+def _run(rank: int, world: int, path: str) -> dict[str, list[str]]:
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (world,))
-    out = {}
+    out = {"saved": _save(mesh, path) if world == 2 else None}
     for arch, method, attn, seq in EXACT:
         out[f"exact-{arch}-{method}-{attn}-seq{seq}"] = _check_exact(arch, method, attn, seq, mesh)
     for method in ("none", "commfuse"):
@@ -234,7 +247,17 @@ def _run(rank: int, world: int) -> dict[str, list[str]]:
 
 @functools.lru_cache(maxsize=None)
 def results(world: int) -> list[dict]:
-    return run_local(_run, world, timeout=600, pg_timeout_s=60)
+    return run_local(_run, world, _checkpoint_dir(), timeout=600, pg_timeout_s=60)
+
+
+@functools.lru_cache(maxsize=None)
+def _checkpoint_dir() -> str:
+    import atexit
+    import shutil
+    import tempfile
+    path = tempfile.mkdtemp(prefix="commfuse-tp-dcp-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 CASES = [(w, f"exact-{a}-{m}-{at}-seq{s}") for w in (2, 4) for a, m, at, s in EXACT]
@@ -247,6 +270,19 @@ CASES += [(4, f"fsdp2-{m}") for m in ("commfuse", "none")]
 def test_matches_unsharded_model(world, case):
     problems = {r: res[case] for r, res in enumerate(results(world)) if res[case]}
     assert not problems, problems
+
+
+def test_checkpoint_of_dtensor_params_loads_unsharded():
+    """The TP-sharded DTensors saved on 2 ranks load into the plain model in one process
+    (DCP reshards by their placements)."""
+    import torch.distributed.checkpoint as dcp
+    saved = results(2)[0]["saved"]
+    model = build("llama", seed=1)  # other weights, overwritten by the load
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=_checkpoint_dir())
+    assert set(state) == set(saved)
+    for name, t in state.items():
+        assert torch.equal(t, torch.from_numpy(saved[name])), name
 
 
 # --- no processes: what parallelize refuses ------------------------------------------------
