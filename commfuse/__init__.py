@@ -10,6 +10,7 @@ The package, in dependency order (docs/design.md has the whole picture):
     ops        the fused ops and their methods      testbed   local ranks, emulated cluster
     parallel   TP / Ulysses / ZeRO-3 plans          bench     measurements on the testbed
     models     the Llama-style model                train     ``commfuse train``
+    tp         TPSP styles for any model (torch's parallelize_module, transformers models)
 
 Exports resolve lazily (PEP 562), so ``import commfuse.sim`` does not import torch.
 """

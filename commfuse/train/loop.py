@@ -128,6 +128,9 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     """One rank's training loop; returns its per-step metrics (rank 0 prints and writes)."""
+    if cfg.hf_config:
+        from commfuse.train.hf import train_hf_rank
+        return train_hf_rank(rank, world, cfg, lr_at, seq_len_at)
     from commfuse.data import batches, load_corpus_tokens
     from commfuse.models.llama import Llama, LlamaConfig, flops_per_token
     from commfuse.parallel.checkpoint import load_checkpoint, save_checkpoint

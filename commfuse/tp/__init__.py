@@ -1,0 +1,22 @@
+"""Tensor + sequence parallelism (TPSP) for your own model on a DeviceMesh, with every
+all-gather / reduce-scatter fused with its GEMM by commfuse.
+
+    functional.py  the autograd pieces: shard_seq, gather_cols, sum_grad
+    style.py       ParallelStyles for torch's parallelize_module: FusedColwiseParallel,
+                   FusedRowwiseParallel, FusedProjections, SequenceParallelNorm,
+                   ReplicateParallel, ShardSequence, and the shared SeqSplit
+    hf.py          parallelize(model, mesh): the plan for transformers' Llama/Mistral/Qwen2/Qwen3
+
+Exports resolve lazily (PEP 562).
+"""
+
+from __future__ import annotations
+
+from commfuse import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "commfuse.tp.style": ("FusedColwiseParallel", "FusedRowwiseParallel", "FusedProjections",
+                          "SequenceParallelNorm", "ReplicateParallel", "ShardSequence",
+                          "SeqSplit"),
+    "commfuse.tp.hf": ("parallelize", "tp_mesh"),
+})

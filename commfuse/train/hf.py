@@ -1,0 +1,140 @@
+"""``commfuse train --hf-config PATH_OR_NAME``: a transformers causal LM built from a config (no
+weights are downloaded), trained with `commfuse.tp` on the shipped corpus.
+
+PATH_OR_NAME: a shipped config (``llama-tiny``, ``qwen2-tiny``: `commfuse/data/hf/*.json`), a
+``config.json`` file or directory, or a Hugging Face hub name (its config only). ``--tp`` ranks
+run `commfuse.tp.parallelize` (every fused op with ``--method`` and its options); ``--dp``
+ranks shard the model with FSDP2 (``fully_shard`` per layer and at the root) over the "dp"
+dim of the (dp, tp) mesh. Not with ``--up``, ``--query-split`` or checkpoints (those are
+the built-in model's). The loss is the next-token cross-entropy on ``targets``; MFU uses
+6N + 12 L H Q T (PaLM, appendix B) with the config's sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from commfuse.data import DATA_DIR, VOCAB_SIZE, batches, load_corpus_tokens
+from commfuse.train.config import DTYPES, TrainConfig
+from commfuse.train.report import measure_matmul_flops, progress, report
+
+SHIPPED = DATA_DIR / "hf"
+
+
+def load_config(name_or_path: str):
+    """The transformers config of a shipped name, a file or directory, or a hub name."""
+    from transformers import AutoConfig
+    shipped = SHIPPED / f"{name_or_path}.json"
+    return AutoConfig.from_pretrained(str(shipped if shipped.is_file() else name_or_path))
+
+
+def _check(cfg: TrainConfig, hf) -> None:
+    unsupported = [flag for flag, on in (("--up", cfg.up > 1), ("--query-split", cfg.query_split),
+                                         ("--checkpoint-dir", cfg.checkpoint_dir),
+                                         ("--resume", cfg.resume)) if on]
+    if unsupported:
+        raise ValueError(f"--hf-config does not take {', '.join(unsupported)}")
+    if hf.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"the config's vocab_size ({hf.vocab_size}) is below the shipped "
+                         f"tokenizer's ({VOCAB_SIZE})")
+    if cfg.batch_size % cfg.dp:
+        raise ValueError(f"global batch size ({cfg.batch_size}) must be divisible by dp ({cfg.dp})")
+
+
+def build(cfg: TrainConfig, world: int):
+    """(model, dp mesh or None): the model from the config, parallelized for tp x dp."""
+    from transformers import AutoModelForCausalLM
+    hf = load_config(cfg.hf_config)
+    _check(cfg, hf)
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa")
+    model = model.to(DTYPES[cfg.dtype])
+    if world == 1:
+        return model, None
+    import commfuse.tp
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+    commfuse.tp.parallelize(model, mesh, method=cfg.method, **cfg.method_opts())
+    if cfg.dp == 1:
+        return model, None
+    from torch.distributed.fsdp import fully_shard
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model, mesh["dp"]
+
+
+def _flops_per_token(hf, seq_len: int) -> int:
+    """6N + 12 L H Q T, N the parameters in matmuls (all but the embedding)."""
+    d, f, L, H = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.num_attention_heads
+    q = getattr(hf, "head_dim", None) or d // H
+    per_layer = d * q * (2 * H + 2 * hf.num_key_value_heads) + 3 * d * f
+    return 6 * (L * per_layer + d * hf.vocab_size) + 12 * L * H * q * seq_len
+
+
+def train_hf_rank(rank: int, world: int, cfg: TrainConfig, lr_at, seq_len_at) -> list[dict]:
+    """One rank's training loop (as `commfuse.train.loop.train_rank`, for --hf-config), with
+    that loop's LR schedule ``lr_at(cfg, step)`` and length walk ``seq_len_at(cfg, step)``,
+    passed in by it."""
+    if world != cfg.world:
+        raise ValueError(f"{world} ranks but tp*dp = {cfg.world}")
+    model, dp_mesh = build(cfg, world)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    dp_index = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+    data = batches(load_corpus_tokens(), cfg.batch_size // cfg.dp, cfg.seq_len, cfg.seed,
+                   rank=dp_index, world=cfg.dp)
+    peak = cfg.peak_flops or measure_matmul_flops(dtype=DTYPES[cfg.dtype])
+    show = cfg.progress and rank == 0
+    if show:
+        print(f"commfuse train: {type(model).__name__.removeprefix('FSDP')} from {cfg.hf_config}, tp={cfg.tp} "
+              f"dp={cfg.dp} method={cfg.method} {cfg.method_opts()}, batch "
+              f"{cfg.batch_size}x{cfg.seq_len}, {cfg.steps} steps", flush=True)
+    metrics: list[dict] = []
+    for step in range(min(cfg.steps, cfg.stop_after or cfg.steps)):
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step)
+        tokens, targets = next(data)
+        if cfg.variable_length:
+            n = seq_len_at(cfg, step)
+            tokens, targets = tokens[:, :n], targets[:, :n]
+        logits = model(tokens).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        if dp_mesh is not None:  # every dp rank's batch has the same token count
+            dist.all_reduce(loss, group=dp_mesh.get_group())
+            loss /= cfg.dp
+        dt = time.perf_counter() - t0
+        tps = tokens.numel() * cfg.dp / dt
+        metrics.append({"step": step + 1, "loss": loss.item(), "step_s": dt,
+                        "tokens_per_s": tps, "lr": lr_at(cfg, step), "seq_len": tokens.shape[1],
+                        "mfu": _flops_per_token(model.config, tokens.shape[1]) * tps
+                        / (peak * world)})
+        if show:
+            progress(metrics, cfg.steps)
+    summary = {"exposed_comm_s": None, "peak_flops_per_rank": peak}
+    if metrics:
+        steady = metrics[1:] or metrics
+        med = lambda key: statistics.median(m[key] for m in steady)
+        summary.update(median_step_s=med("step_s"), final_loss=metrics[-1]["loss"],
+                       median_tokens_per_s=med("tokens_per_s"), median_mfu=med("mfu"))
+    if show:
+        report(summary)
+    if rank == 0 and cfg.metrics_json:
+        Path(cfg.metrics_json).write_text(json.dumps({"config": dataclasses.asdict(cfg),
+            "world": world, "steps": metrics, "summary": summary}, indent=1))
+    return metrics

@@ -1,0 +1,185 @@
+"""One transformers Llama, three tensor-parallel plans, one run: commfuse TP, DTensor's own TP,
+and commfuse's styles with method="none" (the collective, then the GEMM).
+
+    commfuse launch --nproc 2 --link 1gbit -- python scripts/bench_tp_hf.py --json out/tp_hf.json
+    python scripts/bench_tp_hf.py --local 2 --hidden 64 --layers 2 --seq 64 --steps 3   # loopback
+
+Variants (``--variants``): ``commfuse`` = `commfuse.tp.parallelize(method=--method)`;
+``none`` = the same plan with method="none"; ``dtensor`` = torch's ColwiseParallel /
+RowwiseParallel / SequenceParallel / PrepareModuleInput plan (torchtitan's, on HF's module
+names). Every variant starts from the same weights and trains on the same batches with AdamW;
+their steps are interleaved, the order rotating every step, after ``--warmup`` untimed steps,
+with a barrier before each. A step's time is the slowest rank's (fwd + bwd + optimizer). Rank 0
+prints per variant the median step and its 10-90 % spread, tokens/s, the ratio to ``none``
+and the losses, and writes them with the config to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def build(a):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
+                      num_hidden_layers=a.layers, num_attention_heads=a.heads,
+                      num_key_value_heads=a.kv_heads, max_position_embeddings=max(a.seq, 64),
+                      tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(a.seed)
+    return LlamaForCausalLM(cfg)
+
+
+def dtensor_tp(model, mesh):
+    """torch's own TPSP plan (torchtitan's Llama plan on HF's module names)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+    T, cfg = mesh.size(), model.config
+    if cfg.num_key_value_heads % T:
+        raise ValueError("the dtensor plan needs num_key_value_heads divisible by the TP size")
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
+                                                  output_layouts=Shard(1), use_local_output=False),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        plan.update({
+            p + "input_layernorm": SequenceParallel(),
+            p + "self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
+            p + "self_attn.v_proj": ColwiseParallel(),
+            p + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            p + "post_attention_layernorm": SequenceParallel(),
+            p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                          desired_input_layouts=(Replicate(),)),
+            p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+            p + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+    parallelize_module(model, mesh, plan)
+    return model
+
+
+def make(variant: str, a, mesh):
+    import commfuse.tp
+    model = build(a)
+    if variant == "dtensor":
+        return dtensor_tp(model, mesh)
+    method = a.method if variant == "commfuse" else "none"
+    return commfuse.tp.parallelize(model, mesh, method=method)
+
+
+def run(rank: int, world: int, a) -> dict | None:
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.set_num_threads(a.threads)
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(a.seed + 1)
+    batches = torch.randint(a.vocab, (4, a.batch, a.seq), generator=g)
+    runs = {}
+    for v in a.variants:
+        model = make(v, a, mesh)
+        runs[v] = dict(model=model, opt=torch.optim.AdamW(model.parameters(), lr=a.lr),
+                       times=[], losses=[])
+    for step in range(a.warmup + a.steps):
+        order = a.variants[step % len(a.variants):] + a.variants[:step % len(a.variants)]
+        ids = batches[step % len(batches)]
+        for v in order:
+            r = runs[v]
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = r["model"](ids, labels=ids).loss
+            loss.backward()
+            r["opt"].step()
+            r["opt"].zero_grad()
+            dt = torch.tensor(time.perf_counter() - t0)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if step >= a.warmup:
+                r["times"].append(dt.item())
+                r["losses"].append(loss.item())
+    if rank:
+        return None
+    return report(a, world, {v: {k: r[k] for k in ("times", "losses")} for v, r in runs.items()})
+
+
+def report(a, world: int, runs: dict) -> dict:
+    out = {"config": {k: v for k, v in vars(a).items() if k != "json"}, "world": world,
+           "variants": {}}
+    tokens = a.batch * a.seq
+    base = statistics.median(runs["none"]["times"]) if "none" in runs else None
+    print(f"Llama hidden {a.hidden}, {a.layers} layers, {a.heads}/{a.kv_heads} heads, ffn "
+          f"{a.ffn}, vocab {a.vocab}; batch {a.batch} x seq {a.seq}; TP {world}; "
+          f"{a.steps} timed steps after {a.warmup}")
+    print(f"{'variant':10} {'step ms':>9} {'p10-p90 ms':>15} {'tokens/s':>10} {'vs none':>8}  losses")
+    for v, r in runs.items():
+        ts = sorted(r["times"])
+        med = statistics.median(ts)
+        p10, p90 = ts[int(0.1 * (len(ts) - 1))], ts[int(0.9 * (len(ts) - 1))]
+        ratio = med / base if base else None
+        out["variants"][v] = dict(median_s=med, p10_s=p10, p90_s=p90, tokens_per_s=tokens / med,
+                                  vs_none=ratio, losses=r["losses"], times_s=r["times"])
+        print(f"{v:10} {med * 1e3:9.1f} {p10 * 1e3:7.1f}-{p90 * 1e3:<7.1f} {tokens / med:10.0f} "
+              f"{'' if ratio is None else f'{ratio:8.3f}'}  "
+              + " ".join(f"{x:.4f}" for x in r["losses"]))
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {a.json}")
+    return out
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--hidden", type=int, default=512)
+    add("--layers", type=int, default=8)
+    add("--heads", type=int, default=8)
+    add("--kv-heads", type=int, default=4)
+    add("--ffn", type=int, default=1376)
+    add("--vocab", type=int, default=4096)
+    add("--seq", type=int, default=1024, help="tokens per sequence")
+    add("--batch", type=int, default=4, help="sequences per step (every rank: the same)")
+    add("--steps", type=int, default=10, help="timed steps per variant")
+    add("--warmup", type=int, default=3, help="untimed steps per variant first")
+    add("--lr", type=float, default=1e-3)
+    add("--seed", type=int, default=0)
+    add("--method", default="auto", help="the commfuse variant's method")
+    add("--variants", default="commfuse,dtensor,none",
+        type=lambda s: [v for v in s.split(",") if v])
+    add("--threads", type=int, default=1, help="intra-op threads per rank")
+    add("--json", default=None, metavar="FILE", help="rank 0 writes the results here")
+    add("--local", type=int, default=0, metavar="N",
+        help="spawn N local ranks (loopback) instead of reading torchrun's environment")
+    a = p.parse_args(argv)
+    bad = set(a.variants) - {"commfuse", "dtensor", "none"}
+    if bad or not a.variants:
+        p.error(f"unknown variant(s) {sorted(bad)}: choose from commfuse, dtensor, none")
+    return a
+
+
+def main(argv=None) -> None:
+    a = parse(argv)
+    if a.local:
+        from commfuse.testbed.spawn import run_local
+        run_local(run, a.local, a, timeout=3600, threads=a.threads)
+        return
+    from commfuse.runtime.gloo import duplex
+    dist.init_process_group("gloo")
+    duplex()
+    try:
+        run(dist.get_rank(), dist.get_world_size(), a)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
