@@ -26,10 +26,12 @@ What a step is: for every micro-batch, the forward and backward of every block a
 output head, with the fused ops the plans use (TPSP: AG->GEMM q|k|v and gate|up, GEMM->RS
 out-proj and down; Ulysses: GEMM->a2a, a2a->GEMM; ZeRO-3 DP: parameter all-gather fused with
 each GEMM, gradient reduce-scatter fused with the weight-gradient GEMM; backward the dual
-ops, and the gathers AG->GEMM repeats since it saves only shards), attention as GEMMs of (S, head_dim, S) (causal: half of QK^T and PV), then once per step
-the all-reduce of the replicated gradients. Under TP/UP x DP the plans gather the TP/UP
-weights with a plain all-gather before each op and in backward: counted as exposed. Not counted: elementwise
-work, the optimizer step, pipeline parallelism, activation memory (a plan may not fit).
+ops, and the gathers AG->GEMM repeats since it saves only shards), attention as GEMMs of
+(S, head_dim, S) (causal: half of QK^T and PV), then once per step the all-reduce of the
+replicated gradients. Under TP/UP x DP the plans gather the TP/UP weights with a plain
+all-gather before each op and again in backward: counted as exposed. Not counted:
+elementwise work, the optimizer step, pipeline parallelism, activation memory (a plan may not
+fit).
 
 How it is timed: each distinct op is simulated once on its own group (tp/up ranks are
 neighbours, dp strides over them; a group wider than --node-size uses --inter-hw's links), and
