@@ -62,18 +62,19 @@ def ag_matmul_backward(a, bs, ga, gys, dim, sizes, group, spec, *, gathered: boo
     reduce_scatter(dA + sum_i dY_i @ B_i^T) runs as the dual fused op. ``need_bs[i]`` False
     (or ``need_a`` False) skips that gradient (None is returned for it).
     """
+    # which collectives run depends only on need_a / need_bs (requires_grad, the same on every
+    # rank), never on which output grads are None here, so the ranks' schedules match
     need_bs = [True] * len(bs) if need_bs is None else list(need_bs)
     gys_SMN = [None if g is None else g.movedim(dim, 0) for g in gys]
-    wanted = [g if need and g is not None else None for g, need in zip(gys_SMN, need_bs)]
+    wanted = [g if need else None for g, need in zip(gys_SMN, need_bs)]
     gbs: list[torch.Tensor | None] = [None] * len(bs)
-    if any(w is not None for w in wanted):
-        if gathered:  # A is here whole: one GEMM per weight
-            a_XK = a.movedim(dim, 0).flatten(0, -2)
-            gbs = [None if g is None else a_XK.t() @ g.flatten(0, -2) for g in wanted]
-        else:  # gather A again; each arriving slot feeds the weight-grad GEMMs
-            grads = SlotGEMMs(wanted, "lhs", a.shape[-1])
-            ag_matmul(a.movedim(dim, 0), [], sizes, group, spec, consume=grads)
-            gbs = grads.result(a)
+    if gathered:  # A is here whole: one GEMM per weight
+        a_XK = a.movedim(dim, 0).flatten(0, -2)
+        gbs = [None if g is None else a_XK.t() @ g.flatten(0, -2) for g in wanted]
+    elif any(need_bs):  # gather A again; each arriving slot feeds the weight-grad GEMMs
+        grads = SlotGEMMs(wanted, "lhs", a.shape[-1])
+        ag_matmul(a.movedim(dim, 0), [], sizes, group, spec, consume=grads)
+        gbs = grads.result(a)
     for i, (need, gy) in enumerate(zip(need_bs, gys)):
         if need and gy is None:  # no grad reached Y_i: dB_i is zero
             gbs[i] = bs[i].new_zeros(bs[i].shape)
@@ -81,13 +82,9 @@ def ag_matmul_backward(a, bs, ga, gys, dim, sizes, group, spec, *, gathered: boo
         return None, gbs
     ga_SMK = None if ga is None else ga.movedim(dim, 0)
     terms = [(g, b.t()) for g, b in zip(gys_SMN, bs) if g is not None]
-    if not terms:  # no grad reached any Y_i
-        if ga_SMK is None:
-            shape = list(a.shape)
-            shape[dim] = sizes[group.rank()]
-            return a.new_zeros(shape), gbs
-        # reduce-scatter dA alone, with a zero GEMM (one column) to carry it
-        terms = [(ga_SMK.new_zeros((*ga_SMK.shape[:-1], 1)), ga_SMK.new_zeros((1, a.shape[-1])))]
+    if not terms:  # no grad reached any Y_i: a zero GEMM (one column) carries dA (or zeros)
+        shape_SM = (sum(sizes), *a.movedim(dim, 0).shape[1:-1])
+        terms = [(a.new_zeros((*shape_SM, 1)), a.new_zeros((1, a.shape[-1])))]
     ga_shard = matmul_rs(terms, ga_SMK, sizes, group, spec)
     return ga_shard.movedim(0, dim), gbs
 
