@@ -47,6 +47,7 @@ def test_tpsp_saves_only_sequence_shards():
     assert tp["saved_acts"] <= BOUND * one["saved_acts"], (tp, one)
     assert tp["held"] <= BOUND * one["held"], (tp, one)
     assert tp["wide"] == 0, tp  # no gathered [B, S, D] input outlives its forward
+    assert tp["peak"] <= BOUND * one["peak"], (tp, one)  # the step's peak too
     # the same measurement with the gathered inputs kept (save_gathered=True) sees them: one
     # [B, S, D] float32 per all-gather -> GEMM (2 per layer), the shards no longer saved
     cfg = step_memory.CFG
@@ -62,6 +63,8 @@ def test_zero3_keeps_no_gathered_weight():
     # with the gathered weights saved for backward, the bound fails: the test discriminates
     assert kept["params"] + kept["held"] > BOUND * (one["params"] + one["held"]), (kept, one)
     assert kept["held"] > dp["held"] + 0.8 * one["params"] / 2, (kept, dp)
+    # the step's peak: parameters, gradients, one gathered weight at a time (kept: all)
+    assert dp["peak"] <= 0.7 * one["peak"] < kept["peak"], (dp, kept, one)
 
 
 @pytest.mark.skipif(not AVAILABLE, reason="needs glibc's mallinfo2 (glibc >= 2.33)")

@@ -37,7 +37,7 @@ import torch
 from commfuse.bench.memory import AVAILABLE, _sampling, in_use
 
 # a model whose weights outweigh its activations at these token counts (ZeRO-3's regime)
-CFG = dict(vocab_size=128, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512,
+CFG = dict(vocab_size=256, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=1024,
            max_seq_len=64)
 BATCH, SEQ = 2, 32
 LAYOUTS = {"single": {}, "tp2": {"tp": 2}, "dp2": {"dp": 2}, "tp2xdp2": {"tp": 2, "dp": 2}}

@@ -98,8 +98,11 @@ class SlotGEMMs:
             if f is None:
                 continue
             f_XN = view(f).flatten(0, -2)
-            part = modes.gemm(a_XK.t(), f_XN) if self.lhs else modes.gemm(f_XN.t(), a_XK)
-            self.out[i] = part if self.out[i] is None else self.out[i].add_(part)
+            x, z = (a_XK.t(), f_XN) if self.lhs else (f_XN.t(), a_XK)
+            if self.out[i] is None:
+                self.out[i] = modes.gemm(x, z)
+            elif modes.current() != "comm_only":  # accumulate in place: no second [K, N]
+                self.out[i].addmm_(x, z)
 
     def result(self, like: torch.Tensor) -> list[torch.Tensor | None]:
         """The sums (zeros where no slot had rows; None where ``fixed`` was None)."""
