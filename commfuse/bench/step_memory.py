@@ -11,7 +11,7 @@ layout (after a warm-up step) and reports per rank, in bytes:
   still alive;
 - ``saved_acts`` / ``saved_params``: the distinct storages the forward saved for backward
   (``torch.autograd.graph.saved_tensors_hooks``), not / only parameters (a cross-check of
-  ``held``; a plan's own hooks, `commfuse.parallel.data.regathered`, hide what they pack);
+  ``held``; a weight that `commfuse.parallel.data.regathered` saves as its shard is not seen);
 - ``wide``: of those, the storages saved as a [batch, whole sequence, model width] tensor,
   which under TPSP only a gathered input is (between the blocks the sequence is sharded,
   inside them the width is);

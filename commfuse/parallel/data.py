@@ -113,19 +113,26 @@ def regathered(*mods: nn.Module):
     gathered again when the backward unpacks it, so the full weights live only inside.
 
     Every DP rank unpacks the same saved tensors in the same order (the same graph), so the
-    all-gathers of the backward match up.
+    all-gathers of the backward match up. Saved-tensor hooks already in force outside (e.g.
+    ``torch.autograd.graph.save_on_cpu``) still apply to every other saved tensor.
     """
     ws = [m.gather() for m in mods]
     owner = {w.untyped_storage().data_ptr(): m for w, m in zip(ws, mods)
              if isinstance(m, ShardedLinear)}
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)
+    outer = top(False)  # (pack, unpack) of the hooks in force, or None
 
     def pack(t: torch.Tensor):
         m = owner.get(t.untyped_storage().data_ptr()) if t.numel() else None
-        return t if m is None else (_Regather, m, t.size(), t.stride(), t.storage_offset())
+        if m is not None:
+            return (_Regather, m, t.size(), t.stride(), t.storage_offset())
+        return t if outer is None else (_Outer, outer[0](t))
 
     def unpack(packed):
-        if not (isinstance(packed, tuple) and packed[0] is _Regather):
+        if not isinstance(packed, tuple):
             return packed
+        if packed[0] is _Outer:
+            return outer[1](packed[1])
         _, m, size, stride, offset = packed
         return gather_rows(m.weight.detach(), m.group).as_strided(size, stride, offset)
 
@@ -137,7 +144,11 @@ def regathered(*mods: nn.Module):
 
 
 class _Regather:
-    """Marks a saved tensor packed by `regathered`."""
+    """Marks a saved weight packed by `regathered` as its shard."""
+
+
+class _Outer:
+    """Marks a saved tensor packed by the hooks in force outside `regathered`."""
 
 
 class LocalWeight(nn.Module):
