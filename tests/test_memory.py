@@ -73,5 +73,6 @@ def test_tp_x_dp_regathers_weights_in_backward():
     tp, both, kept = _step("tp2"), _step("tp2xdp2"), _step("tp2xdp2", True)
     assert both["params"] + both["held"] <= BOUND * (tp["params"] + tp["held"]), (both, tp)
     assert kept["params"] + kept["held"] > BOUND * (tp["params"] + tp["held"]), (kept, tp)
-    # hooks in force outside the blocks (here the measurement's) still see every activation
-    assert 0 < both["saved_acts"] <= BOUND * tp["saved_acts"], (both, tp)
+    # hooks in force outside the blocks (here the measurement's) still see every activation:
+    # half the batch of tp=2's, not only those saved outside the blocks
+    assert 0.4 * tp["saved_acts"] <= both["saved_acts"] <= BOUND * tp["saved_acts"], (both, tp)
