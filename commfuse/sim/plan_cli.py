@@ -28,8 +28,8 @@ out-proj and down; Ulysses: GEMM->a2a, a2a->GEMM; ZeRO-3 DP: parameter all-gathe
 each GEMM, gradient reduce-scatter fused with the weight-gradient GEMM; backward the dual
 ops, and the gathers AG->GEMM repeats since it saves only shards), attention as GEMMs of
 (S, head_dim, S) (causal: half of QK^T and PV), then once per step the all-reduce of the
-replicated gradients. Under TP/UP x DP the plans gather the TP/UP weights with a plain
-all-gather before each op and again in backward: counted as exposed. Not counted:
+replicated gradients. Under TP/UP x DP the plans gather the TP/UP weights with a
+plain all-gather before each op and again in backward: counted as exposed. Not counted:
 elementwise work, the optimizer step, pipeline parallelism, activation memory (a plan may not
 fit).
 
