@@ -42,6 +42,7 @@ class Case:
     noncontig: bool = False
     avg: bool = False
     uneven: str = ""  # "" even slices; see UNEVEN
+    return_a: bool = True  # ag_matmul: A is returned (and gets a gradient)
 
     def sizes(self, world: int) -> tuple[int, ...]:
         """Rows of each rank's slice of the gathered/scattered dim."""
@@ -56,7 +57,8 @@ class Case:
         opts = ",".join(f"{k}={v}" for k, v in self.opts)
         return (f"{self.op}-{self.method}{'[' + opts + ']' if opts else ''}-dim{self.dim}-"
                 f"{str(self.dtype)[6:]}{'-noncontig' if self.noncontig else ''}"
-                f"{'-avg' if self.avg else ''}{'-' + self.uneven if self.uneven else ''}")
+                f"{'-avg' if self.avg else ''}{'-' + self.uneven if self.uneven else ''}"
+                f"{'' if self.return_a else '-noA'}")
 
 
 def all_cases() -> list[Case]:
@@ -72,6 +74,12 @@ def all_cases() -> list[Case]:
             for uneven in UNEVEN:
                 cases.append(Case(op, method, o, 1, torch.float32, avg=op == "matmul_rs",
                                   uneven=uneven))
+            if op == "ag_matmul":  # only Ys used (A's grad is None); the gathered A saved
+                cases.append(Case(op, method, o, 1, torch.float32, return_a=False))
+                o2 = tuple(sorted({**opts, "save_gathered": True}.items()))
+                cases += [Case(op, method, o2, 1, torch.float32, return_a=False),
+                          Case(op, method, o2, 0, torch.bfloat16),
+                          Case(op, method, o2, 1, torch.float32, uneven="skewed")]
     return cases
 
 
@@ -113,7 +121,7 @@ def _reference(case: Case, world: int, a, b):
     offs = [sum(sizes[:p]) for p in range(w)]
     if case.op == "ag_matmul":
         full = torch.cat(a, d)
-        return [[full] + [full @ bi for bi in b[r]] for r in range(w)]
+        return [[full] * case.return_a + [full @ bi for bi in b[r]] for r in range(w)]
     if case.op == "matmul_rs":
         c = sum(a[q] @ b[q][0] for q in range(w))
         if case.avg:
@@ -131,7 +139,7 @@ def _fused(case: Case, a: torch.Tensor, bs: list[torch.Tensor], world: int) -> l
     if case.uneven in ("skewed",) or (case.uneven and not registry.get(case.op).whole_input):
         opts["sizes"] = case.sizes(world)  # else the default: even_sizes of the full dim
     return registry.outputs(case.op, a, bs, case.method, opts, dim=case.dim,
-                            reduce_op="avg" if case.avg else "sum")
+                            reduce_op="avg" if case.avg else "sum", return_A=case.return_a)
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -43,6 +43,8 @@ def _bad_calls():
         ("timeout must be", lambda: commfuse.fused_all_gather_matmul(a2, [b], 0, timeout=-1)),
         ("floating-point", lambda: commfuse.fused_all_gather_matmul(a2.long(), [b.long()], 0)),
         ("must be a torch.Tensor", lambda: commfuse.fused_matmul_reduce_scatter([1], b, "sum", 0)),
+        ("save_gathered must be a bool", lambda: commfuse.fused_all_gather_matmul(
+            a2, [b], 0, save_gathered="yes")),
     ]
 
 

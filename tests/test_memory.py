@@ -18,3 +18,61 @@ def test_extra_memory_within_the_documented_bound(world):
     assert not over, over
     # the bound is not vacuous: the measurement reaches it (within a quarter) somewhere
     assert any(r[key]["extra_bytes"] > 0.75 * r[key]["bound_bytes"] for r in res for key in r)
+
+
+# --- one training step of the Llama: what TPSP and ZeRO-3 must save -------------------------
+
+import functools  # noqa: E402
+
+from commfuse.bench import step_memory  # noqa: E402
+
+BOUND = 0.6  # per-rank memory under tp=2 / dp=2 as a fraction of one process's
+
+
+@functools.lru_cache(maxsize=None)
+def _steps() -> dict:
+    """Worst-rank step memory (`commfuse.bench.step_memory`) of every layout, with and
+    without the gathered tensors kept: one spawn of 2 ranks, one of 4."""
+    return step_memory.run([("single", False)] + [(n, k) for n in ("tp2", "dp2", "tp2xdp2")
+                                                  for k in (False, True)])
+
+
+def _step(layout: str, keep: bool = False) -> dict[str, int]:
+    return _steps()[(layout, keep)]
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="needs glibc's mallinfo2 (glibc >= 2.33)")
+def test_tpsp_saves_only_sequence_shards():
+    one, tp, kept = _step("single"), _step("tp2"), _step("tp2", True)
+    assert tp["saved_acts"] <= BOUND * one["saved_acts"], (tp, one)
+    assert tp["held"] <= BOUND * one["held"], (tp, one)
+    assert tp["wide"] == 0, tp  # no gathered [B, S, D] input outlives its forward
+    assert tp["peak"] <= BOUND * one["peak"], (tp, one)  # the step's peak too
+    # the same measurement with the gathered inputs kept (save_gathered=True) sees them: one
+    # [B, S, D] float32 per all-gather -> GEMM (2 per layer), the shards no longer saved
+    cfg = step_memory.CFG
+    gathered = 2 * cfg["n_layers"] * step_memory.BATCH * step_memory.SEQ * cfg["dim"] * 4
+    assert kept["wide"] == gathered, kept
+    assert kept["saved_acts"] >= tp["saved_acts"] + gathered / 2, (kept, tp)
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="needs glibc's mallinfo2 (glibc >= 2.33)")
+def test_zero3_keeps_no_gathered_weight():
+    one, dp, kept = _step("single"), _step("dp2"), _step("dp2", True)
+    assert dp["params"] + dp["held"] <= BOUND * (one["params"] + one["held"]), (dp, one)
+    # with the gathered weights saved for backward, the bound fails: the test discriminates
+    assert kept["params"] + kept["held"] > BOUND * (one["params"] + one["held"]), (kept, one)
+    assert kept["held"] > dp["held"] + 0.8 * one["params"] / 2, (kept, dp)
+    # the step's peak: parameters, gradients, one gathered weight at a time (kept: all)
+    assert dp["peak"] <= 0.7 * one["peak"] < kept["peak"], (dp, kept, one)
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="needs glibc's mallinfo2 (glibc >= 2.33)")
+def test_tp_x_dp_regathers_weights_in_backward():
+    """Under TP x DP the TP ops get DP-gathered weights; they must be saved as shards."""
+    tp, both, kept = _step("tp2"), _step("tp2xdp2"), _step("tp2xdp2", True)
+    assert both["params"] + both["held"] <= BOUND * (tp["params"] + tp["held"]), (both, tp)
+    assert kept["params"] + kept["held"] > BOUND * (tp["params"] + tp["held"]), (kept, tp)
+    # hooks in force outside the blocks (here the measurement's) still see every activation:
+    # half the batch of tp=2's, not only those saved outside the blocks
+    assert 0.4 * tp["saved_acts"] <= both["saved_acts"] <= BOUND * tp["saved_acts"], (both, tp)

@@ -74,6 +74,12 @@ def test_backward_is_the_dual_op():
     fwd, bwd = block_ops(CFG, 1, 1, 2, 64, 1, sm=PREV)  # ZeRO-3: AG->GEMM forward, GEMM->RS for dW
     assert {o.kind for o in fwd if o.axis == "dp"} == {"ag_matmul"}
     assert {o.kind for o in bwd if o.axis == "dp"} == {"matmul_rs"}
+    fwd, bwd = block_ops(CFG, 1, 1, 2, 64, 1)  # the current step: the rows gathered again for dx
+    assert [o.kind for o in bwd if o.axis == "dp"] == ["matmul_rs", "ag_matmul"] * 7
+    _, bwd = block_ops(CFG, 2, 1, 2, 64, 1)  # TP x DP: every TP weight gathered again
+    assert sum(o.name.startswith("regather") for o in bwd) == 7
+    _, bwd = block_ops(CFG, 2, 1, 2, 64, 1, sm=PREV)
+    assert not any(o.name.startswith("regather") for o in bwd)
 
 
 def test_grad_sync_buckets():
@@ -153,7 +159,9 @@ def test_auto_is_never_slower_than_the_fixed_methods_by_more_than_its_step_cost(
     fixed = {m: simulate_step(CFG, dims(tp=4, method=m), HW, seq=512).step_s
              for m in ("none", "sliced", "decompose", "commfuse")}
     auto = simulate_step(CFG, dims(tp=4, method="auto"), HW, seq=512)
-    assert auto.step_s <= min(fixed.values()) * 1.02
+    # auto charges each schedule step 10 us that the fixed methods' times leave out: at these
+    # ~20 us ops it keeps "none"; 3 % is well under what those steps cost a pipelined method
+    assert auto.step_s <= min(fixed.values()) * 1.03
 
 
 def test_timeline_spans_and_trace(tmp_path):

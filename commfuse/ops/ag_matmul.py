@@ -17,10 +17,14 @@ from commfuse.schedule import Transfer
 
 
 class _GatherBinding(Binding):
-    """The buffers of one call: the gathered ``a_SMK`` (returned too) and the outputs."""
+    """The buffers of one call: the gathered ``a_SMK`` (returned too) and the outputs; an
+    optional ``consume(view, a_rows)`` runs after each slot's (chunk's) GEMMs on the rows that
+    just arrived, ``view(x)`` selecting the same rows of any ``[S, ...]`` tensor ``x``."""
 
-    def __init__(self, a_sMK: torch.Tensor, bs_KN, sizes, world: int, rank: int, spec):
+    def __init__(self, a_sMK: torch.Tensor, bs_KN, sizes, world: int, rank: int, spec,
+                 consume=None):
         self.a_sMK, self.bs_KN, self.world, self.rank = a_sMK, bs_KN, world, rank
+        self.consume = consume
         self.cut(sizes, spec)
         self.a_SMK = a_sMK.new_empty((self.total, *a_sMK.shape[1:]))
         self.ys_SMN = [a_sMK.new_empty((self.total, *a_sMK.shape[1:-1], b.shape[1]))
@@ -39,6 +43,8 @@ class _GatherBinding(Binding):
         rows = self.rows(slot)
         for b_KN, y_SMN in zip(self.bs_KN, self.ys_SMN):
             modes.gemm(self.a_SMK[rows], b_KN, out=y_SMN[rows])
+        if self.consume is not None:
+            self.consume(lambda x: x[rows], self.a_SMK[rows])
 
     # sliced / none: all_gather chunk j (rows pieces[p][j] of every slice), then its GEMMs
     def collective(self, slot: int, transport):
@@ -60,11 +66,47 @@ class _GatherBinding(Binding):
                 modes.gemm(a, b_KN, out=y_SMN)
             else:
                 self.place(y_SMN, slot, modes.gemm(a, b_KN))
+        if self.consume is not None:  # a: chunk `slot` of every slice, in rank order
+            self.consume(lambda x: self.flat(self.chunk_rows(x, slot)), a)
 
 
-def ag_matmul(a_sMK: torch.Tensor, bs_KN, sizes, group, spec) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def ag_matmul(a_sMK: torch.Tensor, bs_KN, sizes, group, spec,
+              consume=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """No autograd: ``(all_gather(a_sMK, 0), [A @ b for b in bs_KN])`` under ``spec``; rank p's
-    slice has ``sizes[p]`` rows."""
-    binding = _GatherBinding(a_sMK.contiguous(), bs_KN, sizes, group.size(), group.rank(), spec)
+    slice has ``sizes[p]`` rows. ``consume(view, a_rows)``, if given, is more compute fed by
+    the gather: it runs on each slot's (chunk's) rows of A right after their GEMMs, so the
+    transfers hide behind it too (the backward's weight-gradient GEMMs, `SlotGEMMs`)."""
+    binding = _GatherBinding(a_sMK.contiguous(), bs_KN, sizes, group.size(), group.rank(), spec,
+                             consume)
     execute("ag_matmul", spec, group, binding, a_sMK.device)
     return binding.a_SMK, binding.ys_SMN
+
+
+class SlotGEMMs:
+    """``out_i = X_i^T @ Z_i`` summed slot by slot over the gathered dim, as `ag_matmul`'s
+    ``consume``: the arriving rows of A are ``X`` (``arriving="lhs"``, ``Z_i = fixed[i]``) or
+    ``Z`` (``arriving="rhs"``, ``X_i = fixed[i]``); the other operands are whole ``[S, M, .]``
+    tensors (None: not needed). Summed in this rank's slot order, the same on every call."""
+
+    def __init__(self, fixed, arriving: str, k: int):
+        self.fixed, self.lhs, self.k = list(fixed), arriving == "lhs", k
+        self.out: list[torch.Tensor | None] = [None] * len(self.fixed)
+
+    def __call__(self, view, a_rows: torch.Tensor) -> None:
+        a_XK = a_rows.flatten(0, -2)
+        for i, f in enumerate(self.fixed):
+            if f is None:
+                continue
+            f_XN = view(f).flatten(0, -2)
+            x, z = (a_XK.t(), f_XN) if self.lhs else (f_XN.t(), a_XK)
+            if self.out[i] is None:
+                self.out[i] = modes.gemm(x, z)
+            elif modes.current() != "comm_only":  # accumulate in place: no second [K, N]
+                self.out[i].addmm_(x, z)
+
+    def result(self, like: torch.Tensor) -> list[torch.Tensor | None]:
+        """The sums (zeros where no slot had rows; None where ``fixed`` was None)."""
+        def shape(f):
+            return (self.k, f.shape[-1]) if self.lhs else (f.shape[-1], self.k)
+        return [None if f is None else o if o is not None else like.new_zeros(shape(f))
+                for f, o in zip(self.fixed, self.out)]

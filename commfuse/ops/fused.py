@@ -21,16 +21,20 @@ from commfuse.ops.methods import method_spec
 
 def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], gather_dim: int,
                             group=None, *, return_A: bool = True, method: str = "commfuse",
-                            sizes: Sequence[int] | None = None,
+                            sizes: Sequence[int] | None = None, save_gathered: bool = False,
                             **opts) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """``A = all_gather(A_shard, gather_dim)``; returns ``(A or None, [A @ B for B in Bs])``.
 
     ``gather_dim`` is any dim of ``A_shard`` but the last; each rank passes its own ``Bs``
     (its column shards of the weights), each ``[k, n_i]``. ``sizes``: the rows every rank's
     shard has along ``gather_dim`` (the same list on every rank) when they differ; default:
-    all equal to this rank's.
+    all equal to this rank's. Only ``A_shard`` is saved for backward, which gathers A again
+    (fused, same method, the weight-grad GEMMs consuming it); ``save_gathered=True`` saves
+    the gathered A instead (more memory until backward, one gather fewer).
     """
     checks.check_tensor("A_shard", A_shard)
+    if not isinstance(save_gathered, bool):
+        raise TypeError(f"save_gathered must be a bool, got {save_gathered!r}")
     if isinstance(Bs, torch.Tensor) or not isinstance(Bs, (list, tuple)) or not Bs:
         raise TypeError("Bs must be a non-empty list or tuple of 2-D tensors")
     for i, b in enumerate(Bs):
@@ -42,10 +46,10 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     rows = sum(sizes) * checks.other_rows(A_shard, dim)  # the same on every rank (for auto)
     spec = auto.resolve(spec, "ag_matmul", (rows, A_shard.shape[-1], sum(b.shape[1] for b in Bs)),
                         group.size(), A_shard)
-    if torch.compiler.is_compiling():  # one opaque custom op in the graph
+    if torch.compiler.is_compiling():  # one opaque custom op (it saves the gathered A)
         a, *ys = library.all_gather_matmul(A_shard, Bs, dim, sizes, group, spec)
     else:
-        a, *ys = AllGatherMatmul.apply(A_shard, dim, sizes, group, spec, *Bs)
+        a, *ys = AllGatherMatmul.apply(A_shard, dim, sizes, group, spec, save_gathered, *Bs)
     return (a if return_A else None), ys
 
 

@@ -8,12 +8,17 @@ must be divisible by P). The forward gathers it *fused with the GEMM*:
 and the autograd backward of that op is the dual GEMM -> reduce-scatter, which is exactly the
 weight-gradient GEMM fused with the gradient reduce-scatter: dW_oI = RS(dY_ON @ X_NI). Each
 rank receives its gradient shard directly, with no separate collective. (The op also returns
-dX^T = W^T @ dY locally.)
+dX^T = W^T @ dY locally.) Only the shard is saved for backward: the backward gathers W again,
+fused as in the forward, its row-slices feeding dX^T = sum_slot W[slot]^T @ dY[slot] as they
+arrive, so no layer's full weight outlives its forward or its backward.
 
 Not sharded: norms and the embedding stay replicated; their gradients are summed with a plain
 all-reduce (`ParallelLlama.sync_grads`). Under TP x DP / UP x DP the weight that the TP / UP
 op needs is first gathered with a plain all-gather whose backward is a reduce-scatter
-(`ShardedLinear.gather`): the TP / UP collectives are the fused ones there.
+(`ShardedLinear.gather`): the TP / UP collectives are the fused ones there. Under
+`regathered`, a gathered weight that an op saves for backward is saved as the shard and
+gathered again (plain all-gather, not overlapped) when the backward needs it. Not built: a
+prefetch of the next layer's weights.
 
 The optimizer is sharded by construction: AdamW over the local parameters (each rank updates
 only its rows; the replicated norms / embedding are updated identically on every rank, from
@@ -23,6 +28,8 @@ Shape suffixes: O rows of W (out), o = O/P this rank's rows, I columns (in), N t
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -97,6 +104,52 @@ class ShardedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rows {tuple(self.weight.shape)} of {self.out_features}, dp={self.group.size()}"
+
+
+@contextlib.contextmanager
+def regathered(*mods: nn.Module):
+    """Yield ``[m.gather() for m in mods]`` for the ops inside; any of those weights (or a view
+    of one) saved for backward by an op inside is saved as this rank's shard instead and
+    gathered again when the backward unpacks it, so the full weights live only inside.
+
+    Every DP rank unpacks the same saved tensors in the same order (the same graph), so the
+    all-gathers of the backward match up. Saved-tensor hooks already in force outside (e.g.
+    ``torch.autograd.graph.save_on_cpu``) still apply to every other saved tensor. Under
+    torch.compile the weights are saved whole (the hooks are not traced).
+    """
+    ws = [m.gather() for m in mods]
+    owner = {w.untyped_storage().data_ptr(): m for w, m in zip(ws, mods)
+             if isinstance(m, ShardedLinear)}
+    if not owner or torch.compiler.is_compiling():  # compiled: saved whole (no hooks there)
+        yield ws
+        return
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)
+    outer = top(False)  # (pack, unpack) of the hooks in force, or None
+
+    def pack(t: torch.Tensor):
+        m = owner.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        if m is not None:
+            return (_Regather, m, t.size(), t.stride(), t.storage_offset())
+        return t if outer is None else (_Outer, outer[0](t))
+
+    def unpack(packed):
+        if not isinstance(packed, tuple):
+            return packed
+        if packed[0] is _Outer:
+            return outer[1](packed[1])
+        _, m, size, stride, offset = packed
+        return gather_rows(m.weight.detach(), m.group).as_strided(size, stride, offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield ws
+
+
+class _Regather:
+    """Marks a saved weight packed by `regathered` as its shard."""
+
+
+class _Outer:
+    """Marks a saved tensor packed by the hooks in force outside `regathered`."""
 
 
 class LocalWeight(nn.Module):

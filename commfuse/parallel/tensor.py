@@ -32,7 +32,7 @@ from torch import nn
 from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scatter
 from commfuse.models.llama import Attention, MLP, apply_rope
 from commfuse.ops.attention import query_split_attention
-from commfuse.parallel.data import gather_rows, weight
+from commfuse.parallel.data import gather_rows, regathered, weight
 
 
 def rope_and_expand(q_BSHK, k_BSGK, v_BSGK, cos_SK, sin_SK):
@@ -80,7 +80,11 @@ class TPAttention(nn.Module):
         self.wo = weight(_cols(attn.wo.weight, r, T), dp_group, op_kwargs, "wo", "seq")
 
     def forward(self, x_BsD, cos_SK, sin_SK):
-        wq, wk, wv, wo = (m.gather() for m in (self.wq, self.wk, self.wv, self.wo))
+        # under DP the gathered weights are saved as shards, gathered again in backward
+        with regathered(self.wq, self.wk, self.wv, self.wo) as ws:
+            return self._forward(x_BsD, cos_SK, sin_SK, *ws)
+
+    def _forward(self, x_BsD, cos_SK, sin_SK, wq, wk, wv, wo):
         # the gather of the next sequence slice hides behind the q|k|v GEMMs of this one
         _, (q, k, v) = fused_all_gather_matmul(x_BsD, [wq.t(), wk.t(), wv.t()], 1, self.group,
                                                sizes=getattr(self.layout, "sizes", None),
@@ -116,7 +120,10 @@ class TPMLP(nn.Module):
         self.w_down = weight(_cols(mlp.w_down.weight, r, T), dp_group, op_kwargs, "w_down", "seq")
 
     def forward(self, x_BsD):
-        w_gate, w_up, w_down = (m.gather() for m in (self.w_gate, self.w_up, self.w_down))
+        with regathered(self.w_gate, self.w_up, self.w_down) as (w_gate, w_up, w_down):
+            return self._forward(x_BsD, w_gate, w_up, w_down)
+
+    def _forward(self, x_BsD, w_gate, w_up, w_down):
         _, (g_BSf, u_BSf) = fused_all_gather_matmul(x_BsD, [w_gate.t(), w_up.t()], 1, self.group,
                                                     sizes=getattr(self.layout, "sizes", None),
                                                     return_A=False, **self.op_kwargs)

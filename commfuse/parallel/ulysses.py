@@ -26,7 +26,7 @@ from torch import nn
 
 from commfuse.ops.fused import fused_all_to_all_matmul, fused_matmul_all_to_all
 from commfuse.models.llama import Attention
-from commfuse.parallel.data import weight
+from commfuse.parallel.data import regathered, weight
 from commfuse.parallel.tensor import causal_attention
 
 
@@ -60,9 +60,14 @@ class UPAttention(nn.Module):
         self.wo = weight(attn.wo.weight, dp_group, op_kwargs, "wo")
 
     def forward(self, x_BsD, cos_SK, sin_SK):
+        # under DP the gathered weights are saved as shards, gathered again in backward
+        with regathered(self.wqkv, self.wo) as (wqkv, wo):
+            return self._forward(x_BsD, cos_SK, sin_SK, wqkv, wo)
+
+    def _forward(self, x_BsD, cos_SK, sin_SK, wqkv, wo):
         U, K = self.group.size(), self.head_dim
         # block p's GEMM runs just before its send to rank p; my own block last
-        y_BSc = fused_matmul_all_to_all(x_BsD, self.wqkv.gather().t(), self.group, seq_dim=1,
+        y_BSc = fused_matmul_all_to_all(x_BsD, wqkv.t(), self.group, seq_dim=1,
                                         sizes=getattr(self.layout, "sizes", None),
                                         **self.op_kwargs)
         B, S = y_BSc.shape[:2]
@@ -71,7 +76,7 @@ class UPAttention(nn.Module):
         o_BShK = causal_attention(q.view(B, S, -1, K), k.view(B, S, -1, K), v.view(B, S, -1, K),
                                   cos_SK, sin_SK)
         # the arriving blocks of my sequence slice are multiplied as they land; mine first
-        return fused_all_to_all_matmul(o_BShK.reshape(B, S, -1), self.wo.gather().t(),
+        return fused_all_to_all_matmul(o_BShK.reshape(B, S, -1), wo.t(),
                                        self.group, seq_dim=1, **self.op_kwargs)
 
     def full_grads(self) -> dict[str, torch.Tensor]:

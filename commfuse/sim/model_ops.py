@@ -6,15 +6,18 @@ micro-batch of ``mb`` sequences of ``S`` tokens on one DP replica (``n = mb * S`
 
 - TPSP (tp > 1): per block, AG->GEMM q|k|v and gate|up, GEMM->RS out-proj and down
   (`commfuse.parallel.tensor`). Backward: the dual op (AG->GEMM <-> GEMM->RS) for the input
-  gradient plus the weight-gradient GEMM, local.
+  gradient; the weight-gradient GEMMs run inside a fused all-gather (an AG->GEMM of twice the
+  output width for GEMM->RS's backward; for AG->GEMM's, a second gather of its input, which
+  it saved as a shard, whose GEMMs are the weight gradients).
 - Ulysses (up > 1): GEMM->a2a q|k|v, a2a->GEMM out-proj; backward a2a->GEMM / GEMM->a2a
   plus local weight gradients. The MLP is local (`commfuse.parallel.ulysses`).
 - ZeRO-3 DP (dp > 1): every Linear left unsharded by TP/UP (all of them without TP/UP, UP's
   MLP, the output head) gathers its weight rows fused with its GEMM, an AG->GEMM of (rows,
   in, tokens); backward the weight-gradient GEMM fused with the gradient reduce-scatter
-  (GEMM->RS) plus the input gradient, local (`commfuse.parallel.data`). Under TP/UP x DP the
-  code gathers each TP/UP weight with a *plain* all-gather before its op (reduce-scatter in
-  backward): those are plain collectives here, exposed.
+  (GEMM->RS) and the rows gathered again fused with the input-gradient GEMMs (AG->GEMM)
+  (`commfuse.parallel.data`). Under TP/UP x DP the code gathers each TP/UP weight with a
+  *plain* all-gather before its op, and again in backward (`regathered`), whose gradient is a
+  plain reduce-scatter: those are plain collectives here, exposed.
 - Once per step: the all-reduce of the replicated parameters' gradients, one per group of
   axes (`ParallelLlama.sync_grads`): norms, embedding, the TP output head, Ulysses' weights.
 
@@ -182,9 +185,11 @@ def block_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, seq: int, mb: int,
             StepOp("out-proj", "matmul_rs", "tp", (n, o_in // t, D))] + gathers[4:] + [
             StepOp("gate|up", "ag_matmul", "tp", (n, D, 2 * F // t)),
             StepOp("down", "matmul_rs", "tp", (n, F // t, D))]
-        if backward:
-            bwd += (_rs_backward("down", n, F // t, D, "tp", sm)
-                    + _ag_backward("gate|up", n, D, 2 * F // t, "tp", sm)
+        if backward:  # the DP-gathered weights are gathered again (regather) or were kept
+            regathers = [StepOp(g.name.replace("gather", "regather"), "all_gather", "dp",
+                                g.shape) for g in gathers] if sm.ag_backward == "regather" else []
+            bwd += (regathers[4:] + _rs_backward("down", n, F // t, D, "tp", sm)
+                    + _ag_backward("gate|up", n, D, 2 * F // t, "tp", sm) + regathers[:4]
                     + _rs_backward("out-proj", n, o_in // t, D, "tp", sm) + [attn_b]
                     + _ag_backward("q|k|v", n, D, qkv // t, "tp", sm))
             bwd += [StepOp(g.name.replace("gather", "grad RS"), "reduce_scatter", "dp", g.shape)
@@ -196,6 +201,8 @@ def block_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, seq: int, mb: int,
         fwd += gathers + [StepOp("q|k|v", "matmul_a2a", "up", (n, D, qkv)), attn,
                           StepOp("out-proj", "a2a_matmul", "up", (n, o_in, D))]
         if backward:
+            bwd += [StepOp(g.name.replace("gather", "regather"), "all_gather", "dp", g.shape)
+                    for g in gathers]
             bwd += [StepOp("out-proj dx", "matmul_a2a", "up", (n, D, o_in)),
                     StepOp("out-proj dW", "gemm", "local", (o_in, nl, D)), attn_b,
                     StepOp("q|k|v dx", "a2a_matmul", "up", (n, qkv, D)),
