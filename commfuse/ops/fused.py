@@ -5,6 +5,16 @@ Every op takes ``method`` = "none" | "sliced" (option ``chunks``, default 4) | "
 "commfuse" (option ``topology`` = "ring" | "direct") | "auto" (`commfuse.ops.auto`: the fastest of
 them on the cost model, per shape), and every method takes ``timeout``
 (seconds; default: the process group's timeout). All are differentiable in A and every B.
+
+Contract between ranks: every rank of the group calls the same op with the same method, A of
+the same shape but for the gathered/scattered/sequence dim, and the same ``sizes``. The ops
+that take this rank's slice (AG->GEMM, GEMM->a2a) assume, without ``sizes``, that every
+rank's slice is as long as this one; the ops that take the whole dim (GEMM->RS, a2a->GEMM)
+need it equally long on every rank. By default this is not checked (checking costs a
+collective per call): a violation may end in the backend's error, an abort, a timeout or a
+wrong-length result. ``check=True`` (or the environment variable ``COMMFUSE_CHECK=1``)
+exchanges every rank's shapes and ``sizes`` once per call (one small all-gather) and raises
+`commfuse.errors.ShapeMismatchError` on every rank, naming the op and the ranks that differ.
 """
 
 from __future__ import annotations
@@ -21,14 +31,14 @@ from commfuse.ops.methods import method_spec
 
 def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], gather_dim: int,
                             group=None, *, return_A: bool = True, method: str = "commfuse",
-                            sizes: Sequence[int] | None = None,
+                            sizes: Sequence[int] | None = None, check: bool | None = None,
                             **opts) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """``A = all_gather(A_shard, gather_dim)``; returns ``(A or None, [A @ B for B in Bs])``.
 
     ``gather_dim`` is any dim of ``A_shard`` but the last; each rank passes its own ``Bs``
     (its column shards of the weights), each ``[k, n_i]``. ``sizes``: the rows every rank's
     shard has along ``gather_dim`` (the same list on every rank) when they differ; default:
-    all equal to this rank's.
+    all equal to this rank's. ``check``: checked mode (see the module docstring).
     """
     checks.check_tensor("A_shard", A_shard)
     if isinstance(Bs, torch.Tensor) or not isinstance(Bs, (list, tuple)) or not Bs:
@@ -38,6 +48,8 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     dim = checks.check_dim("gather_dim", gather_dim, "A_shard", A_shard)
     spec = method_spec(method, opts)
     group = checks.resolve_group(group)
+    if checks.checked(check):
+        checks.agree_shapes("ag_matmul", group, A_shard, dim, sizes, whole=False)
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), local=A_shard.shape[dim])
     rows = sum(sizes) * checks.other_rows(A_shard, dim)  # the same on every rank (for auto)
     spec = auto.resolve(spec, "ag_matmul", (rows, A_shard.shape[-1], sum(b.shape[1] for b in Bs)),
@@ -48,11 +60,13 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
 
 def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str,
                                 scatter_dim: int, group=None, *, method: str = "commfuse",
-                                sizes: Sequence[int] | None = None, **opts) -> torch.Tensor:
+                                sizes: Sequence[int] | None = None, check: bool | None = None,
+                                **opts) -> torch.Tensor:
     """``reduce_scatter(A @ B, scatter_dim)`` with ``reduce_op`` "sum" or "avg".
 
     ``scatter_dim`` is any dim of ``A`` but the last. Returns this rank's slice: ``sizes[rank]``
     rows, ``sizes`` defaulting to `commfuse.even_sizes` (10 rows over 4 ranks: 3, 3, 2, 2).
+    ``check``: checked mode (see the module docstring).
     """
     checks.check_tensor("A", A)
     checks.check_matmul("A", A, "B", B)
@@ -61,6 +75,8 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
     dim = checks.check_dim("scatter_dim", scatter_dim, "A", A)
     spec = method_spec(method, opts)
     group = checks.resolve_group(group)
+    if checks.checked(check):
+        checks.agree_shapes("matmul_rs", group, A, dim, sizes, whole=True, b_cols=B.shape[1])
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), total=A.shape[dim])
     spec = auto.resolve(spec, "matmul_rs", (A.numel() // max(A.shape[-1], 1), *B.shape),
                         group.size(), A)
@@ -69,13 +85,13 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
 
 def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq_dim: int = 0,
                             method: str = "commfuse", sizes: Sequence[int] | None = None,
-                            **opts) -> torch.Tensor:
+                            check: bool | None = None, **opts) -> torch.Tensor:
     """Ulysses, before attention: ``all_to_all(A @ B)``.
 
     ``A`` is this rank's sequence slice (``seq_dim``), ``B`` is ``[k, n]`` with ``n`` divisible
     by the group size. Returns the full sequence of this rank's column block (head group).
     ``sizes``: every rank's sequence slice length when they differ (default: all equal to
-    this rank's).
+    this rank's). ``check``: checked mode (see the module docstring).
     """
     checks.check_tensor("A", A)
     checks.check_matmul("A", A, "B", B)
@@ -83,6 +99,8 @@ def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     spec = method_spec(method, opts)
     group = checks.resolve_group(group)
     checks.check_divisible("B.shape[1] (columns to scatter)", B.shape[1], group.size())
+    if checks.checked(check):
+        checks.agree_shapes("matmul_a2a", group, A, dim, sizes, whole=False, b_cols=B.shape[1])
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), local=A.shape[dim])
     rows = sum(sizes) * checks.other_rows(A, dim)
     spec = auto.resolve(spec, "matmul_a2a", (rows, *B.shape), group.size(), A)
@@ -91,12 +109,12 @@ def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
 
 def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq_dim: int = 0,
                             method: str = "commfuse", sizes: Sequence[int] | None = None,
-                            **opts) -> torch.Tensor:
+                            check: bool | None = None, **opts) -> torch.Tensor:
     """Ulysses, after attention: ``concat_over_ranks(A, dim=-1) @ B`` on my sequence slice.
 
     ``A`` is the full sequence (``seq_dim``) of this rank's column block ``[.., k]``; ``B`` is
     ``[W*k, n]``. Returns this rank's sequence slice ``[.., n]``: ``sizes[rank]`` rows, ``sizes``
-    defaulting to `commfuse.even_sizes`.
+    defaulting to `commfuse.even_sizes`. ``check``: checked mode (see the module docstring).
     """
     checks.check_tensor("A", A)
     checks.check_tensor("B", B, 2)
@@ -111,6 +129,8 @@ def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
         raise TypeError(f"B has dtype {B.dtype} but A has {A.dtype}")
     if B.device != A.device:
         raise ValueError(f"B is on {B.device} but A is on {A.device}")
+    if checks.checked(check):
+        checks.agree_shapes("a2a_matmul", group, A, dim, sizes, whole=True)
     sizes = checks.check_sizes(sizes, w, group.rank(), total=A.shape[dim])
     spec = auto.resolve(spec, "a2a_matmul", (A.numel() // max(A.shape[-1], 1), *B.shape), w, A)
     return AllToAllMatmul.apply(A, B, dim, sizes, group, spec)
