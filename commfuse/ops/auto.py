@@ -5,13 +5,17 @@ timed by `commfuse.sim` on the hardware model of the tensors' device (`set_hardw
 `cpu-testbed` preset on CPU and `h100-nvlink` on CUDA), and the fastest is used; ``none`` wins
 where decomposing would lose. Choices are cached per shape and logged (logger
 ``commfuse.auto``, level INFO). The simulator is deterministic, so every rank of a group makes
-the same choice. The backward of an op reuses its forward's choice. Calibrate the model to a
+the same choice given the same hardware model; `agree` checks that once per shape and
+group (ranks configured differently raise `CommFuseError`). The backward of an op reuses its
+forward's choice. Calibrate the model to a
 machine with ``commfuse simulate --calibrate`` and pass the result to `set_hardware`.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
+import zlib
 
 import torch
 
@@ -31,6 +35,7 @@ def set_hardware(hw, device_type: str = "cpu") -> None:
     if not isinstance(_HARDWARE[device_type], Hardware):
         raise TypeError(f"hw must be a commfuse.sim.Hardware or a preset name, got {hw!r}")
     _CHOICES.clear()
+    _AGREED.clear()  # a new model: the ranks agree again
 
 
 def choose(op: str, shape: tuple[int, int, int], world: int, like: torch.Tensor) -> tuple[str, dict]:
@@ -47,9 +52,49 @@ def choose(op: str, shape: tuple[int, int, int], world: int, like: torch.Tensor)
     return _CHOICES[key]
 
 
-def resolve(spec: MethodSpec, op: str, shape, world: int, like) -> MethodSpec:
-    """``spec`` itself, or for method "auto" the method `choose` picks for the shape."""
+def resolve(spec: MethodSpec, op: str, shape, world: int, like, group=None) -> MethodSpec:
+    """``spec`` itself, or for method "auto" the method `choose` picks for the shape (checked
+    against the other ranks of ``group`` by `agree` on the first call per shape)."""
     if spec.method != "auto":
         return spec
-    method, opts = choose(op, tuple(int(x) for x in shape), world, like)
+    shape = tuple(int(x) for x in shape)
+    method, opts = choose(op, shape, world, like)
+    if group is not None:
+        agree(group, op, shape, like, (method, opts))
     return method_spec(method, {**opts, "timeout": spec.timeout} if spec.timeout else opts)
+
+
+_AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> keys agreed on
+
+
+def agree(group, op: str, shape: tuple, like: torch.Tensor, choice: tuple[str, dict]) -> None:
+    """Make sure every rank of ``group`` runs the same ``choice`` for this op and shape: on the
+    first call per (op, shape, dtype, device, group), one small all-gather of a hash of this
+    rank's hardware model and of its choice; `CommFuseError` on every rank if they differ
+    (`set_hardware` is per process: ranks configured differently would choose differently
+    and deadlock). Later calls cost nothing."""
+    import torch.distributed as dist
+
+    from commfuse.errors import CommFuseError
+
+    key = (op, shape, like.element_size(), like.device.type)
+    done = _AGREED.setdefault(group, set())
+    if key in done or group.size() == 1:
+        return
+    hw = _HARDWARE.get(like.device.type) or preset("h100-nvlink" if like.is_cuda else "cpu-testbed")
+    mine = torch.tensor([zlib.crc32(repr(hw).encode()), zlib.crc32(repr(choice).encode())],
+                        dtype=torch.int64, device=like.device)
+    every = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(every, mine, group=group)
+    hashes = [tuple(t.tolist()) for t in every]
+    if len(set(hashes)) > 1:
+        sides: dict[tuple, list[int]] = {}
+        for p, h in enumerate(hashes):
+            sides.setdefault(h, []).append(p)
+        raise CommFuseError(
+            f"commfuse {op} (method=auto, rank {group.rank()} of {group.size()}): the ranks "
+            f"would choose differently for M,K,N={shape}: ranks "
+            f"{' / '.join(map(str, sides.values()))} have different hardware models or "
+            f"choices (this rank: {choice[0]} {choice[1]}); call "
+            "commfuse.ops.auto.set_hardware with the same model on every rank")
+    done.add(key)

@@ -53,7 +53,7 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), local=A_shard.shape[dim])
     rows = sum(sizes) * checks.other_rows(A_shard, dim)  # the same on every rank (for auto)
     spec = auto.resolve(spec, "ag_matmul", (rows, A_shard.shape[-1], sum(b.shape[1] for b in Bs)),
-                        group.size(), A_shard)
+                        group.size(), A_shard, group)
     a, *ys = AllGatherMatmul.apply(A_shard, dim, sizes, group, spec, *Bs)
     return (a if return_A else None), ys
 
@@ -79,7 +79,7 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
         checks.agree_shapes("matmul_rs", group, A, dim, sizes, whole=True, b_cols=B.shape[1])
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), total=A.shape[dim])
     spec = auto.resolve(spec, "matmul_rs", (A.numel() // max(A.shape[-1], 1), *B.shape),
-                        group.size(), A)
+                        group.size(), A, group)
     return MatmulReduceScatter.apply(A, B, dim, reduce_op == "avg", sizes, group, spec)
 
 
@@ -103,7 +103,7 @@ def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
         checks.agree_shapes("matmul_a2a", group, A, dim, sizes, whole=False, b_cols=B.shape[1])
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), local=A.shape[dim])
     rows = sum(sizes) * checks.other_rows(A, dim)
-    spec = auto.resolve(spec, "matmul_a2a", (rows, *B.shape), group.size(), A)
+    spec = auto.resolve(spec, "matmul_a2a", (rows, *B.shape), group.size(), A, group)
     return MatmulAllToAll.apply(A, B, dim, sizes, group, spec)
 
 
@@ -132,5 +132,6 @@ def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     if checks.checked(check):
         checks.agree_shapes("a2a_matmul", group, A, dim, sizes, whole=True)
     sizes = checks.check_sizes(sizes, w, group.rank(), total=A.shape[dim])
-    spec = auto.resolve(spec, "a2a_matmul", (A.numel() // max(A.shape[-1], 1), *B.shape), w, A)
+    spec = auto.resolve(spec, "a2a_matmul", (A.numel() // max(A.shape[-1], 1), *B.shape), w, A,
+                        group)
     return AllToAllMatmul.apply(A, B, dim, sizes, group, spec)
