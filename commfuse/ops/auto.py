@@ -34,8 +34,7 @@ def set_hardware(hw, device_type: str = "cpu") -> None:
     _HARDWARE[device_type] = resolve_hw(hw)
     if not isinstance(_HARDWARE[device_type], Hardware):
         raise TypeError(f"hw must be a commfuse.sim.Hardware or a preset name, got {hw!r}")
-    _CHOICES.clear()
-    _AGREED.clear()  # a new model: the ranks agree again
+    _CHOICES.clear()  # (not _AGREED: whether a call exchanges must not differ between ranks)
 
 
 def choose(op: str, shape: tuple[int, int, int], world: int, like: torch.Tensor) -> tuple[str, dict]:
@@ -72,7 +71,8 @@ def agree(group, op: str, shape: tuple, like: torch.Tensor, choice: tuple[str, d
     first call per (op, shape, dtype, device, group), one small all-gather of a hash of this
     rank's hardware model and of its choice; `CommFuseError` on every rank if they differ
     (`set_hardware` is per process: ranks configured differently would choose differently
-    and deadlock). Later calls cost nothing."""
+    and deadlock). Later calls cost nothing. Whether a call exchanges depends only on what is
+    the same on every rank, so call `set_hardware` on every rank before the first auto op."""
     import torch.distributed as dist
 
     from commfuse.errors import CommFuseError
