@@ -7,3 +7,9 @@ class CommFuseError(RuntimeError):
     The message names the op, the method, the schedule step and the peer, so the failing link
     can be found from any surviving rank's log.
     """
+
+
+class ShapeMismatchError(CommFuseError, ValueError):
+    """Checked mode (``check=True`` or ``COMMFUSE_CHECK=1``): the ranks of a group called a
+    fused op with shapes or ``sizes`` that do not fit together. Raised on every rank, before
+    the op moves any data; the message names the op, the ranks and what each one has."""

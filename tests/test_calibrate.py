@@ -38,8 +38,13 @@ def test_calibration_recovers_flops_bandwidth_and_host_costs():
     kept = cal.calibrate(_fake_bench(truth), "cpu-testbed", host=False)
     assert kept.host_p2p_s == preset("cpu-testbed").host_p2p_s
     rows = cal.compare(_fake_bench(truth, seq=4096), hw)  # a separate "run", another size
-    assert max(abs(r["error"]) for r in rows) < 0.05
-    assert "within 15 %" in cal.markdown(rows, hw)
+    assert len(rows) >= 4 and max(abs(r["error"]) for r in rows) < 0.05
+    text = cal.markdown(rows, hw)  # the summary counts what the rows say
+    assert f"\n{len(rows)} of {len(rows)} predictions within 15 %" in text, text
+    for r in rows:
+        assert f"| {r['op']} | {r['method']} | {r['measured_ms']:.1f} | " in text
+    rows[0] = {**rows[0], "error": 0.2}  # one prediction off by 20 %: counted as such
+    assert f"\n{len(rows) - 1} of {len(rows)} predictions within 15 %" in cal.markdown(rows, hw)
 
 
 def test_calibration_needs_forward_op_results():
@@ -54,7 +59,14 @@ def test_auto_check_against_measured_medians():
     for r in rows:  # "measured" = the model itself: auto is off only by its per-step overhead
         assert r["among_ratio"] <= 1.05 and r["among_measured"] in cal.VARIANTS
         assert r["ratio"] is None or r["ratio"] == pytest.approx(r["among_ratio"])
-    assert "within 5 %" in cal.auto_markdown(rows)
+    text = cal.auto_markdown(rows)  # the summary counts what the rows say
+    ev = [r for r in rows if r["ratio"] is not None]
+    assert f"within 5 % of the best measured fixed method in {len(ev)} of {len(ev)} measured " \
+           f"cases" in text, text
+    assert f"{len(rows) - len(ev)} not measured" in text
+    assert f"among the measured candidates only: {len(rows)} of {len(rows)} " in text, text
+    worst = max(r["among_ratio"] for r in rows)
+    assert f"(worst {worst:.3f})." in text and worst <= 1.05
 
 
 def test_calibrate_cli_auto_check(tmp_path, capsys):

@@ -29,7 +29,10 @@ from commfuse.schedule import OPS
 from commfuse.testbed.spawn import run_local
 
 TIMEOUT = 2.0  # the ops' `timeout` option in every case (seconds)
-MARGIN = 8.0  # scheduling slack on a loaded 2-core CI machine
+# Scheduling slack on a loaded, shared 2-core machine: generous, since what the bounds tell
+# apart is the op's timeout from the process group's (PG_TIMEOUT) or a hang, not speed.
+MARGIN = 40.0
+PG_TIMEOUT = 120.0
 DUAL = {"ag_matmul": "matmul_rs", "matmul_rs": "ag_matmul", "matmul_a2a": "a2a_matmul",
         "a2a_matmul": "matmul_a2a"}
 METHODS = [("commfuse", {}), ("commfuse", {"topology": "direct"}), ("decompose", {}),
@@ -98,9 +101,8 @@ def _id(case):
 def test_survivors_raise_within_the_timeout(case):
     fault, world, op, method, opts = case
     victim = 1
-    t0 = time.monotonic()
     out = run_local(_faulty, world, op, method, opts, fault, victim, victims=(victim,),
-                    timeout=120, pg_timeout_s=30)
+                    timeout=240, pg_timeout_s=PG_TIMEOUT)
     for rank, res in enumerate(out):
         if rank == victim:
             continue
@@ -111,7 +113,6 @@ def test_survivors_raise_within_the_timeout(case):
         assert re.search(r"at step \d+", msg) and re.search(r"rank \d", msg), msg
         if world == 2:  # the only peer is the victim: the error must name it
             assert "rank 1" in msg.split("waiting for", 1)[1], msg
-    assert time.monotonic() - t0 < 60
 
 
 # --- the link: the victim takes its own interface down (emulated cluster) --------------------

@@ -5,7 +5,9 @@ timed by `commfuse.sim` on the hardware model of the tensors' device (`set_hardw
 `cpu-testbed` preset on CPU and `h100-nvlink` on CUDA), and the fastest is used; ``none`` wins
 where decomposing would lose. Choices are cached per shape and logged (logger
 ``commfuse.auto``, level INFO). The simulator is deterministic, so every rank of a group makes
-the same choice. The backward of an op reuses its forward's choice. Calibrate the model to a
+the same choice given the same hardware model; `agree` checks that once per shape and
+group (ranks configured differently raise `CommFuseError`). The backward of an op reuses its
+forward's choice. Calibrate the model to a
 machine with ``commfuse simulate --calibrate`` and pass the result to `set_hardware`.
 
 ``method="commfuse"`` without ``splits`` gets its m here too (`resolve`): the fastest of
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+import weakref
+import zlib
 
 import torch
 
@@ -36,7 +40,7 @@ def set_hardware(hw, device_type: str = "cpu") -> None:
     _HARDWARE[device_type] = resolve_hw(hw)
     if not isinstance(_HARDWARE[device_type], Hardware):
         raise TypeError(f"hw must be a commfuse.sim.Hardware or a preset name, got {hw!r}")
-    _CHOICES.clear()
+    _CHOICES.clear()  # (not _AGREED: whether a call exchanges must not differ between ranks)
     _SPLITS.clear()
 
 
@@ -90,11 +94,14 @@ def _choose_items(*args) -> tuple[str, tuple]:
     return method, tuple(sorted(opts.items()))
 
 
-def resolve(spec: MethodSpec, op: str, shape, world: int, like) -> MethodSpec:
+def resolve(spec: MethodSpec, op: str, shape, world: int, like, group=None) -> MethodSpec:
     """``spec`` with every choice made: for method "auto" the method `choose` picks for the
     shape, for "commfuse" without ``splits`` the m `choose_splits` picks. Under
     torch.compile the method is chosen while tracing, as in eager, but "commfuse" without
-    ``splits`` runs the paper's m=1 (the shapes may be symbolic there): give ``splits``."""
+    ``splits`` runs the paper's m=1 (the shapes may be symbolic there): give ``splits``.
+    In eager, auto's choice is checked against the other ranks of ``group`` by `agree` on
+    the first call per shape (commfuse's m is not: no collective is added to the default
+    method, so `set_hardware` must be the same on every rank)."""
     compiling = torch.compiler.is_compiling()
     if compiling and spec.method == "commfuse" and spec.splits is None:
         return replace(spec, splits=1)  # shapes may be symbolic: no per-shape m, the paper's
@@ -105,9 +112,49 @@ def resolve(spec: MethodSpec, op: str, shape, world: int, like) -> MethodSpec:
             opts = dict(items)
         else:
             method, opts = _choose(*args)
+            if group is not None:
+                agree(group, op, args[1], like, (method, opts))
         if "splits" in OPTIONS[method]:
             opts = {"splits": 1, **opts}  # what the model timed: no splits is m=1
         return method_spec(method, {**opts, "timeout": spec.timeout} if spec.timeout else opts)
     if spec.method == "commfuse" and spec.splits is None:
         return replace(spec, splits=_splits(*args, spec.topology))
     return spec
+
+
+_AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> keys agreed on
+
+
+def agree(group, op: str, shape: tuple, like: torch.Tensor, choice: tuple[str, dict]) -> None:
+    """Make sure every rank of ``group`` runs the same ``choice`` for this op and shape: on the
+    first call per (op, shape, dtype, device, group), one small all-gather of a hash of this
+    rank's hardware model and of its choice; `CommFuseError` on every rank if they differ
+    (`set_hardware` is per process: ranks configured differently would choose differently
+    and deadlock). Later calls cost nothing. Whether a call exchanges depends only on what is
+    the same on every rank, so call `set_hardware` on every rank before the first auto op."""
+    import torch.distributed as dist
+
+    from commfuse.errors import CommFuseError
+
+    key = (op, shape, like.element_size(), like.device.type)
+    done = _AGREED.setdefault(group, set())
+    if key in done or group.size() == 1:
+        return
+    hw = _hardware(like.device.type)
+    mine = torch.tensor([zlib.crc32(repr(hw).encode()), zlib.crc32(repr(choice).encode())],
+                        dtype=torch.int64, device=like.device)
+    every = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(every, mine, group=group)
+    hashes = [tuple(t.tolist()) for t in every]
+    if len(set(hashes)) > 1:
+        sides: dict[tuple, list[int]] = {}
+        for p, h in enumerate(hashes):
+            sides.setdefault(h, []).append(p)
+        raise CommFuseError(
+            f"commfuse {op} ({choice[0]} chosen by the cost model, rank {group.rank()} of "
+            f"{group.size()}): the ranks "
+            f"would choose differently for M,K,N={shape}: ranks "
+            f"{' / '.join(map(str, sides.values()))} have different hardware models or "
+            f"choices (this rank: {choice[0]} {choice[1]}); call "
+            "commfuse.ops.auto.set_hardware with the same model on every rank")
+    done.add(key)

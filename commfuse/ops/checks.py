@@ -7,6 +7,7 @@ its peers waiting.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -90,3 +91,71 @@ def check_sizes(sizes, world: int, rank: int, *, local: int | None = None,
     if total is not None and sum(sizes) != total:
         raise ValueError(f"{what} sum to {sum(sizes)} but the dim has {total} rows: {sizes}")
     return sizes
+
+
+MAX_DIMS = 16  # checked mode: the longest shape one exchange carries
+
+
+def checked(check) -> bool:
+    """Whether an op runs in checked mode: ``check`` if given, else ``COMMFUSE_CHECK=1``."""
+    if check is None:
+        return os.environ.get("COMMFUSE_CHECK", "0") not in ("", "0")
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool or None, got {check!r}")
+    return check
+
+
+def agree_shapes(op: str, group, a: torch.Tensor, dim: int, sizes, *, whole: bool,
+                 b_cols: int | None = None) -> None:
+    """Checked mode: one all_gather of every rank's A shape, ``sizes`` and B's columns, then
+    the same verdict on every rank: `ShapeMismatchError` naming the op and the ranks whose
+    shapes do not fit together. ``whole``: A holds the whole dim (GEMM->RS, a2a->GEMM), else
+    this rank's slice of it (``sizes`` default: every slice as long as this rank's)."""
+    from commfuse.errors import ShapeMismatchError
+
+    w = group.size()
+    if a.dim() > MAX_DIMS:
+        raise ValueError(f"checked mode supports at most {MAX_DIMS} dims, got {a.dim()}")
+    given = list(sizes) if sizes is not None else [-1] * w
+    if len(given) != w:
+        given = [-2] * w  # the local check names this one
+    row = [a.dim(), dim, -1 if b_cols is None else b_cols, *a.shape, *[-1] * (MAX_DIMS - a.dim()),
+           *given]
+    mine = torch.tensor(row, dtype=torch.int64, device=a.device)
+    every = [torch.empty_like(mine) for _ in range(w)]
+    dist.all_gather(every, mine, group=group)
+    rows = [t.cpu().tolist() for t in every]
+    shapes = [tuple(r[3:3 + r[0]]) for r in rows]
+    problems = []
+    rest = [tuple(n for i, n in enumerate(s) if i != r[1]) for s, r in zip(shapes, rows)]
+    if len(set(rest)) > 1:
+        problems.append(f"A's dims other than the {'scattered' if whole else 'gathered'} one "
+                        f"differ: {_by_rank(shapes)}")
+    if len({r[2] for r in rows}) > 1:
+        problems.append(f"B's columns differ: {_by_rank([r[2] for r in rows])}")
+    lengths = [s[r[1]] if r[1] < len(s) else -1 for s, r in zip(shapes, rows)]
+    lists = [tuple(r[3 + MAX_DIMS:]) for r in rows]
+    if whole:
+        if len(set(lengths)) > 1:
+            problems.append(f"the whole dim must have the same length on every rank: "
+                            f"{_by_rank(lengths)}")
+        effective = [x if x[0] != -1 else even_sizes(n, w) for x, n in zip(lists, lengths)]
+        if len(set(effective)) > 1:
+            problems.append(f"sizes differ: {_by_rank(effective)}")
+    else:
+        effective = [x if x[0] != -1 else (n,) * w for x, n in zip(lists, lengths)]
+        if len(set(effective)) > 1:
+            problems.append(f"the slices do not agree with the sizes each rank assumes "
+                            f"(pass sizes=[...], the same list on every rank): rows "
+                            f"{_by_rank(lengths)}, sizes {_by_rank(effective)}")
+        elif any(n != effective[0][p] for p, n in enumerate(lengths)):
+            problems.append(f"slice rows {_by_rank(lengths)} do not match sizes "
+                            f"{list(effective[0])}")
+    if problems:
+        raise ShapeMismatchError(f"commfuse {op} (checked mode, rank {group.rank()} of {w}): "
+                                 + "; ".join(problems))
+
+
+def _by_rank(values) -> str:
+    return ", ".join(f"rank {p}: {tuple(v) if isinstance(v, (tuple, list)) else v}"
+                     for p, v in enumerate(values))

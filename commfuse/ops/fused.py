@@ -5,6 +5,16 @@ Every op takes ``method`` = "none" | "sliced" (option ``chunks``, default 4) | "
 "commfuse" (option ``topology`` = "ring" | "direct") | "auto" (`commfuse.ops.auto`: the fastest of
 them on the cost model, per shape), and every method takes ``timeout``
 (seconds; default: the process group's timeout). All are differentiable in A and every B.
+
+Contract between ranks: every rank of the group calls the same op with the same method, A of
+the same shape but for the gathered/scattered/sequence dim, and the same ``sizes``. The ops
+that take this rank's slice (AG->GEMM, GEMM->a2a) assume, without ``sizes``, that every
+rank's slice is as long as this one; the ops that take the whole dim (GEMM->RS, a2a->GEMM)
+need it equally long on every rank. By default this is not checked (checking costs a
+collective per call): a violation may end in the backend's error, an abort, a timeout or a
+wrong-length result. ``check=True`` (or the environment variable ``COMMFUSE_CHECK=1``)
+exchanges every rank's shapes and ``sizes`` once per call (one small all-gather) and raises
+`commfuse.errors.ShapeMismatchError` on every rank, naming the op and the ranks that differ.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from commfuse.ops.methods import method_spec
 def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], gather_dim: int,
                             group=None, *, return_A: bool = True, method: str = "commfuse",
                             sizes: Sequence[int] | None = None, save_gathered: bool = False,
+                            check: bool | None = None,
                             **opts) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """``A = all_gather(A_shard, gather_dim)``; returns ``(A or None, [A @ B for B in Bs])``.
 
@@ -30,7 +41,8 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     shard has along ``gather_dim`` (the same list on every rank) when they differ; default:
     all equal to this rank's. Only ``A_shard`` is saved for backward, which gathers A again
     (fused, same method, the weight-grad GEMMs consuming it); ``save_gathered=True`` saves
-    the gathered A instead (more memory until backward, one gather fewer).
+    the gathered A instead (more memory until backward, one gather fewer). ``check``: checked mode
+    (see the module docstring).
     """
     checks.check_tensor("A_shard", A_shard)
     if not isinstance(save_gathered, bool):
@@ -42,10 +54,12 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     dim = checks.check_dim("gather_dim", gather_dim, "A_shard", A_shard)
     spec = method_spec(method, opts)
     group = checks.resolve_group(group)
+    if checks.checked(check):
+        checks.agree_shapes("ag_matmul", group, A_shard, dim, sizes, whole=False)
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), local=A_shard.shape[dim])
     rows = sum(sizes) * checks.other_rows(A_shard, dim)  # the same on every rank (for auto)
     spec = auto.resolve(spec, "ag_matmul", (rows, A_shard.shape[-1], sum(b.shape[1] for b in Bs)),
-                        group.size(), A_shard)
+                        group.size(), A_shard, group)
     if torch.compiler.is_compiling():  # one opaque custom op (it saves the gathered A)
         a, *ys = library.all_gather_matmul(A_shard, Bs, dim, sizes, group, spec)
     else:
@@ -55,11 +69,13 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
 
 def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str,
                                 scatter_dim: int, group=None, *, method: str = "commfuse",
-                                sizes: Sequence[int] | None = None, **opts) -> torch.Tensor:
+                                sizes: Sequence[int] | None = None, check: bool | None = None,
+                                **opts) -> torch.Tensor:
     """``reduce_scatter(A @ B, scatter_dim)`` with ``reduce_op`` "sum" or "avg".
 
     ``scatter_dim`` is any dim of ``A`` but the last. Returns this rank's slice: ``sizes[rank]``
     rows, ``sizes`` defaulting to `commfuse.even_sizes` (10 rows over 4 ranks: 3, 3, 2, 2).
+    ``check``: checked mode (see the module docstring).
     """
     checks.check_tensor("A", A)
     checks.check_matmul("A", A, "B", B)
@@ -68,9 +84,11 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
     dim = checks.check_dim("scatter_dim", scatter_dim, "A", A)
     spec = method_spec(method, opts)
     group = checks.resolve_group(group)
+    if checks.checked(check):
+        checks.agree_shapes("matmul_rs", group, A, dim, sizes, whole=True, b_cols=B.shape[1])
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), total=A.shape[dim])
     spec = auto.resolve(spec, "matmul_rs", (A.numel() // max(A.shape[-1], 1), *B.shape),
-                        group.size(), A)
+                        group.size(), A, group)
     if torch.compiler.is_compiling():
         return library.matmul_reduce_scatter(A, B, dim, reduce_op == "avg", sizes, group, spec)
     return MatmulReduceScatter.apply(A, B, dim, reduce_op == "avg", sizes, group, spec)
@@ -78,13 +96,13 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
 
 def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq_dim: int = 0,
                             method: str = "commfuse", sizes: Sequence[int] | None = None,
-                            **opts) -> torch.Tensor:
+                            check: bool | None = None, **opts) -> torch.Tensor:
     """Ulysses, before attention: ``all_to_all(A @ B)``.
 
     ``A`` is this rank's sequence slice (``seq_dim``), ``B`` is ``[k, n]`` with ``n`` divisible
     by the group size. Returns the full sequence of this rank's column block (head group).
     ``sizes``: every rank's sequence slice length when they differ (default: all equal to
-    this rank's).
+    this rank's). ``check``: checked mode (see the module docstring).
     """
     checks.check_tensor("A", A)
     checks.check_matmul("A", A, "B", B)
@@ -92,9 +110,11 @@ def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     spec = method_spec(method, opts)
     group = checks.resolve_group(group)
     checks.check_divisible("B.shape[1] (columns to scatter)", B.shape[1], group.size())
+    if checks.checked(check):
+        checks.agree_shapes("matmul_a2a", group, A, dim, sizes, whole=False, b_cols=B.shape[1])
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), local=A.shape[dim])
     rows = sum(sizes) * checks.other_rows(A, dim)
-    spec = auto.resolve(spec, "matmul_a2a", (rows, *B.shape), group.size(), A)
+    spec = auto.resolve(spec, "matmul_a2a", (rows, *B.shape), group.size(), A, group)
     if torch.compiler.is_compiling():
         return library.matmul_all_to_all(A, B, dim, sizes, group, spec)
     return MatmulAllToAll.apply(A, B, dim, sizes, group, spec)
@@ -102,12 +122,12 @@ def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
 
 def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq_dim: int = 0,
                             method: str = "commfuse", sizes: Sequence[int] | None = None,
-                            **opts) -> torch.Tensor:
+                            check: bool | None = None, **opts) -> torch.Tensor:
     """Ulysses, after attention: ``concat_over_ranks(A, dim=-1) @ B`` on my sequence slice.
 
     ``A`` is the full sequence (``seq_dim``) of this rank's column block ``[.., k]``; ``B`` is
     ``[W*k, n]``. Returns this rank's sequence slice ``[.., n]``: ``sizes[rank]`` rows, ``sizes``
-    defaulting to `commfuse.even_sizes`.
+    defaulting to `commfuse.even_sizes`. ``check``: checked mode (see the module docstring).
     """
     checks.check_tensor("A", A)
     checks.check_tensor("B", B, 2)
@@ -122,8 +142,11 @@ def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
         raise TypeError(f"B has dtype {B.dtype} but A has {A.dtype}")
     if B.device != A.device:
         raise ValueError(f"B is on {B.device} but A is on {A.device}")
+    if checks.checked(check):
+        checks.agree_shapes("a2a_matmul", group, A, dim, sizes, whole=True)
     sizes = checks.check_sizes(sizes, w, group.rank(), total=A.shape[dim])
-    spec = auto.resolve(spec, "a2a_matmul", (A.numel() // max(A.shape[-1], 1), *B.shape), w, A)
+    spec = auto.resolve(spec, "a2a_matmul", (A.numel() // max(A.shape[-1], 1), *B.shape), w, A,
+                        group)
     if torch.compiler.is_compiling():
         return library.all_to_all_matmul(A, B, dim, sizes, group, spec)
     return AllToAllMatmul.apply(A, B, dim, sizes, group, spec)

@@ -50,14 +50,19 @@ def save_checkpoint(pmodel: ParallelLlama, optimizer, root: str, step: int, meta
     """Model + optimizer state (every rank's shards) + step as ``root/step-N`` (collective).
 
     Written to ``root/.tmp-step-N`` and renamed when complete, then ``root/latest`` is replaced
-    (atomically) by a file naming it; ``meta`` (JSON) is stored beside the state for
-    `load_checkpoint` to compare. Returns the checkpoint's path.
+    (atomically, `os.replace`) by a file naming it; ``meta`` (JSON) is stored beside the state
+    for `load_checkpoint` to compare. Saving a step that already has a directory (``latest``
+    may name it) writes a new version ``step-N-rK`` and deletes the old one only after
+    ``latest`` names the new one, so at every moment ``latest`` names a complete checkpoint.
+    Returns the checkpoint's path.
     """
     import torch.distributed.checkpoint as dcp
 
     rank, world = _rank_world(pmodel)
     name = f"step-{step:08d}"
-    tmp, final, latest = (os.path.join(root, n) for n in (f".tmp-{name}", name, "latest"))
+    tmp, latest = os.path.join(root, f".tmp-{name}"), os.path.join(root, "latest")
+    old = _versions(root, name)  # the same on every rank: nothing renames before the save
+    final = os.path.join(root, f"{name}-r{max(old.values()) + 1}" if old else name)
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -65,13 +70,23 @@ def save_checkpoint(pmodel: ParallelLlama, optimizer, root: str, step: int, meta
         dcp.save(_state(pmodel, optimizer, step), checkpoint_id=tmp, no_dist=world == 1)
     if rank == 0:
         Path(tmp, "meta.json").write_text(json.dumps(meta))
-        shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
-        Path(latest + ".tmp").write_text(name)
+        Path(latest + ".tmp").write_text(os.path.basename(final))
         os.replace(latest + ".tmp", latest)
+        for path in old:  # no longer named by latest
+            shutil.rmtree(os.path.join(root, path), ignore_errors=True)
     if world > 1:
         dist.barrier()
     return final
+
+
+def _versions(root: str, name: str) -> dict[str, int]:
+    """The directories of checkpoint ``name`` in ``root``: ``name`` (version 0) and each
+    ``name-rK`` (version K)."""
+    if not os.path.isdir(root):
+        return {}
+    return {n: 0 if n == name else int(n[len(name) + 2:]) for n in os.listdir(root)
+            if n == name or (n.startswith(name + "-r") and n[len(name) + 2:].isdigit())}
 
 
 def load_checkpoint(pmodel: ParallelLlama, optimizer, root: str, meta: dict) -> int:

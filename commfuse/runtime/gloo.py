@@ -15,20 +15,32 @@ got 0.5-0.8 Gbit/s each way on 1 Gbit/s emulated links, where one connection per
 0.95 (`scripts/link_probe.py`). `duplex(group)` adds a second communicator over the same ranks;
 then a transfer from a lower to a higher rank uses the group, the other way the twin, and each
 connection carries one direction.
+
+Sender threads are daemons (a send blocked on a stalled peer never holds up process exit) and
+belong to their group: both they and the group's twin are looked up by the group object
+itself, held weakly, so a destroyed and re-created group, even at the same address, starts
+afresh, and the threads of a group are stopped when it is garbage-collected.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-_SENDERS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid-stable group id, peer) -> thread
-_TWINS: dict[int, dist.ProcessGroup] = {}  # id(group) -> its reverse-direction communicator
+# group -> {peer: its sender thread}; group -> its reverse-direction communicator. Weak keys:
+# an entry goes with its group (never found again by an object reusing its address).
+_SENDERS: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, _Sender]]" = \
+    weakref.WeakKeyDictionary()
+_TWINS: "weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]" = \
+    weakref.WeakKeyDictionary()
 
 
 def duplex(group: dist.ProcessGroup | None = None) -> None:
@@ -38,23 +50,67 @@ def duplex(group: dist.ProcessGroup | None = None) -> None:
     other group creation); a no-op for groups of one rank and for non-gloo groups.
     """
     group = dist.group.WORLD if group is None else group
-    if group.size() < 2 or id(group) in _TWINS or dist.get_backend(group) != "gloo":
+    if group.size() < 2 or group in _TWINS or dist.get_backend(group) != "gloo":
         return
     ranks = dist.get_process_group_ranks(group)
-    _TWINS[id(group)] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    twin = _TWINS[group] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    weakref.finalize(group, _retire, weakref.ref(twin))
+
+
+def _retire(twin_ref) -> None:
+    """The twin's group was collected: stop the twin's sender threads (the twin communicator
+    itself stays registered until the default group is destroyed)."""
+    twin = twin_ref()
+    if twin is not None:
+        _close_all(_SENDERS.pop(twin, {}))
 
 
 def _directed(group: dist.ProcessGroup, src: int, dst: int) -> dist.ProcessGroup:
     """The communicator that carries transfers from global rank ``src`` to ``dst``."""
-    twin = _TWINS.get(id(group))
+    twin = _TWINS.get(group)
     return group if twin is None or src < dst else twin
 
 
-def _sender(group: dist.ProcessGroup, peer: int) -> ThreadPoolExecutor:
-    key = (id(group), peer)
-    if key not in _SENDERS:
-        _SENDERS[key] = ThreadPoolExecutor(1, thread_name_prefix=f"commfuse-send-{peer}")
-    return _SENDERS[key]
+class _Sender:
+    """One daemon thread posting the sends to one peer in order (FIFO); `close` stops it."""
+
+    def __init__(self, peer: int):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"commfuse-send-{peer}", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self.jobs.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # handed to whoever waits for the send
+                    future.set_exception(e)
+            del job, future, fn, args  # hold no reference to the group between sends
+
+
+def _close_all(senders: dict[int, _Sender]) -> None:
+    for sender in senders.values():
+        sender.close()
+
+
+def _sender(group: dist.ProcessGroup, peer: int) -> _Sender:
+    senders = _SENDERS.get(group)
+    if senders is None:
+        senders = _SENDERS[group] = {}
+        weakref.finalize(group, _close_all, senders)  # the group is gone: stop its threads
+    if peer not in senders:
+        senders[peer] = _Sender(peer)
+    return senders[peer]
 
 
 class PendingSend:

@@ -12,6 +12,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import sys
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -177,8 +178,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],)
                         if t is not type(None))
             p.add_argument("--" + f.name.replace("_", "-"), **_flag(f, kind, docs.get(f.name, "")))
-    p.add_argument("--nproc", type=int, help="Local ranks to spawn (default: tp*up*dp; ignored "
-                   "under torchrun)")
+    p.add_argument("--nproc", type=int, help="Local ranks to spawn (default: tp*up*dp); 1 runs "
+                   "one unsharded process here, ignoring --tp/--up/--dp (with a note); ignored "
+                   "under torchrun")
     p.add_argument("--link", default="auto", metavar="RATE", help="The local ranks' network: "
                    "auto (as root with iproute2: every rank in its own network namespace on a "
                    "shaped 1gbit link, one core each, as `commfuse launch` runs them, so step "
@@ -191,11 +193,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args) -> TrainConfig:
-    """The TrainConfig of parsed flags; no --tp/--up/--dp at all means tp=2."""
+    """The TrainConfig of parsed flags; no --tp/--up/--dp at all means tp=2; ``--nproc 1`` means
+    one unsharded process (tp = up = dp = 1, saying so on stderr if a layout was asked for)."""
     names = {f.name for f in dataclasses.fields(TrainConfig)} - NOT_FLAGS - set(LAYOUT)
     cfg = TrainConfig(**{n: getattr(args, n) for n in names if hasattr(args, n)})
     cfg.tp = args.tp or (1 if args.up or args.dp else 2)
     cfg.up, cfg.dp = args.up or 1, args.dp or 1
+    if args.nproc == 1 and cfg.world != 1:
+        print(f"commfuse train: --nproc 1: one unsharded process (ignoring tp={cfg.tp} "
+              f"up={cfg.up} dp={cfg.dp})", file=sys.stderr)
+        cfg.tp = cfg.up = cfg.dp = 1
     if args.nproc is not None and args.nproc != cfg.world:
         raise SystemExit(f"commfuse train: --nproc {args.nproc} != tp*up*dp = {cfg.world}")
     return cfg
