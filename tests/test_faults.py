@@ -177,7 +177,7 @@ def _children(pid: int) -> list[int]:
 
 def _train(*flags: str) -> list[str]:
     return [sys.executable, "-m", "commfuse.train", "--tp", "2", "--batch-size", "2",
-            "--seq-len", "32", "--peak-flops", "1e9", *flags]
+            "--seq-len", "32", "--peak-flops", "1e9", "--link", "loopback", *flags]
 
 
 def test_train_exits_nonzero_and_its_checkpoint_resumes(tmp_path):
