@@ -1,0 +1,97 @@
+"""torch.compile of a transformers model sharded by `commfuse.tp.parallelize`, on 2 gloo ranks.
+
+Each rank builds the unsharded reference (tests/test_tp.py's tiny configs), then parallelizes a
+copy and compiles it (Dynamo, then AOT autograd run eagerly, through test_compile's recording
+backend): logits, loss and every gradient equal the reference's; Dynamo makes one graph (no
+graph break) in which each fused projection is one `commfuse.ag_matmul` and each row-parallel
+linear one `commfuse.matmul_rs` custom op, in the forward and the backward, with no
+point-to-point op of theirs beside them (the styles' plain collectives, such as the norms'
+gradient all-reduce, are functional collectives); and 20 AdamW steps of the compiled model
+give the reference's losses.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from commfuse.testbed.spawn import run_local
+from test_compile import Recorder
+from test_tp import STEPS, TOL, _batches, _full_grad, _rel, _tokens, _train, build
+
+CASES = [("llama", "commfuse"), ("qwen2", "commfuse"), ("llama", "none")]
+LAYERS = 2  # tests/test_tp.py's CFG
+
+
+def _compiled(arch, method, mesh):
+    import commfuse.tp as tp
+
+    model = build(arch)
+    tp.parallelize(model, mesh, method=method)
+    rec = Recorder()
+    return model, torch.compile(model, backend=rec), rec
+
+
+def _check_exact(arch, method, mesh) -> list[str]:
+    ref = build(arch)
+    ids, labels = _tokens(11, 2, 11)  # 11 tokens: uneven shards
+    out = ref(ids, labels=labels)
+    out.loss.backward()
+    model, compiled, rec = _compiled(arch, method, mesh)
+    got = compiled(ids, labels=labels)
+    got.loss.backward()
+    problems = []
+    if _rel(got.logits.detach(), out.logits.detach()) > TOL["f32"]:
+        problems.append(f"logits rel {_rel(got.logits.detach(), out.logits.detach()):.1e}")
+    if abs(got.loss.item() - out.loss.item()) > TOL["f32"] * abs(out.loss.item()):
+        problems.append(f"loss {got.loss.item()} vs {out.loss.item()}")
+    want = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g, bad = _full_grad(name, p, want[name].grad.shape, mesh.size())
+        problems += bad
+        if _rel(g, want[name].grad) > TOL["f32"]:
+            problems.append(f"grad {name} rel {_rel(g, want[name].grad):.1e}")
+    if len(rec.graphs["dynamo"]) != 1:
+        problems.append(f"{len(rec.graphs['dynamo'])} Dynamo graphs (graph breaks)")
+    # per layer: q|k|v and gate|up as one fused all-gather each, o_proj and down_proj one
+    # reduce-scatter each; plus the head's gather of the whole logits (a plain gather)
+    fwd = [t for t in rec.ops("forward") if t.startswith("commfuse.")]
+    want_fwd = ["commfuse.ag_matmul", "commfuse.matmul_rs"] * (2 * LAYERS)
+    if fwd[:len(want_fwd)] != want_fwd or len(fwd) != len(want_fwd) + 1:
+        problems.append(f"forward graph's commfuse ops: {fwd}")
+    # the fused schedules stay whole: no point-to-point op of theirs leaks into the graphs (the
+    # plain collectives of the styles, e.g. the norms' gradient all-reduce, are functional ones)
+    p2p = [t for t in rec.ops("forward") + rec.ops("backward") if "send" in t or "recv" in t]
+    if p2p:
+        problems.append(f"point-to-point ops in the graphs: {p2p}")
+    if not any(t.startswith("commfuse.") for t in rec.ops("backward")):
+        problems.append("no commfuse op in the backward graph")
+    return problems
+
+
+def _check_train(arch, method, mesh) -> list[str]:
+    ids, labels = _batches(STEPS)
+    want = _train(build(arch), None, ids, labels, STEPS)
+    got = _train(_compiled(arch, method, mesh)[1], None, ids, labels, STEPS)
+    bad = [(i, a, b) for i, (a, b) in enumerate(zip(want, got)) if abs(a - b) > 1e-4 * abs(a)]
+    return [f"step {i}: loss {b} vs {a}" for i, a, b in bad[:3]]
+
+
+def _run(rank: int, world: int) -> dict[str, list[str]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {f"exact-{a}-{m}": _check_exact(a, m, mesh) for a, m in CASES}
+    out["train-llama-commfuse"] = _check_train("llama", "commfuse", mesh)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results() -> list[dict]:
+    return run_local(_run, 2, timeout=600, pg_timeout_s=60)
+
+
+@pytest.mark.parametrize("case", [f"exact-{a}-{m}" for a, m in CASES] + ["train-llama-commfuse"])
+def test_compiled_parallel_hf_model_matches_unsharded(case):
+    problems = {r: res[case] for r, res in enumerate(results()) if res[case]}
+    assert not problems, problems
