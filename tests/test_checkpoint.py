@@ -4,7 +4,6 @@ crash at any point of it, leave a ``latest`` that loads (one process, no process
 import os
 import shutil
 
-import pytest
 import torch
 
 from commfuse.models.llama import Llama, LlamaConfig

@@ -4,7 +4,6 @@ group created after it."""
 
 import gc
 import os
-import signal
 import subprocess
 import sys
 import threading

@@ -12,11 +12,7 @@ the built-in model's). The loss is the next-token cross-entropy on ``targets``; 
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,7 +20,7 @@ import torch.nn.functional as F
 
 from commfuse.data import DATA_DIR, VOCAB_SIZE, batches, load_corpus_tokens
 from commfuse.train.config import DTYPES, TrainConfig
-from commfuse.train.report import measure_matmul_flops, progress, report
+from commfuse.train.report import finish, measure_matmul_flops, progress
 
 SHIPPED = DATA_DIR / "hf"
 
@@ -127,14 +123,4 @@ def train_hf_rank(rank: int, world: int, cfg: TrainConfig, lr_at, seq_len_at) ->
         if show:
             progress(metrics, cfg.steps)
     summary = {"exposed_comm_s": None, "peak_flops_per_rank": peak}
-    if metrics:
-        steady = metrics[1:] or metrics
-        med = lambda key: statistics.median(m[key] for m in steady)
-        summary.update(median_step_s=med("step_s"), final_loss=metrics[-1]["loss"],
-                       median_tokens_per_s=med("tokens_per_s"), median_mfu=med("mfu"))
-    if show:
-        report(summary)
-    if rank == 0 and cfg.metrics_json:
-        Path(cfg.metrics_json).write_text(json.dumps({"config": dataclasses.asdict(cfg),
-            "world": world, "steps": metrics, "summary": summary}, indent=1))
-    return metrics
+    return finish(cfg, rank, world, metrics, summary, show)

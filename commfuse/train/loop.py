@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 from commfuse.runtime.gloo import duplex
 from commfuse.train.config import DTYPES, TrainConfig, config_from_args
-from commfuse.train.report import exposed, measure_matmul_flops, progress, report
+from commfuse.train.report import exposed, finish, measure_matmul_flops, progress
 
 
 def run(args) -> int:
@@ -195,17 +194,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     summary = {"exposed_comm_s": None, "peak_flops_per_rank": peak}
     if metrics and cfg.exposed_iters and world > 1:
         summary.update(exposed(pmodel, tokens, targets, cfg.exposed_iters))
-    if metrics:
-        steady = metrics[1:] or metrics  # the first step warms up
-        med = lambda key: statistics.median(m[key] for m in steady)
-        summary.update(median_step_s=med("step_s"), final_loss=metrics[-1]["loss"],
-                       median_tokens_per_s=med("tokens_per_s"), median_mfu=med("mfu"))
-    if show:
-        report(summary)
-    if rank == 0 and cfg.metrics_json:
-        Path(cfg.metrics_json).write_text(json.dumps({"config": dataclasses.asdict(cfg),
-            "world": world, "steps": metrics, "summary": summary}, indent=1))
-    return metrics  # every rank returns its own (the losses are global)
+    return finish(cfg, rank, world, metrics, summary, show)  # every rank its own (global losses)
 
 
 def _layout(cfg: TrainConfig, world: int) -> dict:

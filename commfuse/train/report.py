@@ -3,9 +3,12 @@ peak FLOP/s that MFU is measured against (`commfuse.train.loop`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -78,3 +81,21 @@ def exposed(pmodel, tokens, targets, iters: int) -> dict:
     t_all, t_alone = statistics.median(normal), statistics.median(alone)
     return {"exposed_comm_s": max(0.0, t_all - t_alone), "fwd_bwd_s": t_all,
             "compute_only_s": t_alone}
+
+
+def finish(cfg, rank: int, world: int, metrics: list[dict], summary: dict,
+           show: bool) -> list[dict]:
+    """End a run: the medians over the steady steps (the first step warms up) added to
+    ``summary``, printed (``show``) and, on rank 0, written with the config and every step to
+    ``cfg.metrics_json``; returns ``metrics``."""
+    if metrics:
+        steady = metrics[1:] or metrics
+        med = lambda key: statistics.median(m[key] for m in steady)
+        summary.update(median_step_s=med("step_s"), final_loss=metrics[-1]["loss"],
+                       median_tokens_per_s=med("tokens_per_s"), median_mfu=med("mfu"))
+    if show:
+        report(summary)
+    if rank == 0 and cfg.metrics_json:
+        Path(cfg.metrics_json).write_text(json.dumps({"config": dataclasses.asdict(cfg),
+            "world": world, "steps": metrics, "summary": summary}, indent=1))
+    return metrics
