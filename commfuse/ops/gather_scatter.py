@@ -145,7 +145,7 @@ KERNELS = types.SimpleNamespace(ag_matmul=ag_matmul, matmul_rs=matmul_rs,
 
 
 def saved_ag_matmul_backward(a_SMK, bs_KN, ga_SMK, gys_SMN, sizes, group, spec, need_a: bool,
-                       need_bs, kernels=KERNELS):
+                             need_bs, kernels=KERNELS):
     """(dA_shard, [dB_i]) of `AllGatherMatmul`, dim first: the GEMM -> reduce-scatter of
     ``ga + sum_i gy_i @ B_i^T`` and the local ``A^T @ gy_i`` (None where not needed)."""
     ga_sMK = None
@@ -157,8 +157,8 @@ def saved_ag_matmul_backward(a_SMK, bs_KN, ga_SMK, gys_SMN, sizes, group, spec, 
                     for g, need in zip(gys_SMN, need_bs)]
 
 
-def gathered_matmul_rs_backward(a_SMK, b_KN, gc_sMN, avg: bool, sizes, group, spec, need_b: bool,
-                       kernels=KERNELS):
+def gathered_matmul_rs_backward(a_SMK, b_KN, gc_sMN, avg: bool, sizes, group, spec,
+                                need_b: bool, kernels=KERNELS):
     """(dA, dB) of `MatmulReduceScatter`, dim first: the all-gather -> GEMM of ``dC @ B^T``
     (dC / W for avg), and ``A^T @ all_gather(dC)`` from the gathered dC."""
     if avg:

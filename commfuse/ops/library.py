@@ -101,9 +101,8 @@ def _ag_backward(ctx, grads):
     a_SMK, *bs_KN = ctx.saved_tensors
     ga_SMK, *gys_SMN = grads
     ga_sMK, gbs = gs.saved_ag_matmul_backward(a_SMK, bs_KN, ga_SMK, gys_SMN, ctx.sizes,
-                                              ctx.group,
-                                        ctx.spec, ctx.needs_input_grad[0],
-                                        [ctx.needs_input_grad[1]] * len(bs_KN), KERNELS)
+                                              ctx.group, ctx.spec, ctx.needs_input_grad[0],
+                                              [ctx.needs_input_grad[1]] * len(bs_KN), KERNELS)
     return ga_sMK, gbs, None, None, None
 
 
@@ -146,8 +145,8 @@ def _rs_setup(ctx, inputs, output):
 
 def _rs_backward(ctx, gc_sMN):
     a_SMK, b_KN = ctx.saved_tensors
-    ga, gb = gs.gathered_matmul_rs_backward(a_SMK, b_KN, gc_sMN, ctx.avg, ctx.sizes, ctx.group, ctx.spec,
-                                   ctx.needs_input_grad[1], KERNELS)
+    ga, gb = gs.gathered_matmul_rs_backward(a_SMK, b_KN, gc_sMN, ctx.avg, ctx.sizes, ctx.group,
+                                            ctx.spec, ctx.needs_input_grad[1], KERNELS)
     return ga, gb, None, None, None, None
 
 
@@ -259,4 +258,3 @@ def all_to_all_matmul(a, b, dim: int, sizes, group, spec) -> Tensor:
     y, _ = a2a_matmul(a.movedim(dim, 0), b, keep_x, list(sizes), group.group_name,
                       spec_str(spec))
     return y.movedim(0, dim)
-

@@ -93,7 +93,8 @@ def train_hf_rank(rank: int, world: int, cfg: TrainConfig, lr_at, seq_len_at) ->
     peak = cfg.peak_flops or measure_matmul_flops(dtype=DTYPES[cfg.dtype])
     show = cfg.progress and rank == 0
     if show:
-        print(f"commfuse train: {type(model).__name__.removeprefix('FSDP')} from {cfg.hf_config}, tp={cfg.tp} "
+        print(f"commfuse train: {type(model).__name__.removeprefix('FSDP')} from "
+              f"{cfg.hf_config}, tp={cfg.tp} "
               f"dp={cfg.dp} method={cfg.method} {cfg.method_opts()}, batch "
               f"{cfg.batch_size}x{cfg.seq_len}, {cfg.steps} steps", flush=True)
     metrics: list[dict] = []

@@ -96,6 +96,7 @@ def finish(cfg, rank: int, world: int, metrics: list[dict], summary: dict,
     if show:
         report(summary)
     if rank == 0 and cfg.metrics_json:
-        Path(cfg.metrics_json).write_text(json.dumps({"config": dataclasses.asdict(cfg),
-            "world": world, "steps": metrics, "summary": summary}, indent=1))
+        Path(cfg.metrics_json).write_text(json.dumps(
+            {"config": dataclasses.asdict(cfg), "world": world, "steps": metrics,
+             "summary": summary}, indent=1))
     return metrics
