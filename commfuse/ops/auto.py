@@ -12,7 +12,9 @@ machine with ``commfuse simulate --calibrate`` and pass the result to `set_hardw
 
 ``method="commfuse"`` without ``splits`` gets its m here too (`resolve`): the fastest of
 `commfuse.sim.choose.SPLITS` on the same hardware model (`commfuse.sim.choose.best_splits`),
-a function of the op, shape, group size, dtype and hardware only, so the same on every rank.
+a function of the op, the shape's dims that every rank shares (`_common`: not AG->GEMM's
+local N nor GEMM->RS's local K, which differ across ranks under uneven column shards), the
+group size, dtype and hardware only, so the same on every rank.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def _choose(op: str, shape: tuple[int, ...], world: int, itemsize: int,
 def choose_splits(op: str, shape: tuple[int, int, int], world: int, like: torch.Tensor,
                   topology: str = "ring") -> int:
     """The m that ``method="commfuse"`` runs ``op`` of ``shape`` with when none is given."""
-    return _splits(op, tuple(shape), world, like.element_size(), like.device.type, topology)
+    return _splits(op, _common(op, tuple(int(x) for x in shape)), world, like.element_size(),
+                   like.device.type, topology)
 
 
 def _splits(op: str, shape: tuple[int, ...], world: int, itemsize: int, device_type: str,
@@ -105,7 +108,9 @@ def resolve(spec: MethodSpec, op: str, shape, world: int, like, group=None) -> M
     compiling = torch.compiler.is_compiling()
     if compiling and spec.method == "commfuse" and spec.splits is None:
         return replace(spec, splits=1)  # shapes may be symbolic: no per-shape m, the paper's
-    args = (op, tuple(int(x) for x in shape), world, like.element_size(), like.device.type)
+    # only dims every rank shares decide (`_common`): the choice sets message sizes
+    args = (op, _common(op, tuple(int(x) for x in shape)), world, like.element_size(),
+            like.device.type)
     if spec.method == "auto":
         if compiling:
             method, items = _choose_items(*args)
@@ -120,6 +125,16 @@ def resolve(spec: MethodSpec, op: str, shape, world: int, like, group=None) -> M
     if spec.method == "commfuse" and spec.splits is None:
         return replace(spec, splits=_splits(*args, spec.topology))
     return spec
+
+
+def _common(op: str, shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    """``shape`` with the rank-local dim replaced by one every rank shares, for a choice that
+    sets message sizes (auto's method, commfuse's m) and for `agree`'s key (which must hit or
+    miss on every rank alike): AG->GEMM's N (this rank's columns of B) and GEMM->RS's K (its
+    rows of B) may differ between ranks (uneven column shards), the rows and the moved dim do
+    not. The local dim is taken equal to the moved one (a square GEMM per slice)."""
+    M, K, N = shape
+    return {"ag_matmul": (M, K, K), "matmul_rs": (M, N, N)}.get(op, shape)
 
 
 _AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> keys agreed on
