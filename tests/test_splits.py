@@ -138,13 +138,21 @@ def test_search_stops_early_and_caps_the_pieces(monkeypatch):
     assert choose.best_splits("ag_matmul", ISSUE, 2, 4, None) == 1 and tried == [1, 2]
 
 
-def test_chosen_splits_ignore_the_rank_local_dim():
-    """Under uneven column shards AG->GEMM's N and GEMM->RS's K differ between ranks; the m
-    (which sets the message sizes) must not, or the ranks' schedules would not match."""
+def test_uneven_shards_choose_from_a_shape_every_rank_shares():
+    """Under uneven column shards (``uniform_b=False``) AG->GEMM's N and GEMM->RS's K differ
+    between ranks; the m (which sets the message sizes) must not, or the ranks' schedules
+    would not match. With even shards (the default) the real local shape decides."""
     like = torch.empty(1)
     auto.set_hardware("cpu-testbed")
     for n_local in (1, 31, 32, 4096):
         assert auto.resolve(method_spec("commfuse", {}), "ag_matmul", (4096, 1024, n_local), 2,
-                            like).splits == auto.choose_splits("ag_matmul", (4096, 1024, 1), 2, like)
+                            like, uniform=False).splits == auto.choose_splits(
+                                "ag_matmul", (4096, 1024, 1), 2, like, uniform=False)
         assert auto.resolve(method_spec("commfuse", {}), "matmul_rs", (4096, n_local, 1024), 2,
-                            like).splits == auto.choose_splits("matmul_rs", (4096, 1, 1024), 2, like)
+                            like, uniform=False).splits == auto.choose_splits(
+                                "matmul_rs", (4096, 1, 1024), 2, like, uniform=False)
+    # the real shape: a narrow GEMM beside a long transfer splits, a wide one need not
+    real = [auto.resolve(method_spec("commfuse", {}), "ag_matmul", (4096, 1024, n), 2,
+                         like).splits for n in (64, 16384)]
+    assert real == [auto.choose_splits("ag_matmul", (4096, 1024, n), 2, like) for n in (64, 16384)]
+    assert real[0] != real[1]

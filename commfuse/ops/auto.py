@@ -12,9 +12,11 @@ machine with ``commfuse simulate --calibrate`` and pass the result to `set_hardw
 
 ``method="commfuse"`` without ``splits`` gets its m here too (`resolve`): the fastest of
 `commfuse.sim.choose.SPLITS` on the same hardware model (`commfuse.sim.choose.best_splits`),
-a function of the op, the shape's dims that every rank shares (`_common`: not AG->GEMM's
-local N nor GEMM->RS's local K, which differ across ranks under uneven column shards), the
-group size, dtype and hardware only, so the same on every rank.
+a function of the op, the shape, the group size, dtype and hardware only, so the same on
+every rank. Both choices set message sizes, which must match between the ranks, so they are
+made from the real shape only where every rank has it (the default: B's shards are even);
+where a caller says they are not (``uniform_b=False`` on the ops: AG->GEMM's local N or
+GEMM->RS's local K differs between ranks), from a shape every rank shares (`_common`).
 """
 
 from __future__ import annotations
@@ -72,9 +74,10 @@ def _choose(op: str, shape: tuple[int, ...], world: int, itemsize: int,
 
 
 def choose_splits(op: str, shape: tuple[int, int, int], world: int, like: torch.Tensor,
-                  topology: str = "ring") -> int:
-    """The m that ``method="commfuse"`` runs ``op`` of ``shape`` with when none is given."""
-    return _splits(op, _common(op, tuple(int(x) for x in shape)), world, like.element_size(),
+                  topology: str = "ring", uniform: bool = True) -> int:
+    """The m that ``method="commfuse"`` runs ``op`` of ``shape`` with when none is given
+    (``uniform``: as for `resolve`)."""
+    return _splits(op, _shared(op, shape, uniform), world, like.element_size(),
                    like.device.type, topology)
 
 
@@ -97,20 +100,21 @@ def _choose_items(*args) -> tuple[str, tuple]:
     return method, tuple(sorted(opts.items()))
 
 
-def resolve(spec: MethodSpec, op: str, shape, world: int, like, group=None) -> MethodSpec:
+def resolve(spec: MethodSpec, op: str, shape, world: int, like, group=None,
+            uniform: bool = True) -> MethodSpec:
     """``spec`` with every choice made: for method "auto" the method `choose` picks for the
     shape, for "commfuse" without ``splits`` the m `choose_splits` picks. Under
     torch.compile the method is chosen while tracing, as in eager, but "commfuse" without
     ``splits`` runs the paper's m=1 (the shapes may be symbolic there): give ``splits``.
     In eager, auto's choice is checked against the other ranks of ``group`` by `agree` on
     the first call per shape (commfuse's m is not: no collective is added to the default
-    method, so `set_hardware` must be the same on every rank)."""
+    method, so `set_hardware` must be the same on every rank). ``uniform``: every rank has
+    this ``shape`` (else the choice is made for `_common`'s, which every rank shares)."""
     compiling = torch.compiler.is_compiling()
     if compiling and spec.method == "commfuse" and spec.splits is None:
         return replace(spec, splits=1)  # shapes may be symbolic: no per-shape m, the paper's
-    # only dims every rank shares decide (`_common`): the choice sets message sizes
-    args = (op, _common(op, tuple(int(x) for x in shape)), world, like.element_size(),
-            like.device.type)
+    # only a shape every rank has decides: the choice sets message sizes
+    args = (op, _shared(op, shape, uniform), world, like.element_size(), like.device.type)
     if spec.method == "auto":
         if compiling:
             method, items = _choose_items(*args)
@@ -127,12 +131,17 @@ def resolve(spec: MethodSpec, op: str, shape, world: int, like, group=None) -> M
     return spec
 
 
+def _shared(op: str, shape, uniform: bool) -> tuple[int, ...]:
+    shape = tuple(int(x) for x in shape)
+    return shape if uniform else _common(op, shape)
+
+
 def _common(op: str, shape: tuple[int, int, int]) -> tuple[int, int, int]:
     """``shape`` with the rank-local dim replaced by one every rank shares, for a choice that
     sets message sizes (auto's method, commfuse's m) and for `agree`'s key (which must hit or
-    miss on every rank alike): AG->GEMM's N (this rank's columns of B) and GEMM->RS's K (its
-    rows of B) may differ between ranks (uneven column shards), the rows and the moved dim do
-    not. The local dim is taken equal to the moved one (a square GEMM per slice)."""
+    miss on every rank alike) where B's shards are uneven: AG->GEMM's N (this rank's columns
+    of B) and GEMM->RS's K (its rows of B) may differ between ranks, the rows and the moved
+    dim do not. The local dim is taken equal to the moved one (a square GEMM per slice)."""
     M, K, N = shape
     return {"ag_matmul": (M, K, K), "matmul_rs": (M, N, N)}.get(op, shape)
 

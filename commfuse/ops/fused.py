@@ -32,7 +32,7 @@ from commfuse.ops.methods import method_spec
 def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], gather_dim: int,
                             group=None, *, return_A: bool = True, method: str = "commfuse",
                             sizes: Sequence[int] | None = None, save_gathered: bool = False,
-                            check: bool | None = None,
+                            uniform_b: bool = True, check: bool | None = None,
                             **opts) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """``A = all_gather(A_shard, gather_dim)``; returns ``(A or None, [A @ B for B in Bs])``.
 
@@ -41,12 +41,13 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     shard has along ``gather_dim`` (the same list on every rank) when they differ; default:
     all equal to this rank's. Only ``A_shard`` is saved for backward, which gathers A again
     (fused, same method, the weight-grad GEMMs consuming it); ``save_gathered=True`` saves
-    the gathered A instead (more memory until backward, one gather fewer). ``check``: checked mode
-    (see the module docstring).
+    the gathered A instead (more memory until backward, one gather fewer). ``uniform_b``:
+    every rank's Bs have the same columns as this rank's (even column shards); pass False
+    where they differ, so that ``auto`` and commfuse's default m decide on a shape every rank
+    shares (`commfuse.ops.auto.resolve`). ``check``: checked mode (see the module docstring).
     """
     checks.check_tensor("A_shard", A_shard)
-    if not isinstance(save_gathered, bool):
-        raise TypeError(f"save_gathered must be a bool, got {save_gathered!r}")
+    _flag("save_gathered", save_gathered)
     if isinstance(Bs, torch.Tensor) or not isinstance(Bs, (list, tuple)) or not Bs:
         raise TypeError("Bs must be a non-empty list or tuple of 2-D tensors")
     for i, b in enumerate(Bs):
@@ -59,7 +60,7 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), local=A_shard.shape[dim])
     rows = sum(sizes) * checks.other_rows(A_shard, dim)  # the same on every rank (for auto)
     spec = auto.resolve(spec, "ag_matmul", (rows, A_shard.shape[-1], sum(b.shape[1] for b in Bs)),
-                        group.size(), A_shard, group)
+                        group.size(), A_shard, group, uniform=_flag("uniform_b", uniform_b))
     if torch.compiler.is_compiling():  # one opaque custom op (it saves the gathered A)
         a, *ys = library.all_gather_matmul(A_shard, Bs, dim, sizes, group, spec)
     else:
@@ -69,13 +70,15 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
 
 def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str,
                                 scatter_dim: int, group=None, *, method: str = "commfuse",
-                                sizes: Sequence[int] | None = None, check: bool | None = None,
-                                **opts) -> torch.Tensor:
+                                sizes: Sequence[int] | None = None, uniform_b: bool = True,
+                                check: bool | None = None, **opts) -> torch.Tensor:
     """``reduce_scatter(A @ B, scatter_dim)`` with ``reduce_op`` "sum" or "avg".
 
     ``scatter_dim`` is any dim of ``A`` but the last. Returns this rank's slice: ``sizes[rank]``
     rows, ``sizes`` defaulting to `commfuse.even_sizes` (10 rows over 4 ranks: 3, 3, 2, 2).
-    ``check``: checked mode (see the module docstring).
+    ``uniform_b``: every rank's B has as many rows as this rank's (even row shards); pass False
+    where they differ (see `fused_all_gather_matmul`). ``check``: checked mode (see the
+    module docstring).
     """
     checks.check_tensor("A", A)
     checks.check_matmul("A", A, "B", B)
@@ -88,7 +91,7 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
         checks.agree_shapes("matmul_rs", group, A, dim, sizes, whole=True, b_cols=B.shape[1])
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), total=A.shape[dim])
     spec = auto.resolve(spec, "matmul_rs", (A.numel() // max(A.shape[-1], 1), *B.shape),
-                        group.size(), A, group)
+                        group.size(), A, group, uniform=_flag("uniform_b", uniform_b))
     if torch.compiler.is_compiling():
         return library.matmul_reduce_scatter(A, B, dim, reduce_op == "avg", sizes, group, spec)
     return MatmulReduceScatter.apply(A, B, dim, reduce_op == "avg", sizes, group, spec)
@@ -150,3 +153,9 @@ def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     if torch.compiler.is_compiling():
         return library.all_to_all_matmul(A, B, dim, sizes, group, spec)
     return AllToAllMatmul.apply(A, B, dim, sizes, group, spec)
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value

@@ -56,6 +56,12 @@ def _param(t: torch.Tensor, mesh: DeviceMesh, placement, requires_grad: bool) ->
     return nn.Parameter(distribute_tensor(t.detach(), mesh, [placement]), requires_grad)
 
 
+def _even(module: nn.Module, dim: int, group) -> bool:
+    """Whether every rank's shard of ``module.weight`` (a DTensor ``Shard(dim)``) is as wide
+    as this rank's: the fused ops then choose their method from the real local shape."""
+    return module.weight.shape[dim] % group.size() == 0
+
+
 class _Fused(ParallelStyle):
     """What the fused styles share: the method and its options, the sequence dim and split."""
 
@@ -132,7 +138,8 @@ class FusedColwiseParallel(_Fused):
         if y is None:
             w, b = self.local(module, group)
             _, (y,) = fused_all_gather_matmul(x, [w], self.dim, group, return_A=False,
-                                              sizes=self.sizes, **self.op_kwargs)
+                                              sizes=self.sizes, uniform_b=_even(module, 0, group),
+                                              **self.op_kwargs)
             y = y if b is None else y + b
         if not self.gather_output:
             return y
@@ -179,6 +186,7 @@ class FusedProjections(_Fused):
                 raise TypeError(f"FusedProjections: {name} is {type(child).__name__}, not nn.Linear")
             child._commfuse_shared = shared
             children.append((name, child))
+        uniform = all(_even(c, 0, group) for _, c in children)
 
         def pre(mod, args, kwargs):
             if args:
@@ -197,7 +205,8 @@ class FusedProjections(_Fused):
                 ws.append(w)
                 bs.append(b)
             a, ys = fused_all_gather_matmul(x, ws, self.dim, group, return_A=True,
-                                            sizes=self.sizes, **self.op_kwargs)
+                                            sizes=self.sizes, uniform_b=uniform,
+                                            **self.op_kwargs)
             shared.input = a
             shared.outs = {id(c): y if b is None else y + b for (_, c), y, b in zip(children, ys, bs)}
             if args:
@@ -231,7 +240,7 @@ class FusedRowwiseParallel(_Fused):
     def _forward(self, module: nn.Module, group, x: torch.Tensor) -> torch.Tensor:
         w = module.weight.to_local()
         y = fused_matmul_reduce_scatter(x, w.t(), "sum", self.dim, group, sizes=self.sizes,
-                                        **self.op_kwargs)
+                                        uniform_b=_even(module, 1, group), **self.op_kwargs)
         return y if module.bias is None else y + sum_grad(module.bias.to_local(), group)
 
 
