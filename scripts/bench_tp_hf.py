@@ -1,11 +1,13 @@
-"""One transformers Llama, three tensor-parallel plans, one run: commfuse TP, DTensor's own TP,
+"""One transformers Llama, several tensor-parallel plans, one run: commfuse TP, DTensor's own TP,
 and commfuse's styles with method="none" (the collective, then the GEMM).
 
     commfuse launch --nproc 2 --link 1gbit -- python scripts/bench_tp_hf.py --json out/tp_hf.json
     python scripts/bench_tp_hf.py --local 2 --hidden 64 --layers 2 --seq 64 --steps 3   # loopback
 
 Variants (``--variants``): ``commfuse`` = `commfuse.tp.parallelize(method=--method)`;
-``none`` = the same plan with method="none"; ``dtensor`` = torch's ColwiseParallel /
+``commfuse-keep`` = the same with ``save_gathered=True`` (the gathered inputs kept for
+backward, as DTensor keeps them: the same activation memory as ``dtensor``);
+``none`` = the plan of ``commfuse`` with method="none"; ``dtensor`` = torch's ColwiseParallel /
 RowwiseParallel / SequenceParallel / PrepareModuleInput plan (torchtitan's, on HF's module
 names). Every variant starts from the same weights and trains on the same batches with AdamW;
 their steps are interleaved, the order rotating every step, after ``--warmup`` untimed steps,
@@ -68,13 +70,17 @@ def dtensor_tp(model, mesh):
     return model
 
 
+VARIANTS = ("commfuse", "commfuse-keep", "dtensor", "none")
+
+
 def make(variant: str, a, mesh):
     import commfuse.tp
     model = build(a)
     if variant == "dtensor":
         return dtensor_tp(model, mesh)
-    method = a.method if variant == "commfuse" else "none"
-    return commfuse.tp.parallelize(model, mesh, method=method)
+    method = "none" if variant == "none" else a.method
+    return commfuse.tp.parallelize(model, mesh, method=method,
+                                   save_gathered=variant == "commfuse-keep")
 
 
 def run(rank: int, world: int, a) -> dict | None:
@@ -117,7 +123,7 @@ def report(a, world: int, runs: dict) -> dict:
     print(f"Llama hidden {a.hidden}, {a.layers} layers, {a.heads}/{a.kv_heads} heads, ffn "
           f"{a.ffn}, vocab {a.vocab}; batch {a.batch} x seq {a.seq}; TP {world}; "
           f"{a.steps} timed steps after {a.warmup}")
-    print(f"{'variant':10} {'step ms':>9} {'p10-p90 ms':>15} {'tokens/s':>10} {'vs none':>8}  losses")
+    print(f"{'variant':13} {'step ms':>9} {'p10-p90 ms':>15} {'tokens/s':>10} {'vs none':>8}  losses")
     for v, r in runs.items():
         ts = sorted(r["times"])
         med = statistics.median(ts)
@@ -125,7 +131,7 @@ def report(a, world: int, runs: dict) -> dict:
         ratio = med / base if base else None
         out["variants"][v] = dict(median_s=med, p10_s=p10, p90_s=p90, tokens_per_s=tokens / med,
                                   vs_none=ratio, losses=r["losses"], times_s=r["times"])
-        print(f"{v:10} {med * 1e3:9.1f} {p10 * 1e3:7.1f}-{p90 * 1e3:<7.1f} {tokens / med:10.0f} "
+        print(f"{v:13} {med * 1e3:9.1f} {p10 * 1e3:7.1f}-{p90 * 1e3:<7.1f} {tokens / med:10.0f} "
               f"{'' if ratio is None else f'{ratio:8.3f}'}  "
               + " ".join(f"{x:.4f}" for x in r["losses"]))
     if a.json:
@@ -160,9 +166,9 @@ def parse(argv=None):
     add("--local", type=int, default=0, metavar="N",
         help="spawn N local ranks (loopback) instead of reading torchrun's environment")
     a = p.parse_args(argv)
-    bad = set(a.variants) - {"commfuse", "dtensor", "none"}
+    bad = set(a.variants) - set(VARIANTS)
     if bad or not a.variants:
-        p.error(f"unknown variant(s) {sorted(bad)}: choose from commfuse, dtensor, none")
+        p.error(f"unknown variant(s) {sorted(bad)}: choose from {', '.join(VARIANTS)}")
     return a
 
 

@@ -25,7 +25,7 @@ ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
          "llama-bias": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True,
                                                             "mlp_bias": True})}
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "commfuse-direct":
-           {"topology": "direct"}, "auto": {}}
+           {"topology": "direct"}, "auto": {}, "commfuse-keep": {"save_gathered": True}}
 TOL = {"f32": 1e-5, "bf16": 3e-2}  # norm-relative vs the float32 model, as tests/test_parallel.py
 # (arch, method, attention, sequence length): 11 tokens split unevenly over 2 and 4 ranks
 EXACT = ([(a, m, "sdpa", 11) for a in ("llama", "qwen2") for m in METHODS

@@ -87,7 +87,8 @@ def check(model: nn.Module, T: int) -> int:
     return T // G if G < T else 1
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto", **opts) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
+                save_gathered: bool = False, **opts) -> nn.Module:
     """Shard ``model`` (a transformers Llama-style causal LM, the same on every rank) for
     commfuse TPSP over ``mesh`` (1-D, or the "tp" dim of a larger one), in place; returns it.
 
@@ -96,6 +97,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto", **o
     and each parameter's ``.grad`` is its shard of the unsharded gradient (replicated ones
     summed over TP during the backward), so any optimizer steps it. Parameters are DTensors.
     Training/scoring forward only: no KV-cache generation, no ``logits_to_keep``.
+    ``save_gathered=True``: the column-parallel projections keep their gathered input for
+    backward, as DTensor's tensor parallelism does (more activation memory, one all-gather per
+    projection fewer in backward); by default they keep only the sequence shard.
     """
     mesh = tp_mesh(mesh)
     T = mesh.size()
@@ -103,18 +107,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto", **o
     duplex(mesh.get_group())
     split = SeqSplit()
     kw = dict(method=method, split=split, **opts)
-    col, row, norm = FusedColwiseParallel(**kw), FusedRowwiseParallel(**kw), SequenceParallelNorm()
-    kv = FusedColwiseParallel(replicas=k, **kw)
+    ag = dict(kw, save_gathered=save_gathered)  # the all-gather -> GEMM styles
+    col, row, norm = FusedColwiseParallel(**ag), FusedRowwiseParallel(**kw), SequenceParallelNorm()
+    kv = FusedColwiseParallel(replicas=k, **ag)
     plan = {"model.embed_tokens": ReplicateParallel(), "model.layers.0": ShardSequence(split),
-            "model.norm": norm, "lm_head": FusedColwiseParallel(gather_output=True, **kw)}
+            "model.norm": norm, "lm_head": FusedColwiseParallel(gather_output=True, **ag)}
     H, G = model.config.num_attention_heads, model.config.num_key_value_heads
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         plan.update({p + "input_layernorm": norm, p + "post_attention_layernorm": norm,
-                     p + "self_attn": FusedProjections(("q_proj", "k_proj", "v_proj"), **kw),
+                     p + "self_attn": FusedProjections(("q_proj", "k_proj", "v_proj"), **ag),
                      p + "self_attn.q_proj": col, p + "self_attn.k_proj": kv,
                      p + "self_attn.v_proj": kv, p + "self_attn.o_proj": row,
-                     p + "mlp": FusedProjections(("gate_proj", "up_proj"), **kw),
+                     p + "mlp": FusedProjections(("gate_proj", "up_proj"), **ag),
                      p + "mlp.gate_proj": col, p + "mlp.up_proj": col, p + "mlp.down_proj": row})
         attn = layer.self_attn
         for name in ("q_norm", "k_norm"):

@@ -94,13 +94,17 @@ class FusedColwiseParallel(_Fused):
     columns are T/k blocks (kv head groups) each held by k consecutive ranks (GQA with fewer
     kv heads than ranks); the parameter is the block-repeated weight ``[k * out, K]`` and the
     gradients of one block's copies are summed, so the copies stay equal under any optimizer.
+    ``save_gathered=True`` keeps the gathered input for backward, as DTensor's styles do
+    (`commfuse.fused_all_gather_matmul`): more memory, one gather fewer in backward.
     """
 
-    def __init__(self, *, gather_output: bool = False, replicas: int = 1, **kw):
+    def __init__(self, *, gather_output: bool = False, replicas: int = 1,
+                 save_gathered: bool = False, **kw):
         super().__init__(**kw)
         if not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be a positive int, got {replicas!r}")
         self.gather_output, self.replicas = gather_output, replicas
+        self.op_kwargs["save_gathered"] = save_gathered
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
@@ -168,10 +172,13 @@ class FusedProjections(_Fused):
     by the gathered one (so code that reshapes by the input's length sees the full sequence)
     and caches each output; a projection called on that gathered tensor returns its cached
     output, one called on anything else runs its own fused call. The cache is dropped when
-    the module returns. Backward: one fused reduce-scatter summing every projection's term."""
+    the module returns. Backward: one fused reduce-scatter summing every projection's term.
+    ``save_gathered``: as for `FusedColwiseParallel`."""
 
-    def __init__(self, names, *, input_kwarg: str = "hidden_states", **kw):
+    def __init__(self, names, *, input_kwarg: str = "hidden_states", save_gathered: bool = False,
+                 **kw):
         super().__init__(**kw)
+        self.op_kwargs["save_gathered"] = save_gathered
         if isinstance(names, str) or not names:
             raise TypeError(f"names must be a non-empty list of submodule names, got {names!r}")
         self.names, self.input_kwarg = tuple(names), input_kwarg
