@@ -73,7 +73,12 @@ def rank_params(cfg, tp: int, up: int, dp: int, setup: work.TrainSetup,
 
 
 def _op_buffer(op, world: int, method: str, a: float) -> float:
-    """Extra bytes of one fused op (README: memory per forward call)."""
+    """Extra bytes of one fused op (README: memory per forward call), or the weight a plain
+    all-gather builds."""
+    if op.kind == "all_gather":
+        return op.shape[0]
+    if op.kind not in ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul"):
+        return 0.0
     M, K, N = op.shape
     if op.kind == "ag_matmul":
         return M * K * a
