@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 from commfuse.sim import work
 from commfuse.sim.hardware import resolve as resolve_hw
-from commfuse.sim.memory import MemoryEstimate, step_memory
-from commfuse.sim.model_ops import (CURRENT, FUSED, StepModel, block_ops, head_ops,
-                                    model_config)
+from commfuse.sim.memory import MemoryEstimate, rank_params, step_memory
+from commfuse.sim.model_ops import (CURRENT, FUSED, StepModel, block_ops, grad_sync_ops,
+                                    head_ops, model_config)
 from commfuse.sim.step import OpTimer, StepResult, simulate_step
 
 
@@ -110,6 +110,7 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
     rows = {row[0]: row for row in base.rows}  # op -> (op, per step, total s, compute s, label)
     fwd, bwd = block_ops(cfg, tp, up, dp, seq, mb, True, a, step_model)
     hf, hb = head_ops(cfg, tp, up, dp, seq, mb, True, a, step_model)
+    sync = grad_sync_ops(cfg, tp, up, dp, a, step_model)
     parts = {"ops": base.step_s}
 
     # fused attention in place of the attention GEMMs
@@ -128,7 +129,6 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
     ew_b = work.block_elementwise_bytes(cfg, a, backward=True) * nl
     per_mb = L * (ew * (1 + (setup.ac != "none")) + ew_b)
     per_mb += work.LOSS_BYTES_PER_LOGIT * mb * seq * cfg.vocab_size / T
-    from commfuse.sim.memory import rank_params
     params = rank_params(cfg, tp, up, dp, setup, step_model)
     per_step = work.OPTIMIZER_BYTES * params
     block_w = sum(i * o for _, i, o in work.block_linears(cfg)) / tp
@@ -170,9 +170,21 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
                     comp += total * op.count
             exposed += comm + max(0.0, (L - 1) * (comm - comp))
             slowed += hw.interference * min(comm, comp) * (L - 1)
+        # the root (embedding, head, norms): FSDP2 gathers it once before the forward and
+        # keeps it to the end of the backward, then reduce-scatters its gradients, both
+        # exposed; the step's per-op head transfers on DP and its DP all-reduce of the
+        # replicated gradients (there are none under FSDP) are taken out
+        for op in hf + hb:
+            if op.axis == "dp" and rows[op][2] > rows[op][3]:
+                parts["ops"] -= rows[op][1] * (rows[op][2] - rows[op][3])
+        if all(op.axis == "dp" for op in sync):
+            parts["ops"] -= base.sync_exposed_s
+        root = rank_params(cfg, tp, up, 1, setup, step_model) - L * block_w
+        exposed += (hw_dp.collective_time("all_gather", root * a, dp)
+                    + hw_dp.collective_time("reduce_scatter", root * setup.grad_bytes, dp)) \
+            / n_mb
         parts["dp exposed"] = exposed * n_mb
         parts["dp interference"] = slowed * n_mb
-        # the head's DP ops (under FSDP the root, gathered once) stay as simulated
 
     step_s = sum(parts.values())
     from commfuse.models.config import flops_per_token
