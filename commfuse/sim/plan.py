@@ -114,9 +114,9 @@ def plan(model, devices: int, hw="h100-nvlink", *, seq: int, batch: int | None =
                            local_batch)
     if only is not None:
         ok = [lay for lay in ok if lay == tuple(only)]
-        if not ok:
-            rejected = [r for r in rejected if r[:3] == tuple(only)] or \
-                [(*only, "not a layout of this model on these devices")]
+        rejected = [r for r in rejected if r[:3] == tuple(only)]
+        if not ok and not rejected:
+            rejected = [(*only, f"tp*up*dp is not {devices}, or TP and UP combined")]
     timer = timer or OpTimer(dtype_bytes)
     plans = []
     for tp, up, dp in ok:
