@@ -201,9 +201,9 @@ PRESETS: dict[str, Hardware] = {
                                 **_GPU),
     # PCIe-only node: NVIDIA H100 PCIe datasheet: bf16 dense 756 TFLOP/s, HBM2e 2.0 TB/s;
     # no NVLink bridge, GPUs talk over PCIe Gen5 x16: 64 GB/s each way (PCI-SIG spec; about
-    # 50 GB/s achieved), through the host: higher latency.
+    # 50 GB/s achieved), through the host: higher latency; 80 GB.
     "pcie-node": Hardware(gemm_flops=756e12, link_bandwidth=50e9, mem_bandwidth=2.0e12,
-                          **{**_GPU, "link_latency": 10e-6}),
+                          memory_gib=79.1, **{**_GPU, "link_latency": 10e-6}),
     # Multi-node: H100 SXM compute, one NIC per GPU (InfiniBand/RoCE line rates, e.g. NVIDIA
     # ConnectX-7 datasheet: up to 400 Gbit/s), 1 bit = 1/8 byte; ~10 us latency across nodes.
     **{f"multinode-{g}g": Hardware(gemm_flops=989e12, link_bandwidth=g * 1e9 / 8,

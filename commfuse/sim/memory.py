@@ -114,7 +114,7 @@ def step_memory(model, tp: int, up: int, dp: int, seq: int, mb: int, method: str
     recomputed = work.block_saved_bytes(cfg, "none", a) * nl if setup.ac != "none" else 0.0
     parts["block backward"] = recomputed + 2 * a * cfg.dim * nl + block_w * a
     gathered = 0.0
-    if dp > 1 and setup.fsdp and method in ("none", "auto"):
+    if dp > 1 and setup.fsdp and (method in ("none", "auto") or T > 1):  # FSDP's gathers
         root = cfg.vocab_size * cfg.dim / vocab_t * (1 if cfg.tie_embeddings else 2)
         gathered = (root + 2 * block_w) * a
     parts["gathered weights"] = gathered
