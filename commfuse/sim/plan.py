@@ -102,7 +102,8 @@ def plan(model, devices: int, hw="h100-nvlink", *, seq: int, batch: int | None =
     ``method_opts``: options passed to the methods that take them (`method_options`).
     ``step_model``: which training step (`commfuse.sim.model_ops.StepModel`). ``setup``: plan
     whole training steps (module doc); None: the GEMMs and collectives only, ranked by step
-    time. ``only``: a (tp, up, dp) to time alone."""
+    time (tokens/s per device, with ``local_batch``). ``only``: a (tp, up, dp) to time
+    alone."""
     from commfuse.parallel.config import ParallelDims
     from commfuse.sim.train_step import simulate_train_step
 
@@ -133,8 +134,8 @@ def plan(model, devices: int, hw="h100-nvlink", *, seq: int, batch: int | None =
             else:
                 t = simulate_train_step(model, dims, hw, setup=setup, **kw)
                 plans.append(Plan(tp, up, dp, method, t.base, t))
-    if setup is None:
-        plans.sort(key=lambda p: (p.result.step_s, p.tp, p.up, p.method))
+    if setup is None:  # by step time; the same order unless the batch differs (local_batch)
+        plans.sort(key=lambda p: (-p.tokens_per_s_per_device, p.tp, p.up, p.method))
     else:
         plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_device, p.tp, p.up,
                                   p.method))
