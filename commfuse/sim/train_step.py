@@ -72,6 +72,9 @@ class TrainStepResult:
         return self.memory.fits
 
 
+ATTENTION_OPS = ("attention", "attention bwd")  # the step's attention GEMMs (model_ops)
+
+
 def _prefetchable(op, label: str, setup: work.TrainSetup, dp: int) -> bool:
     """Whether ``op`` (on the DP axis) is one FSDP runs as a block's gather or reduce-scatter,
     ahead of the GEMM: a plain weight gather or its gradient's reduce-scatter, or a ZeRO-3
@@ -115,11 +118,13 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
 
     # fused attention in place of the attention GEMMs
     attn = work.attention_times(hw, cfg, seq, mb, T)
-    fwd_attn = next(op for op in fwd if op.name == "attention")
-    attn_fwd_s = rows[fwd_attn][2] * fwd_attn.count  # one block's, as the step times it
+    attn_ops = [op for op in fwd + bwd if op.kind == "gemm" and op.name in ATTENTION_OPS]
+    if len(attn_ops) != 2:  # attention timed some other way (inside a fused op): keep it
+        attn = None
+    attn_fwd_s = sum(rows[op][2] * op.count for op in fwd if op in attn_ops)  # one block's
     if attn is not None:
         for op in fwd + bwd:
-            if op.kind == "gemm" and op.name in ("attention", "attention bwd"):
+            if op in attn_ops:
                 parts["ops"] -= rows[op][1] * rows[op][2]
         attn_fwd_s = attn[0]
         parts["attention"] = (attn[0] + attn[1]) * L * n_mb
@@ -143,7 +148,7 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
             for name, i, o in work.recomputed_linears(cfg, "selective"))
     elif setup.ac == "full":
         block_fwd = sum(rows[op][2] * op.count if op.axis != "dp" else rows[op][3] * op.count
-                        for op in fwd if op.name != "attention")
+                        for op in fwd if op not in attn_ops)
         parts["recompute"] = L * n_mb * (block_fwd + attn_fwd_s)
 
     # FSDP prefetch: DP transfers behind the neighbouring blocks' compute
@@ -161,7 +166,7 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
             comp = extra
             for op in ops:
                 total, compute, label = rows[op][2:]
-                if attn is not None and op.kind == "gemm" and "attention" in op.name:
+                if attn is not None and op in attn_ops:
                     comp += attn[0] if op.name == "attention" else attn[1]
                 elif op.axis == "dp":
                     parts["ops"] -= rows[op][1] * (total - compute)
