@@ -236,3 +236,13 @@ def test_memory_gib_of_the_published_rows_is_what_the_model_counts():
         + max(parts["loss"], parts["block backward"]) + parts["gathered weights"]
         + parts["op buffers"])
     assert parts["loss"] == pytest.approx(12 * 2 * 8192 * 128256)  # three float32 logit sets
+
+
+def test_70b_does_not_fit_on_one_node():
+    """Llama 3 70B's float32 parameters, gradients and AdamW states alone (16 B x 70.6 B
+    parameters / 8) exceed an 80 GB H100: every layout on 8 of them is marked."""
+    plans, _ = plan("70b", 8, "h100-nvlink", seq=4096, local_batch=1, methods=("none",),
+                    setup=work.TrainSetup())
+    assert plans and not any(p.fits for p in plans)
+    state = {p.name: p.train.memory.parts["params"] * 4 / GIB for p in plans}
+    assert all(s > 79.1 for s in state.values())  # params + grads + AdamW = 4 x params' bytes
