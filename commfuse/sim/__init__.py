@@ -10,7 +10,9 @@ hardware model (`Hardware`, presets in `PRESETS`) by a discrete-event engine.
 
 A whole training step of a Llama-style model under TP / Ulysses / ZeRO-3 DP:
 `simulate_step` (`commfuse.sim.step`); every layout of a model on N devices, ranked:
-`commfuse.sim.plan` (``commfuse plan``).
+`commfuse.sim.plan` (``commfuse plan``). The whole training step as a framework runs it
+(memory-bound work, recompute, optimizer, FSDP prefetch) and its peak memory per rank:
+`simulate_train_step` (`commfuse.sim.train_step`, `commfuse.sim.memory`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from commfuse.trace import Span, write_trace
 
 __all__ = ["Hardware", "PRESETS", "preset", "OpSpec", "Span", "SimResult", "op_costs",
            "simulate_op", "simulate_ops", "simulate_layer", "paper_table1", "write_trace",
-           "simulate_step", "StepResult", "OpTimer", "MODELS"]
+           "simulate_step", "StepResult", "OpTimer", "MODELS", "simulate_train_step",
+           "TrainStepResult", "TrainSetup"]
 
 
 def __getattr__(name):  # the whole-model step (commfuse.sim.step), imported on first use
@@ -30,6 +33,14 @@ def __getattr__(name):  # the whole-model step (commfuse.sim.step), imported on 
         from commfuse.sim import step
 
         return getattr(step, name)
+    if name in ("simulate_train_step", "TrainStepResult"):
+        from commfuse.sim import train_step
+
+        return getattr(train_step, name)
+    if name == "TrainSetup":
+        from commfuse.sim.work import TrainSetup
+
+        return TrainSetup
     if name == "MODELS":
         from commfuse.sim.model_ops import MODELS
 

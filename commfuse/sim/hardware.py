@@ -61,6 +61,19 @@ class Hardware:
     """rank -> factor >= 1: that rank's compute (GEMMs, adds) takes factor times longer."""
     link_straggler: dict = field(default_factory=dict)
     """rank -> factor >= 1: that rank's link (both directions) is factor times slower."""
+    mem_efficiency: float = 1.0
+    """Fraction of ``mem_bandwidth`` that streaming (elementwise, memory-bound) kernels reach;
+    the whole-step model (`commfuse.sim.work`) times such work at this rate."""
+    attention_efficiency: tuple = (0.0, 0.0)
+    """Fraction of ``gemm_flops`` a fused attention kernel reaches (forward, backward), causal
+    FLOPs counted; (0, 0): time attention as GEMMs (``gemm_time``)."""
+    memory_gib: float = 0.0
+    """Device memory a process can allocate (GiB); 0: unknown (every plan fits)."""
+    tdp_w: float = 0.0
+    """Power at which ``gemm_flops`` and the GEMM efficiency were measured (W); 0: no model."""
+    power_limit_w: float = 0.0
+    """The device's power limit (W), below ``tdp_w``: compute slows to ``clock_factor()``;
+    0: the TDP."""
 
     def __post_init__(self):
         for name in ("gemm_flops", "link_bandwidth", "mem_bandwidth"):
@@ -70,7 +83,17 @@ class Hardware:
                      "host_p2p_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("gemm_max_efficiency", "duplex_efficiency", "collective_efficiency"):
+        for name in ("memory_gib", "tdp_w", "power_limit_w"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.power_limit_w and not self.tdp_w:
+            raise ValueError("power_limit_w needs tdp_w (the power the peak was measured at)")
+        if len(self.attention_efficiency) != 2 or not all(
+                0 <= e <= 1 for e in self.attention_efficiency):
+            raise ValueError(f"attention_efficiency must be (forward, backward) in [0, 1], got "
+                             f"{self.attention_efficiency!r}")
+        for name in ("gemm_max_efficiency", "duplex_efficiency", "collective_efficiency",
+                     "mem_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         for name in ("compute_straggler", "link_straggler"):
@@ -82,11 +105,20 @@ class Hardware:
         """Fraction of ``gemm_flops`` an m x k x n GEMM reaches (module doc)."""
         return self.gemm_max_efficiency / (1 + self.m0 / m + self.n0 / n + self.k0 / k)
 
+    def clock_factor(self) -> float:
+        """Compute speed under ``power_limit_w`` relative to ``tdp_w``: dynamic power goes as
+        C V^2 f and the voltage as the clock, so power ~ f^3 and the clock the power limit
+        sustains is (limit / tdp)^(1/3) of the one at the TDP (1 without a limit)."""
+        if not self.power_limit_w or self.power_limit_w >= self.tdp_w:
+            return 1.0
+        return (self.power_limit_w / self.tdp_w) ** (1 / 3)
+
     def gemm_time(self, m: float, k: float, n: float, rank: int = 0) -> float:
         """Seconds for an [m, k] @ [k, n] GEMM on ``rank`` (0 if any dim is empty)."""
         if m <= 0 or k <= 0 or n <= 0:
             return 0.0
-        t = 2.0 * m * k * n / (self.gemm_flops * self.gemm_efficiency(m, k, n))
+        t = 2.0 * m * k * n / (self.gemm_flops * self.clock_factor()
+                               * self.gemm_efficiency(m, k, n))
         return t * self.compute_straggler.get(rank, 1.0)
 
     def add_time(self, nbytes: float, rank: int = 0) -> float:
@@ -125,20 +157,42 @@ LINK_FIELDS = ("link_bandwidth", "link_latency", "duplex_efficiency", "collectiv
 # datasheet's dense peak (typical of cuBLAS/CANN on big shapes), slices under ~128 rows lose it.
 _GPU = dict(gemm_max_efficiency=0.7, m0=128.0, n0=128.0, k0=128.0, link_latency=5e-6,
             interference=0.05, serial_p2p=True)
+# Hopper (H100/H200 SXM) from published measurements rather than a guess:
+# - GEMM: the Maximum Achievable Matmul FLOPS table of stas00/ml-engineering
+#   (compute/accelerator/README.md, mamf-finder.py): H100 SXM bf16 792.1 TFLOP/s = 80.1 % of 989
+#   (CUDA 12.1, 700 W TDP), the best of a sweep of shapes up to 20480 in each dim. That best
+#   is the ceiling (gemm_max_efficiency = 0.801); the 128-element tile terms of _GPU take
+#   smaller or thinner shapes below it. (H200 SXM: the same SMs and clocks; the table's later
+#   edition lists "H100/H200 SXM" together at 794.5.)
+# - Attention: FlashAttention-2 (what torch's SDPA runs) on H100 SXM, head dim 128, sequence
+#   8k: 333 TFLOP/s forward (causal) and 318 backward, Shah et al., "FlashAttention-3", 2024
+#   (arXiv 2407.08608), figures of forward / backward speed; causal FLOPs counted.
+# - Memory-bound kernels: 90 % of the HBM datasheet bandwidth (the order STREAM-style copies
+#   reach on HBM; an assumption, not a measurement of ours).
+_HOPPER = dict(_GPU, gemm_max_efficiency=0.801, attention_efficiency=(333 / 989, 318 / 989),
+               mem_efficiency=0.9, tdp_w=700.0)
 
 PRESETS: dict[str, Hardware] = {
     # NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): bf16 dense 989 TFLOP/s
-    # (1979 with sparsity), HBM3 3.35 TB/s, NVLink 4 900 GB/s total = 450 GB/s each way.
+    # (1979 with sparsity), HBM3 3.35 TB/s, 80 GB, NVLink 4 900 GB/s total = 450 GB/s each
+    # way; 700 W.
     "h100-nvlink": Hardware(gemm_flops=989e12, link_bandwidth=450e9, mem_bandwidth=3.35e12,
-                            **_GPU),
+                            memory_gib=79.1, **_HOPPER),
+    # The H100 of torchtitan's published benchmarks (benchmarks/llama3_h100_202412_torchtitan.md
+    # in pytorch/torchtitan: Meta's Grand Teton hosts): 96 GB HBM2e at 2.4 TB/s, NVLink within
+    # the host, run at the default 500 W power limit (of a 700 W TDP): compute at
+    # (500/700)^(1/3) = 0.89 of the clock (`Hardware.clock_factor`). Usable memory: 94 GiB
+    # (the capacity such 96 GB HBM2e H100s report).
+    "h100-hbm2e-500w": Hardware(gemm_flops=989e12, link_bandwidth=450e9, mem_bandwidth=2.4e12,
+                                memory_gib=94.0, power_limit_w=500.0, **_HOPPER),
     # NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200): bf16 dense 989 TFLOP/s,
-    # HBM3e 4.8 TB/s, NVLink 900 GB/s total = 450 GB/s each way.
+    # HBM3e 4.8 TB/s, 141 GB, NVLink 900 GB/s total = 450 GB/s each way; up to 700 W.
     "h200-nvlink": Hardware(gemm_flops=989e12, link_bandwidth=450e9, mem_bandwidth=4.8e12,
-                            **_GPU),
+                            memory_gib=139.8, **_HOPPER),
     # NVIDIA A100 SXM 80GB datasheet (nvidia.com/en-us/data-center/a100): bf16 dense 312
     # TFLOP/s, HBM2e 2.039 TB/s, NVLink 3 600 GB/s total = 300 GB/s each way.
     "a100-nvlink": Hardware(gemm_flops=312e12, link_bandwidth=300e9, mem_bandwidth=2.039e12,
-                            **_GPU),
+                            memory_gib=79.1, **_GPU),
     # Huawei Ascend 910B (hiascend.com product pages / Atlas 800T A2 datasheet, as publicly
     # reported): about 313 TFLOP/s fp16/bf16, HBM2e about 1.6 TB/s, HCCS 7 links x 56 GB/s
     # (392 GB/s) per NPU in an 8-NPU full mesh: one peer link is 56 GB/s (bidirectional
@@ -147,14 +201,14 @@ PRESETS: dict[str, Hardware] = {
                                 **_GPU),
     # PCIe-only node: NVIDIA H100 PCIe datasheet: bf16 dense 756 TFLOP/s, HBM2e 2.0 TB/s;
     # no NVLink bridge, GPUs talk over PCIe Gen5 x16: 64 GB/s each way (PCI-SIG spec; about
-    # 50 GB/s achieved), through the host: higher latency.
+    # 50 GB/s achieved), through the host: higher latency; 80 GB.
     "pcie-node": Hardware(gemm_flops=756e12, link_bandwidth=50e9, mem_bandwidth=2.0e12,
-                          **{**_GPU, "link_latency": 10e-6}),
+                          memory_gib=79.1, **{**_GPU, "link_latency": 10e-6}),
     # Multi-node: H100 SXM compute, one NIC per GPU (InfiniBand/RoCE line rates, e.g. NVIDIA
     # ConnectX-7 datasheet: up to 400 Gbit/s), 1 bit = 1/8 byte; ~10 us latency across nodes.
     **{f"multinode-{g}g": Hardware(gemm_flops=989e12, link_bandwidth=g * 1e9 / 8,
-                                   mem_bandwidth=3.35e12,
-                                   **{**_GPU, "link_latency": 10e-6})
+                                   mem_bandwidth=3.35e12, memory_gib=79.1,
+                                   **{**_HOPPER, "link_latency": 10e-6})
        for g in (100, 200, 400)},
     # The project's CPU testbed (docs/benchmarks/2026-11-29.md): one x86_64 core of the dev
     # VM, float32, 1 intra-op thread: `a @ b` on [1024, 2048] @ [2048, 4096] measured

@@ -10,6 +10,12 @@ and FFN; up the heads and kv heads; tp*up the sequence; dp the global batch and 
 every DP-sharded weight) and the batch splits into whole micro-batches. TP and UP are not
 combined (the plans do not support it). All plans share one `OpTimer`, so an op that several
 plans run is simulated once.
+
+With a `commfuse.sim.work.TrainSetup` (``setup``), each plan is the whole training step of
+`commfuse.sim.train_step.simulate_train_step` (memory-bound work, recompute, optimizer, FSDP
+prefetch, peak memory): plans that fit the device come first, each group ranked by tokens
+per second per device (with ``local_batch`` the global batch is dp x local_batch, so it
+differs between layouts). `plan_records` turns plans into JSON-ready dicts.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 
 from commfuse.sim.model_ops import CURRENT, StepModel, model_config
 from commfuse.sim.step import OpTimer, StepResult, simulate_step
+from commfuse.sim.work import TrainSetup
 
 METHODS = ("none", "sliced", "decompose", "commfuse")
 
@@ -30,15 +37,39 @@ class Plan:
     up: int
     dp: int
     method: str
-    result: StepResult
+    result: StepResult  # the GEMMs and collectives (`simulate_step`)
+    train: object = None  # the whole step (`TrainStepResult`), when planned with a setup
 
     @property
     def name(self) -> str:
         return f"tp={self.tp} up={self.up} dp={self.dp} {self.method}"
 
+    @property
+    def step_s(self) -> float:
+        return (self.train or self.result).step_s
 
-def layouts(model, devices: int, seq: int, batch: int, micro_batch: int = 1):
-    """([(tp, up, dp) valid for ``model`` on ``devices``], [(tp, up, dp, why) rejected])."""
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        r = self.train or self.result
+        return r.tokens / r.step_s / (self.tp * self.up * self.dp)
+
+    @property
+    def mfu(self) -> float:
+        return (self.train or self.result).mfu
+
+    @property
+    def peak_memory_gib(self):
+        return self.train.peak_memory_gib if self.train else None
+
+    @property
+    def fits(self):
+        return self.train.fits if self.train else None
+
+
+def layouts(model, devices: int, seq: int, batch: int | None, micro_batch: int = 1,
+            local_batch: int | None = None):
+    """([(tp, up, dp) valid for ``model`` on ``devices``], [(tp, up, dp, why) rejected]).
+    ``local_batch``: sequences per DP replica (the global batch is then dp x local_batch)."""
     from commfuse.parallel.config import ParallelDims
 
     cfg = model_config(model)
@@ -46,6 +77,8 @@ def layouts(model, devices: int, seq: int, batch: int, micro_batch: int = 1):
     inners = [d for d in range(1, devices + 1) if devices % d == 0]
     for tp, up in [(1, 1)] + [(d, 1) for d in inners[1:]] + [(1, d) for d in inners[1:]]:
         dp = devices // (tp * up)
+        if local_batch is not None:
+            batch = dp * local_batch
         try:
             dims = ParallelDims(tp=tp, up=up, dp=dp, world_size=devices)
             dims.check_model(cfg, seq, batch)
@@ -59,29 +92,69 @@ def layouts(model, devices: int, seq: int, batch: int, micro_batch: int = 1):
 
 
 def plan(model, devices: int, hw="h100-nvlink", *, seq: int, batch: int | None = None,
-         micro_batch: int = 1, methods=METHODS, method_opts: dict | None = None,
+         micro_batch: int | None = None, methods=METHODS, method_opts: dict | None = None,
          dtype_bytes: float = 2, inter_hw=None, node_size: int = 8,
-         timer: OpTimer | None = None, step_model: StepModel = CURRENT):
-    """(plans sorted by predicted step time, rejected layouts with the reason). ``batch``:
-    global sequences per step (default: ``devices``, one per rank-equivalent).
+         timer: OpTimer | None = None, step_model: StepModel = CURRENT,
+         local_batch: int | None = None, setup: TrainSetup | None = None, only=None):
+    """(plans, best first; rejected layouts with the reason). ``batch``: global sequences per
+    step (default: ``devices``), or ``local_batch`` sequences per DP replica;
+    ``micro_batch``: sequences per forward/backward (default 1, or the local batch).
     ``method_opts``: options passed to the methods that take them (`method_options`).
-    ``step_model``: which training step (`commfuse.sim.model_ops.StepModel`)."""
+    ``step_model``: which training step (`commfuse.sim.model_ops.StepModel`). ``setup``: plan
+    whole training steps (module doc); None: the GEMMs and collectives only, ranked by step
+    time (tokens/s per device, with ``local_batch``). ``only``: a (tp, up, dp) to time
+    alone."""
     from commfuse.parallel.config import ParallelDims
+    from commfuse.sim.train_step import simulate_train_step
 
-    batch = devices if batch is None else batch
-    ok, rejected = layouts(model, devices, seq, batch, micro_batch)
+    if local_batch is not None and batch is not None:
+        raise ValueError("give batch or local_batch, not both")
+    if batch is None and local_batch is None:
+        batch = devices
+    ok, rejected = layouts(model, devices, seq, batch, micro_batch or local_batch or 1,
+                           local_batch)
+    if only is not None:
+        ok = [lay for lay in ok if lay == tuple(only)]
+        rejected = [r for r in rejected if r[:3] == tuple(only)]
+        if not ok and not rejected:
+            rejected = [(*only, f"tp*up*dp is not {devices}, or TP and UP combined")]
     timer = timer or OpTimer(dtype_bytes)
     plans = []
     for tp, up, dp in ok:
+        b = dp * local_batch if local_batch is not None else batch
+        mb = micro_batch or local_batch or 1
         for method in methods:
             dims = ParallelDims(tp=tp, up=up, dp=dp, method=method, world_size=devices,
                                 method_opts=method_options(method, method_opts or {}))
-            r = simulate_step(model, dims, hw, seq=seq, batch=batch, micro_batch=micro_batch,
-                              dtype_bytes=dtype_bytes, inter_hw=inter_hw, node_size=node_size,
-                              timer=timer, step_model=step_model)
-            plans.append(Plan(tp, up, dp, method, r))
-    plans.sort(key=lambda p: (p.result.step_s, p.tp, p.up, p.method))
+            kw = dict(seq=seq, batch=b, micro_batch=mb, dtype_bytes=dtype_bytes,
+                      inter_hw=inter_hw, node_size=node_size, timer=timer,
+                      step_model=step_model)
+            if setup is None:
+                plans.append(Plan(tp, up, dp, method, simulate_step(model, dims, hw, **kw)))
+            else:
+                t = simulate_train_step(model, dims, hw, setup=setup, **kw)
+                plans.append(Plan(tp, up, dp, method, t.base, t))
+    if setup is None:  # by step time; the same order unless the batch differs (local_batch)
+        plans.sort(key=lambda p: (-p.tokens_per_s_per_device, p.tp, p.up, p.method))
+    else:
+        plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_device, p.tp, p.up,
+                                  p.method))
     return plans, rejected
+
+
+def plan_records(plans) -> list[dict]:
+    """Every plan as a dict (for ``commfuse plan --json``): tp, up, dp, method, step_s,
+    tokens_per_s_per_device, mfu, peak_memory_gib, fits (None without a setup), the global
+    tokens per step, and the seconds per step of each part (``breakdown``)."""
+    out = []
+    for p in plans:
+        r = p.train or p.result
+        out.append(dict(tp=p.tp, up=p.up, dp=p.dp, method=p.method, step_s=p.step_s,
+                        tokens_per_s_per_device=p.tokens_per_s_per_device, mfu=p.mfu,
+                        peak_memory_gib=p.peak_memory_gib, fits=p.fits,
+                        tokens_per_step=p.result.tokens,
+                        breakdown=dict(r.breakdown)))
+    return out
 
 
 def method_options(method: str, opts: dict) -> dict:
@@ -106,4 +179,26 @@ def table(plans, top: int | None = None) -> str:
             f"{r.limit_s:>9.3f}{r.tokens / r.step_s:>11,.0f}{100 * r.mfu:>6.1f}%"
             f"{100 * r.exposed_comm_s / r.step_s:>8.1f}%{b.get('tp', 0) + b.get('up', 0):>9.3f}"
             f"{b.get('dp', 0):>8.3f}{b.get('local', 0):>8.3f}{b.get('world', 0):>8.3f}")
+    return "\n".join(lines)
+
+
+def train_table(plans, top: int | None = None) -> str:
+    """A fixed-width table of whole-step ``plans`` (planned with a setup; best first): step
+    time, tokens/s per device, MFU, peak memory and whether it fits, then the seconds per
+    step of each part (`commfuse.sim.train_step`): GEMMs and collectives as the ops run them
+    ("ops", FSDP's transfers taken out), fused attention, memory-bound work, recompute, what
+    FSDP's prefetch leaves exposed (transfers and the compute they slow)."""
+    head = (f"{'#':>3} {'tp':>3} {'up':>3} {'dp':>5} {'method':<10}{'step s':>8}"
+            f"{'tok/s/dev':>10}{'MFU':>7}{'mem GiB':>9}{'fits':>5}"
+            f"{'ops s':>8}{'attn s':>8}{'membw s':>8}{'recomp s':>9}{'DP exp s':>9}")
+    lines = [head, "-" * len(head)]
+    for i, p in enumerate(plans[:top] if top else plans, 1):
+        b = p.train.breakdown
+        lines.append(
+            f"{i:>3} {p.tp:>3} {p.up:>3} {p.dp:>5} {p.method:<10}{p.step_s:>8.3f}"
+            f"{p.tokens_per_s_per_device:>10,.0f}{100 * p.mfu:>6.1f}%"
+            f"{p.peak_memory_gib:>9.1f}{'yes' if p.fits else 'NO':>5}"
+            f"{b.get('ops', 0):>8.3f}{b.get('attention', 0):>8.3f}"
+            f"{b.get('memory-bound', 0):>8.3f}{b.get('recompute', 0):>9.3f}"
+            f"{b.get('dp exposed', 0) + b.get('dp interference', 0):>9.3f}")
     return "\n".join(lines)

@@ -17,43 +17,53 @@ from commfuse.trace import write_gantt
 DESCRIPTION = """\
 Enumerate every (tp, up, dp) layout of MODEL on DEVICES ranks that the parallel plans accept
 (tp divides the heads, kv heads and FFN; up the heads and kv heads; tp*up the sequence; dp the
-global batch and the rows of every DP-sharded weight; TP and UP are not combined), time one
-training step of each under every method on the simulator (commfuse.sim.simulate_step), and
-print them ranked by predicted step time, best first. Writes the best plan's predicted
-timeline as a Chrome trace (open in ui.perfetto.dev) and a PNG Gantt chart.
+global batch and the rows of every DP-sharded weight; TP and UP are not combined), predict one
+training step of each under every method, and print them best first: the plans that fit in
+the device's memory first, by tokens/s per device. Writes the best plan's predicted timeline
+of its GEMMs and collectives as a Chrome trace (open in ui.perfetto.dev) and a PNG Gantt chart.
 
-What a step is: for every micro-batch, the forward and backward of every block and of the
-output head, with the fused ops the plans use (TPSP: AG->GEMM q|k|v and gate|up, GEMM->RS
-out-proj and down; Ulysses: GEMM->a2a, a2a->GEMM; ZeRO-3 DP: parameter all-gather fused with
-each GEMM, gradient reduce-scatter fused with the weight-gradient GEMM; backward the dual
-ops), attention as GEMMs of (S, head_dim, S) (causal: half of QK^T and PV), and the
-all-reduce of the replicated gradients. Under TP/UP x DP the plans gather the TP/UP weights
-with a plain all-gather before each op: counted as exposed. The step is the current one
-(--step current): gradient all-reduces in buckets during the backward (only the last bucket,
-or what the backward cannot cover, exposed); under TP/UP a vocabulary-parallel head (the
-hidden all-gathered fused with the head GEMM, two small all-reduces for the cross-entropy)
-and embedding (reduce-scatter forward, all-gather backward); AG->GEMM's backward gathers its
-input again fused with the weight-gradient GEMM; GEMM->RS's backward computes the weight
-gradient per arriving slice. --step previous: the step before (sync after the backward,
-replicated head and embedding, saved inputs, weight gradients afterwards). Not counted: elementwise
-work, the optimizer step, pipeline parallelism, activation memory (a plan may not fit).
+The GEMMs and collectives of a step (commfuse.sim.simulate_step): for every micro-batch, the
+forward and backward of every block and of the output head, with the fused ops the plans use
+(TPSP: AG->GEMM q|k|v and gate|up, GEMM->RS out-proj and down; Ulysses: GEMM->a2a,
+a2a->GEMM; ZeRO-3 DP: parameter all-gather fused with each GEMM, gradient reduce-scatter fused
+with the weight-gradient GEMM; backward the dual ops), and the all-reduce of the replicated
+gradients. Under TP/UP x DP the plans gather the TP/UP weights with a plain all-gather before
+each op. Each distinct op is simulated once on its own group (tp/up ranks are neighbours, dp
+strides over them; a group wider than --node-size uses --inter-hw's links), and the times are
+summed along the step: no overlap between consecutive ops. GEMM efficiency and, on the Hopper
+presets, fused attention come from published measurements (commfuse/sim/hardware.py);
+compute slows under a preset's power limit.
 
-How it is timed: each distinct op is simulated once on its own group (tp/up ranks are
-neighbours, dp strides over them; a group wider than --node-size uses --inter-hw's links), and
-the times are summed along the step: no overlap between consecutive ops, no contention
-between groups (see commfuse/sim/step.py).
+The whole step (commfuse.sim.simulate_train_step; --ops-only leaves it out) adds: fused
+attention; memory-bound work (norms, RoPE, SwiGLU, residuals, the cross-entropy on float32
+logits, the AdamW step with gradient clipping) by bytes over the memory bandwidth;
+activation checkpointing per block (--ac: none, selective = torchtitan's op policy, every
+second matmul and all elementwise work recomputed, full = the block's forward again); under
+--sharding fsdp (the default; torch FSDP2 as torchtitan runs it) one all-gather per block,
+prefetched behind the neighbouring block's compute, the reduce-scatter in float32 behind the
+backward, every parameter sharded over DP (method none; the fused methods keep their own
+schedules), under --sharding commfuse this repository's ZeRO-3 (no prefetch, norms and
+embedding replicated). Memory per rank (commfuse.sim.memory): float32 parameters, gradients
+and AdamW states, activations under --ac, the loss's float32 logits, gathered weights and
+fused-op buffers; a plan over the preset's memory is marked NO and ranked last.
+docs/planning.md holds the validation against published runs. Not counted: pipeline
+parallelism, the CUDA context and NCCL buffers, allocator fragmentation, host overhead.
 
-Columns: step s (one step of the global batch), limit s (the same compute and bytes with no
-dependency: max(compute alone, wire time per link)), tokens/s, MFU = flops_per_token * tokens /
-step / (devices * peak), flops_per_token = 6N + 12*L*H*Q*T (PaLM appendix B, as nanoGPT and
-`commfuse train`), peak = the --hw preset's dense GEMM flop/s; exposed = share of the step
-not hidden behind compute; then the seconds per step spent in ops on the TP/UP group, on the
-DP group (fused ops, plain weight gathers, grad all-reduce), in local GEMMs (attention, weight
-gradients, UP's MLP) and in the all-reduce over all ranks (embedding, norms)."""
+Columns (whole step): step s, tok/s/dev (tokens per step / step / devices, as torchtitan
+logs TPS/GPU), MFU = flops_per_token * tokens / step / (devices * peak), flops_per_token =
+6N + 12*L*H*Q*T (PaLM appendix B, as nanoGPT and `commfuse train`), peak = the --hw
+preset's dense GEMM flop/s; mem GiB (the peak of one rank) and fits; then seconds per step
+in the GEMMs and collectives (ops s), fused attention, memory-bound work, recompute, and
+what FSDP's prefetch leaves exposed. --ops-only: step s, limit s (the same compute and bytes
+with no dependency), tokens/s, MFU, exposed = share of the step not hidden behind compute,
+then the seconds per step in ops on the TP/UP group, on the DP group, in local GEMMs and in
+the all-reduce over all ranks."""
 
 EPILOG = """\
 examples:
   commfuse plan --model 70b --devices 256 --hw h100-nvlink --seq 4096
+  commfuse plan --model 8b --devices 8 --hw h100-hbm2e-500w --seq 8192 --local-batch 2 \
+      --ac selective --methods none --layout 1,1,8 --json plan.json
   commfuse plan --model 7b --devices 64 --hw a100-nvlink --batch 256 --micro-batch 2
   commfuse plan --model 70b --devices 1024 --methods commfuse,auto --splits 2
   commfuse plan --model tiny --devices 4 --hw cpu-testbed --inter-hw same --seq 256"""
@@ -83,9 +93,25 @@ def _parser() -> argparse.ArgumentParser:
       help="sequence length (default: 4096, or the model's max_seq_len if shorter)")
     a("--batch", type=int, default=None,
       help="global batch in sequences per step (default: --devices)")
-    a("--micro-batch", type=int, default=1,
+    a("--local-batch", type=int, default=None,
+      help="sequences per DP replica per step (torchtitan's local_batch_size): the global "
+           "batch is dp x this, so it differs between layouts (not with --batch)")
+    a("--micro-batch", type=int, default=None,
       help="sequences per DP replica per forward/backward; the step runs batch / (dp * "
-           "micro-batch) of them (default 1)")
+           "micro-batch) of them (default 1, or the whole --local-batch)")
+    a("--ac", default="selective", choices=("none", "selective", "full"),
+      help="activation checkpointing per block (default selective: torchtitan's op policy)")
+    a("--sharding", default="fsdp", choices=("fsdp", "commfuse"),
+      help="how DP shards and gathers: fsdp (torch FSDP2: all parameters sharded, the next "
+           "block's gather prefetched, float32 gradient reduce-scatter) or commfuse (this "
+           "repository's ZeRO-3, no prefetch) (default fsdp)")
+    a("--ops-only", action="store_true",
+      help="the GEMMs and collectives only (the planner before the whole-step model)")
+    a("--layout", default=None, metavar="TP,UP,DP",
+      help="time this layout only, e.g. 1,1,8")
+    a("--json", default=None, metavar="FILE",
+      help="also write every plan to FILE as JSON: tp, up, dp, method, step_s, "
+           "tokens_per_s_per_device, mfu, peak_memory_gib, fits, tokens_per_step, breakdown")
     a("--methods", default="none,sliced,decompose,commfuse",
       help="comma-separated methods to compare: none, sliced, decompose, commfuse, auto "
            "(auto: per op, the fastest of commfuse.auto's candidates) (default: the four)")
@@ -107,47 +133,70 @@ def _parser() -> argparse.ArgumentParser:
 
 def main_plan(argv=None) -> int:
     a = _parser().parse_args(argv)
+    import json
+
     from commfuse.parallel.config import ParallelDims
     from commfuse.sim.model_ops import StepModel, model_config
-    from commfuse.sim.plan import method_options, plan, table
+    from commfuse.sim.plan import method_options, plan, plan_records, table, train_table
     from commfuse.sim.step import OpTimer, simulate_step
+    from commfuse.sim.work import TrainSetup
 
+    if a.local_batch is not None and a.batch is not None:
+        raise SystemExit("commfuse plan: give --batch or --local-batch, not both")
+    only = None
+    if a.layout:
+        try:
+            only = tuple(int(x) for x in a.layout.split(","))
+            assert len(only) == 3 and min(only) >= 1
+        except (ValueError, AssertionError):
+            raise SystemExit(f"commfuse plan: --layout wants TP,UP,DP, got {a.layout!r}")
     cfg = _with_overrides(model_config(a.model), a.set)
     seq = a.seq or min(4096, cfg.max_seq_len)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     inter = None if a.inter_hw == "same" else a.inter_hw
     opts = {"splits": a.splits, "topology": a.topology, "chunks": a.chunks}
-    kw = dict(seq=seq, batch=a.batch, micro_batch=a.micro_batch, dtype_bytes=a.dtype_bytes,
-              inter_hw=inter, node_size=a.node_size,
+    setup = None if a.ops_only else TrainSetup(ac=a.ac, fsdp=a.sharding == "fsdp")
+    kw = dict(seq=seq, dtype_bytes=a.dtype_bytes, inter_hw=inter, node_size=a.node_size,
               step_model=StepModel() if a.step == "current" else StepModel.previous())
     t0, timer = time.perf_counter(), OpTimer(a.dtype_bytes)
     plans, rejected = plan(cfg, a.devices, a.hw, methods=methods, method_opts=opts,
-                           timer=timer, **kw)
+                           timer=timer, batch=a.batch, local_batch=a.local_batch,
+                           micro_batch=a.micro_batch, setup=setup, only=only, **kw)
     elapsed = time.perf_counter() - t0
-    batch = a.batch or a.devices
+    batch = f"{a.local_batch} x dp" if a.local_batch else a.batch or a.devices
     print(f"{a.model}{''.join(' ' + x for x in a.set)} ({cfg.n_layers} layers, d={cfg.dim}, "
           f"{cfg.n_heads} heads, {cfg.n_kv_heads} kv heads, ffn {cfg.ffn_hidden}, vocab "
           f"{cfg.vocab_size}) on {a.devices} x {a.hw}, "
           f"nodes of {a.node_size} linked by {a.inter_hw}; {batch} x {seq} tokens per step, "
-          f"micro-batch {a.micro_batch}")
+          f"micro-batch {a.micro_batch or a.local_batch or 1}"
+          + ("" if setup is None else f"; {setup.describe()}"))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(plan_records(plans), f, indent=1)
     if not plans:
         print("no valid layout:")
         for tp, up, dp, why in rejected:
             print(f"  tp={tp} up={up} dp={dp}: {why}")
         return 1
-    print(table(plans, a.top or None))
+    print((table if setup is None else train_table)(plans, a.top or None))
     best = plans[0]
-    print(f"\nbest: {best.name}: {best.result.step_s:.3f} s per step, MFU "
-          f"{100 * best.result.mfu:.1f} %, {best.result.micro_batches} micro-batch(es)")
+    mem = "" if setup is None else \
+        f", {best.peak_memory_gib:.1f} GiB{'' if best.fits else ' (does not fit)'}"
+    print(f"\nbest: {best.name}: {best.step_s:.3f} s per step, "
+          f"{best.tokens_per_s_per_device:,.0f} tokens/s per device, MFU "
+          f"{100 * best.mfu:.1f} %{mem}, {best.result.micro_batches} micro-batch(es)")
     if rejected:
         print(f"{len(rejected)} layouts rejected, e.g. tp={rejected[0][0]} up={rejected[0][1]} "
               f"dp={rejected[0][2]}: {rejected[0][3]}")
     print(f"{len(plans)} plans timed in {elapsed:.2f} s ({timer.simulations} op simulations)")
+    if a.json:
+        print(f"wrote {a.json}")
     if a.no_files:
         return 0
     dims = ParallelDims(tp=best.tp, up=best.up, dp=best.dp, method=best.method,
                         method_opts=method_options(best.method, opts), world_size=a.devices)
-    r = simulate_step(cfg, dims, a.hw, timeline=True, timer=timer, **kw)
+    r = simulate_step(cfg, dims, a.hw, timeline=True, timer=timer, batch=best.result.tokens
+                      // seq, micro_batch=a.micro_batch or a.local_batch or 1, **kw)
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"{a.model}-{a.devices}")
     r.write_trace(stem + ".trace.json")
