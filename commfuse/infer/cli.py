@@ -223,6 +223,19 @@ def rank_main(rank: int, world: int, args) -> int:
     return 0
 
 
+def _predict(model, world: int, method: str, S: int, context: int, batch: int) -> dict:
+    """The simulator's prefill ms and decode tokens/s (`commfuse.infer.predict`) on the
+    hardware model ``auto`` uses (`commfuse.ops.auto.set_hardware`; cpu-testbed on CPU)."""
+    from commfuse.infer.predict import decode_s, prefill_s
+    from commfuse.ops.auto import _hardware
+
+    w = model.tok_emb.weight
+    hw, nbytes = _hardware(w.device.type), w.element_size()
+    return {"sim_prefill_ms": prefill_s(model.cfg, world, method, S * batch, hw, nbytes) * 1e3,
+            "sim_decode_tokens_per_s":
+                1 / decode_s(model.cfg, world, method, batch, context, hw, nbytes)}
+
+
 def _bench(model, prompts, args, how: Sampling, rank: int, world: int) -> int:
     """Every method, interleaved, after a warm-up; rank 0 prints a table (and --json)."""
     rows = []
@@ -241,7 +254,8 @@ def _bench(model, prompts, args, how: Sampling, rank: int, world: int) -> int:
                    "decode_tokens_per_s": statistics.median(t.decode_tokens_per_s for t in ts)}
                for m, ts in times.items()}
         for m in METHODS:
-            rows.append({"prompt_tokens": S, "method": m, **med[m],
+            sim = _predict(model, world, m, S, S + args.max_new_tokens // 2, len(batch))
+            rows.append({"prompt_tokens": S, "method": m, **med[m], **sim,
                          "prefill_vs_none": med[m]["prefill_ms"] / med["none"]["prefill_ms"],
                          "decode_vs_none": med[m]["decode_tokens_per_s"]
                          / med["none"]["decode_tokens_per_s"]})
@@ -250,12 +264,13 @@ def _bench(model, prompts, args, how: Sampling, rank: int, world: int) -> int:
         print(f"commfuse generate --bench: {model.cfg.n_layers} layers, dim {model.cfg.dim}, "
               f"tp={world}, link {link}, {args.max_new_tokens} new tokens, median of "
               f"{args.iters} rounds", flush=True)
-        print(f"{'tokens':>7} {'method':<10} {'prefill ms':>10} {'x none':>7} {'TTFT ms':>9} "
-              f"{'decode tok/s':>12} {'x none':>7}")
+        print(f"{'tokens':>7} {'method':<10} {'prefill ms':>10} {'x none':>7} {'sim ms':>8} "
+              f"{'TTFT ms':>9} {'decode tok/s':>12} {'x none':>7} {'sim tok/s':>9}")
         for r in rows:
             print(f"{r['prompt_tokens']:>7} {r['method']:<10} {r['prefill_ms']:>10.1f} "
-                  f"{r['prefill_vs_none']:>7.3f} {r['first_token_ms']:>9.1f} "
-                  f"{r['decode_tokens_per_s']:>12.1f} {r['decode_vs_none']:>7.3f}", flush=True)
+                  f"{r['prefill_vs_none']:>7.3f} {r['sim_prefill_ms']:>8.1f} "
+                  f"{r['first_token_ms']:>9.1f} {r['decode_tokens_per_s']:>12.1f} "
+                  f"{r['decode_vs_none']:>7.3f} {r['sim_decode_tokens_per_s']:>9.1f}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"argv": getattr(args, "argv", None), "world": world, "link": link,
