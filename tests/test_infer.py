@@ -143,7 +143,6 @@ def test_divisibility_is_checked():
 
 
 def _save_rank(rank, world, tp, up, dp, root):
-
     from commfuse.parallel.checkpoint import save_checkpoint
     from commfuse.parallel.config import ParallelDims
     from commfuse.parallel.plan import parallelize
