@@ -19,6 +19,11 @@ CFG = dict(vocab_size=256, dim=96, n_layers=2, n_heads=12, n_kv_heads=12, ffn_hi
            max_seq_len=64)
 METHODS = [("none", {}), ("sliced", {"chunks": 2}), ("decompose", {}), ("commfuse", {}),
            ("commfuse", {"topology": "direct", "splits": 2}), ("auto", {})]
+# (method, opts, query_split, decode_method): decode on the fused ops with each method, and
+# replicated with all-reduces ("auto" picks one of the two by the cost model)
+VARIANTS = ([(m, o, False, None) for m, o in METHODS]
+            + [("commfuse", {}, True, None), ("commfuse", {}, False, "allreduce"),
+               ("auto", {}, True, "auto")])
 # lengths 7 and 5 divide by none of 2, 3, 4; a prompt of one token, alone and in a batch
 PROMPTS = [[[3, 17, 99, 5, 250, 8, 41], [200], [9, 9, 1, 77, 130]], [[42]], [list(range(1, 23))]]
 NEW = 6
@@ -107,14 +112,12 @@ def _tp_rank(rank, world):
         for how in (Sampling(), Sampling(0.9, top_k=20, top_p=0.9, seed=5)):
             for prompts in PROMPTS:
                 want = generate(ref, prompts, NEW, how)
-                for method, opts in METHODS + [("commfuse", {"query_split": True})]:
-                    opts = dict(opts)
-                    qs = opts.pop("query_split", False)
-                    tp = InferenceLlama(m, dist.group.WORLD, method, qs, timeout=60, **opts)
+                for method, opts, qs, dec in VARIANTS:
+                    tp = InferenceLlama(m, dist.group.WORLD, method, qs, dec, timeout=60, **opts)
                     got = generate(tp, prompts, NEW, how)
                     if got != want:
                         failures.append((kv, how.temperature, len(prompts), method, opts, qs,
-                                         got, want))
+                                         dec, got, want))
         tokens, lengths = pad_prompts(PROMPTS[0])
         a = ref.prefill(tokens, lengths, ref.new_cache(3, 8))
         tp = InferenceLlama(m, dist.group.WORLD, "commfuse")
@@ -206,7 +209,8 @@ def test_cli_generate_end_to_end(tmp_path):
     import json
 
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["none", "sliced", "decompose", "commfuse", "auto"]
+    assert [r["method"] for r in rows] == ["none", "sliced", "decompose", "commfuse", "auto",
+                                           "allreduce", "compute alone"]
     assert all(r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
     p = _cli("--prompt", "a", "--prompt", "bb b", "--tp", "2", "--random-init",
              "--max-new-tokens", "2", "--temperature", "0.7", "--top-k", "5", "--link",

@@ -12,9 +12,11 @@ Local mode spawns --tp ranks; with --link auto (the default) as root they run on
 cluster (`commfuse launch`: a network namespace and shaped link per rank), else on loopback;
 under torchrun / commfuse launch the RANK / WORLD_SIZE environment is used.
 
---bench: generate again with every method (none, sliced, decompose, commfuse, auto), after a
-warm-up, interleaved, --iters times; per method and prompt length the median prefill latency,
-time to first token and decode tokens/s (per sequence), and their ratio to none.
+--bench: generate again with every method (none, sliced, decompose, commfuse, auto; allreduce:
+prefill as none, decode replicated; compute alone: none moving no bytes), after a warm-up,
+interleaved, --iters times; per method and prompt length the median prefill latency, time to
+first token and decode tokens/s (per sequence), their ratio to none, and the simulator's
+prediction (commfuse.infer.predict, on auto's hardware model).
 """
 
 from __future__ import annotations
@@ -31,8 +33,15 @@ import torch
 import torch.distributed as dist
 
 from commfuse.infer.loop import Sampling, Timings, generate
+from commfuse.runtime import modes
 
 METHODS = ("none", "sliced", "decompose", "commfuse", "auto")
+DECODE_METHODS = METHODS + ("allreduce",)
+# --bench rows: (label, prefill method, decode method, executor mode); "allreduce" prefills as
+# none; "compute alone" is none with every transfer skipped (commfuse.runtime.modes)
+BENCH = [(m, m, m, "normal") for m in METHODS] + [("allreduce", "none", "allreduce", "normal"),
+                                                  ("compute alone", "none", "none",
+                                                   "compute_only")]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -49,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=METHODS, default="auto",
                    help="The fused ops' method for prefill and decode (default: auto, the "
                         "cost model's pick per op shape)")
+    p.add_argument("--decode-method", choices=DECODE_METHODS, default=None,
+                   help="Decode's instead of --method: also allreduce (every rank all rows, "
+                        "two all-reduces per block); auto picks it or the fused ops by the cost "
+                        "model (default: --method)")
     p.add_argument("--query-split", action="store_true",
                    help="Prefill attention and out-projection per query slice inside the "
                         "reduce-scatter ring")
@@ -174,8 +187,8 @@ def build(args, rank: int, world: int, max_len: int):
     model.cfg = dataclasses.replace(model.cfg, max_seq_len=max(model.cfg.max_seq_len, max_len))
     group = dist.group.WORLD if world > 1 else None
     opts = {"timeout": args.timeout} if world > 1 else {}
-    return InferenceLlama(model.to(dtype), group, args.method, args.query_split, **opts), \
-        load_tokenizer()
+    return InferenceLlama(model.to(dtype), group, args.method, args.query_split,
+                          args.decode_method, **opts), load_tokenizer()
 
 
 def rank_main(rank: int, world: int, args) -> int:
@@ -223,7 +236,8 @@ def rank_main(rank: int, world: int, args) -> int:
     return 0
 
 
-def _predict(model, world: int, method: str, S: int, context: int, batch: int) -> dict:
+def _predict(model, world: int, method: str, decode: str, S: int, context: int,
+             batch: int) -> dict:
     """The simulator's prefill ms and decode tokens/s (`commfuse.infer.predict`) on the
     hardware model ``auto`` uses (`commfuse.ops.auto.set_hardware`; cpu-testbed on CPU)."""
     from commfuse.infer.predict import decode_s, prefill_s
@@ -231,43 +245,48 @@ def _predict(model, world: int, method: str, S: int, context: int, batch: int) -
 
     w = model.tok_emb.weight
     hw, nbytes = _hardware(w.device.type), w.element_size()
+    if method == "compute alone":
+        return {"sim_prefill_ms": float("nan"), "sim_decode_tokens_per_s": float("nan")}
     return {"sim_prefill_ms": prefill_s(model.cfg, world, method, S * batch, hw, nbytes) * 1e3,
             "sim_decode_tokens_per_s":
-                1 / decode_s(model.cfg, world, method, batch, context, hw, nbytes)}
+                1 / decode_s(model.cfg, world, decode, batch, context, hw, nbytes)}
 
 
 def _bench(model, prompts, args, how: Sampling, rank: int, world: int) -> int:
     """Every method, interleaved, after a warm-up; rank 0 prints a table (and --json)."""
+    torch.set_flush_denormal(True)  # compute_only buffers hold garbage; keep it off slow paths
     rows = []
     for batch in prompts:
         S = max(len(p) for p in batch)
-        times: dict[str, list[Timings]] = {m: [] for m in METHODS}
+        times: dict[str, list[Timings]] = {v[0]: [] for v in BENCH}
         for it in range(args.iters + 1):  # round 0 warms up (and makes auto's choices)
-            for m in METHODS:
-                model.method = model.decode_method = m
+            for label, prefill, decode, how_run in BENCH:
+                model.method, model.decode_method = prefill, decode
                 t = Timings()
-                generate(model, batch, args.max_new_tokens, how, None, t)
+                with modes.mode(how_run):
+                    generate(model, batch, args.max_new_tokens, how, None, t)
                 if it:
-                    times[m].append(t)
+                    times[label].append(t)
         med = {m: {"prefill_ms": statistics.median(t.prefill_s for t in ts) * 1e3,
                    "first_token_ms": statistics.median(t.first_token_s for t in ts) * 1e3,
                    "decode_tokens_per_s": statistics.median(t.decode_tokens_per_s for t in ts)}
                for m, ts in times.items()}
-        for m in METHODS:
-            sim = _predict(model, world, m, S, S + args.max_new_tokens // 2, len(batch))
-            rows.append({"prompt_tokens": S, "method": m, **med[m], **sim,
-                         "prefill_vs_none": med[m]["prefill_ms"] / med["none"]["prefill_ms"],
-                         "decode_vs_none": med[m]["decode_tokens_per_s"]
+        for label, prefill, decode, _ in BENCH:
+            sim = _predict(model, world, prefill, decode, S, S + args.max_new_tokens // 2,
+                           len(batch))
+            rows.append({"prompt_tokens": S, "method": label, **med[label], **sim,
+                         "prefill_vs_none": med[label]["prefill_ms"] / med["none"]["prefill_ms"],
+                         "decode_vs_none": med[label]["decode_tokens_per_s"]
                          / med["none"]["decode_tokens_per_s"]})
     if rank == 0:
         link = os.environ.get("COMMFUSE_LINK", "loopback" if world > 1 else "none")
         print(f"commfuse generate --bench: {model.cfg.n_layers} layers, dim {model.cfg.dim}, "
               f"tp={world}, link {link}, {args.max_new_tokens} new tokens, median of "
               f"{args.iters} rounds", flush=True)
-        print(f"{'tokens':>7} {'method':<10} {'prefill ms':>10} {'x none':>7} {'sim ms':>8} "
+        print(f"{'tokens':>7} {'method':<13} {'prefill ms':>10} {'x none':>7} {'sim ms':>8} "
               f"{'TTFT ms':>9} {'decode tok/s':>12} {'x none':>7} {'sim tok/s':>9}")
         for r in rows:
-            print(f"{r['prompt_tokens']:>7} {r['method']:<10} {r['prefill_ms']:>10.1f} "
+            print(f"{r['prompt_tokens']:>7} {r['method']:<13} {r['prefill_ms']:>10.1f} "
                   f"{r['prefill_vs_none']:>7.3f} {r['sim_prefill_ms']:>8.1f} "
                   f"{r['first_token_ms']:>9.1f} {r['decode_tokens_per_s']:>12.1f} "
                   f"{r['decode_vs_none']:>7.3f} {r['sim_decode_tokens_per_s']:>9.1f}", flush=True)

@@ -14,7 +14,11 @@ weights and the same per-block code:
                   [AG -> GEMM] gate|up, SwiGLU, [GEMM -> RS] down
     decode    one new token per sequence: the B tokens are the rows the fused ops split
               (`even_sizes(B, T)`, a rank may have none), each attends to its own sequence's
-              cache up to its position
+              cache up to its position. Or (decode method "allreduce") every rank holds all B
+              rows: q|k|v and gate|up are local GEMMs, the out-proj and down partial sums one
+              all-reduce each: two collectives per block instead of four fused ops, which
+              wins when a step is all latency (B small). "auto" takes whichever the cost
+              model predicts faster for B (`commfuse.infer.predict.decode_choice`).
 
 The embedding, final norm and output head are replicated: a rank embeds only its rows, and the
 last hidden state of each sequence is summed over the group (one small all-reduce of [B, D],
@@ -88,8 +92,9 @@ class InferenceLlama(nn.Module):
     one process, the reference) for KV-cached prefill and decode.
 
     ``method`` and ``opts``: the fused ops' method for prefill and decode (`commfuse.ops.fused`;
-    "auto" picks per shape, so decode's B-row GEMMs may get another method than prefill's);
-    ``decode_method``: decode's instead, if given. ``query_split``: prefill attention and
+    "auto" picks per shape, so decode's B-row GEMMs may get another method than prefill's, and
+    decode may run replicated with all-reduces); ``decode_method``: decode's instead, if given
+    (also "allreduce": replicated rows, an all-reduce after each row-parallel GEMM). ``query_split``: prefill attention and
     out-projection per query slice inside the reduce-scatter ring (`query_split_attention`).
     """
 
@@ -234,10 +239,42 @@ class InferenceLlama(nn.Module):
                                                attn_mask=visible_B11L)
             return self._row(o.transpose(1, 2).reshape(1, B, -1), blk.wo, sizes, self.decode_method)
 
-        x_1bD = self.tok_emb(tokens_B[None, off:off + sizes[self.rank]])
-        for blk in self.blocks:
-            x_1bD = self._block(blk, x_1bD, sizes, self.decode_method, attend)
+        method = self._decode_method(B, tokens_B)
+        if method == "allreduce":  # every rank all B rows: local GEMMs, all-reduced partials
+            sizes, off = (B,), 0
+            self_col, self_row = self._col, self._row
+            self._col = lambda x, ws, sizes, method: [x @ w.t() for w in ws]
+            self._row = lambda h, w, sizes, method: self._all_reduce(h @ w.t())
+        try:
+            x_1bD = self.tok_emb(tokens_B[None, off:off + sizes[min(self.rank, len(sizes) - 1)]])
+            for blk in self.blocks:
+                x_1bD = self._block(blk, x_1bD, sizes, method, attend)
+        finally:
+            if method == "allreduce":
+                self._col, self._row = self_col, self_row
         cache.lengths_B += 1
+        if method == "allreduce":  # already the same on every rank
+            return self.output(self.norm(x_1bD[0]))
         h_BD = x_1bD.new_zeros(B, x_1bD.shape[-1])
         h_BD[off:off + sizes[self.rank]] = x_1bD[0]
         return self._logits(h_BD)
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        from commfuse.runtime import modes
+
+        if self.group is not None and modes.current() != "compute_only":
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def _decode_method(self, B: int, like: torch.Tensor) -> str:
+        """Decode's method for B rows: "allreduce" or a fused-op method ("auto": the one the
+        cost model predicts faster, the same on every rank)."""
+        if self.group is None or self.decode_method not in ("auto", "allreduce"):
+            return self.decode_method
+        if self.decode_method == "allreduce":
+            return "allreduce"
+        from commfuse.infer.predict import decode_choice
+        from commfuse.ops.auto import _hardware
+
+        return decode_choice(self.cfg, self.world, B, _hardware(like.device.type),
+                             self.tok_emb.weight.element_size())

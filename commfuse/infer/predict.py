@@ -1,5 +1,6 @@
 """The simulator's prediction of a prefill and of a decode step (`commfuse.sim`'s op timer on
-the blocks' ops of a forward, as `commfuse.sim.step.simulate_step` builds them).
+the blocks' ops of a forward, as `commfuse.sim.step.simulate_step` builds them), and decode's choice between the fused ops and
+replicated rows with all-reduces (`decode_choice`).
 
 Prefill of S tokens is the blocks' forward over S rows (the fused ops, the attention GEMMs),
 the head once (one token per sequence). A decode step is the same ops over B rows (the new
@@ -36,7 +37,35 @@ def prefill_s(cfg: LlamaConfig, tp: int, method: str, prompt_tokens: int, hw,
 
 def decode_s(cfg: LlamaConfig, tp: int, method: str, batch: int, context: int, hw,
              dtype_bytes: float = 4, timer: OpTimer | None = None) -> float:
-    """Predicted seconds of one decode step of ``batch`` sequences of ``context`` tokens."""
+    """Predicted seconds of one decode step of ``batch`` sequences of ``context`` tokens;
+    ``method`` "allreduce": replicated rows, local GEMMs, two all-reduces per block."""
     attn = StepOp("attention", "gemm", "local", (1, cfg.head_dim, context),
                   2 * batch * cfg.n_heads / tp)  # q @ k^T and p @ v per query row
-    return _blocks_s(cfg, tp, method, batch, hw, dtype_bytes, attn, timer)
+    if method != "allreduce" or tp == 1:
+        return _blocks_s(cfg, tp, method, batch, hw, dtype_bytes, attn, timer)
+    timer = timer or OpTimer(dtype_bytes)
+    D, K, F = cfg.dim, cfg.head_dim, cfg.ffn_hidden
+    ops = [StepOp("q|k|v", "gemm", "local", (batch, D, (cfg.n_heads + 2 * cfg.n_kv_heads) * K
+                                             // tp)), attn,
+           StepOp("out-proj", "gemm", "local", (batch, cfg.n_heads * K // tp, D)),
+           StepOp("gate|up", "gemm", "local", (batch, D, 2 * F // tp)),
+           StepOp("down", "gemm", "local", (batch, F // tp, D)),
+           StepOp("all-reduce", "all_reduce", "tp", (batch * D * dtype_bytes,), 2)]
+    block = sum(timer.time(op, "none", {}, tp if op.axis == "tp" else 1, hw)[0] * op.count
+                for op in ops)
+    head = StepOp("head", "gemm", "local", (batch, D, cfg.vocab_size))
+    return cfg.n_layers * block + timer.time(head, "none", {}, 1, hw)[0]
+
+
+_CHOICES: dict[tuple, str] = {}
+
+
+def decode_choice(cfg: LlamaConfig, tp: int, batch: int, hw, dtype_bytes: float) -> str:
+    """"allreduce" or "auto" (the fused ops, each on auto's pick): whichever decode step of
+    ``batch`` rows the model predicts faster (a function of what every rank shares)."""
+    key = (repr(cfg), tp, batch, repr(hw), dtype_bytes)
+    if key not in _CHOICES:
+        fused, rep = (decode_s(cfg, tp, m, batch, 1, hw, dtype_bytes)
+                      for m in ("auto", "allreduce"))
+        _CHOICES[key] = "allreduce" if rep <= fused else "auto"
+    return _CHOICES[key]
