@@ -38,7 +38,8 @@ def prefill_s(cfg: LlamaConfig, tp: int, method: str, prompt_tokens: int, hw,
 def decode_s(cfg: LlamaConfig, tp: int, method: str, batch: int, context: int, hw,
              dtype_bytes: float = 4, timer: OpTimer | None = None) -> float:
     """Predicted seconds of one decode step of ``batch`` sequences of ``context`` tokens;
-    ``method`` "allreduce": replicated rows, local GEMMs, two all-reduces per block."""
+    ``method`` "allreduce": replicated rows, local GEMMs, two all-reduces per block (each an all-gather
+    of the partial sums, as `InferenceLlama._all_reduce` runs it)."""
     attn = StepOp("attention", "gemm", "local", (1, cfg.head_dim, context),
                   2 * batch * cfg.n_heads / tp)  # q @ k^T and p @ v per query row
     if method != "allreduce" or tp == 1:
@@ -50,7 +51,7 @@ def decode_s(cfg: LlamaConfig, tp: int, method: str, batch: int, context: int, h
            StepOp("out-proj", "gemm", "local", (batch, cfg.n_heads * K // tp, D)),
            StepOp("gate|up", "gemm", "local", (batch, D, 2 * F // tp)),
            StepOp("down", "gemm", "local", (batch, F // tp, D)),
-           StepOp("all-reduce", "all_reduce", "tp", (batch * D * dtype_bytes,), 2)]
+           StepOp("all-reduce", "all_gather", "tp", (tp * batch * D * dtype_bytes,), 2)]
     block = sum(timer.time(op, "none", {}, tp if op.axis == "tp" else 1, hw)[0] * op.count
                 for op in ops)
     head = StepOp("head", "gemm", "local", (batch, D, cfg.vocab_size))
