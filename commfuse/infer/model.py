@@ -144,11 +144,12 @@ class InferenceLlama(nn.Module):
         return fused_matmul_reduce_scatter(h_BSf, w.t(), "sum", 1, self.group, sizes=sizes,
                                            method=method, **self.opts)
 
-    def _block(self, blk: _Block, x_BsD, sizes, method, attend):
-        q, k, v = self._col(blk.attn_norm(x_BsD), [blk.wq, blk.wk, blk.wv], sizes, method)
+    def _block(self, blk: _Block, x_BsD, col, row, attend):
+        """One block; ``col(x, ws)`` / ``row(h, w)``: the column- / row-parallel GEMMs."""
+        q, k, v = col(blk.attn_norm(x_BsD), [blk.wq, blk.wk, blk.wv])
         x_BsD = x_BsD + attend(blk, q, k, v)
-        g_BSf, u_BSf = self._col(blk.mlp_norm(x_BsD), [blk.w_gate, blk.w_up], sizes, method)
-        return x_BsD + self._row(F.silu(g_BSf) * u_BSf, blk.w_down, sizes, method)
+        g_BSf, u_BSf = col(blk.mlp_norm(x_BsD), [blk.w_gate, blk.w_up])
+        return x_BsD + row(F.silu(g_BSf) * u_BSf, blk.w_down)
 
     def _heads(self, t, B, S):
         return t.reshape(B, S, -1, self.cfg.head_dim)
@@ -198,11 +199,13 @@ class InferenceLlama(nn.Module):
                 return o_SBD.transpose(0, 1)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                v.transpose(1, 2), is_causal=True)
-            return self._row(o.transpose(1, 2).reshape(B, S, -1), blk.wo, sizes, self.method)
+            return row(o.transpose(1, 2).reshape(B, S, -1), blk.wo)
 
+        col = lambda x, ws: self._col(x, ws, sizes, self.method)
+        row = lambda h, w: self._row(h, w, sizes, self.method)
         x_BsD = self.tok_emb(tokens_BS[:, off:off + sizes[self.rank]])
         for blk in self.blocks:
-            x_BsD = self._block(blk, x_BsD, sizes, self.method, attend)
+            x_BsD = self._block(blk, x_BsD, col, row, attend)
         cache.lengths_B.copy_(lengths_B)
         last_B = lengths_B - 1 - off  # each sequence's last token, in my rows
         mine_B = (last_B >= 0) & (last_B < sizes[self.rank])
@@ -219,8 +222,17 @@ class InferenceLlama(nn.Module):
         pos_B = cache.lengths_B
         if int(pos_B.max()) >= cache.max_len:
             raise ValueError(f"the cache is full ({cache.max_len} positions)")
-        sizes = even_sizes(B, self.world)  # the B new tokens are the rows the fused ops split
-        off = sum(sizes[:self.rank])
+        method = self._decode_method(B, tokens_B)
+        if method == "allreduce":  # every rank all B rows: local GEMMs, all-reduced partials
+            sizes, off = (B,), 0
+            col = lambda x, ws: [x @ w.t() for w in ws]
+            row = lambda h, w: self._all_reduce(h @ w.t())
+        else:  # the B new tokens are the rows the fused ops split
+            sizes = even_sizes(B, self.world)
+            off = sum(sizes[:self.rank])
+            col = lambda x, ws: self._col(x, ws, sizes, method)
+            row = lambda h, w: self._row(h, w, sizes, method)
+        mine = sizes[self.rank] if method != "allreduce" else B
         L = int(pos_B.max()) + 1
         cos, sin = self.cos_LK[pos_B][:, None], self.sin_LK[pos_B][:, None]
         visible_B11L = (torch.arange(L, device=pos_B.device) <= pos_B[:, None])[:, None, None]
@@ -236,26 +248,16 @@ class InferenceLlama(nn.Module):
             k_BgLK, v_BgLK = self._expand(cache.k[i][:, :, :L], cache.v[i][:, :, :L], q.size(2), 1)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k_BgLK, v_BgLK,
                                                attn_mask=visible_B11L)
-            return self._row(o.transpose(1, 2).reshape(1, B, -1), blk.wo, sizes, self.decode_method)
+            return row(o.transpose(1, 2).reshape(1, B, -1), blk.wo)
 
-        method = self._decode_method(B, tokens_B)
-        if method == "allreduce":  # every rank all B rows: local GEMMs, all-reduced partials
-            sizes, off = (B,), 0
-            self_col, self_row = self._col, self._row
-            self._col = lambda x, ws, sizes, method: [x @ w.t() for w in ws]
-            self._row = lambda h, w, sizes, method: self._all_reduce(h @ w.t())
-        try:
-            x_1bD = self.tok_emb(tokens_B[None, off:off + sizes[min(self.rank, len(sizes) - 1)]])
-            for blk in self.blocks:
-                x_1bD = self._block(blk, x_1bD, sizes, method, attend)
-        finally:
-            if method == "allreduce":
-                self._col, self._row = self_col, self_row
+        x_1bD = self.tok_emb(tokens_B[None, off:off + mine])
+        for blk in self.blocks:
+            x_1bD = self._block(blk, x_1bD, col, row, attend)
         cache.lengths_B += 1
         if method == "allreduce":  # already the same on every rank
             return self.output(self.norm(x_1bD[0]))
         h_BD = x_1bD.new_zeros(B, x_1bD.shape[-1])
-        h_BD[off:off + sizes[self.rank]] = x_1bD[0]
+        h_BD[off:off + mine] = x_1bD[0]
         return self._logits(h_BD)
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
