@@ -68,6 +68,16 @@ def _train_parser(sub) -> None:
     p.set_defaults(run=train.run)
 
 
+def _generate_parser(sub) -> None:
+    from commfuse.infer import cli as infer_cli
+
+    p = sub.add_parser("generate", help="generate text with the Llama, tensor-parallel (KV cache, "
+                       "fused ops in prefill and decode)", description=infer_cli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    infer_cli.add_arguments(p)
+    p.set_defaults(run=infer_cli.run)
+
+
 def _forwarding_parser(sub, name: str, help: str, module: str, main: str) -> None:
     """A subcommand whose arguments all go to ``module.main(argv)``, imported when run (its
     own parser, so ``commfuse NAME --help`` is that module's manual)."""
@@ -108,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "schedules (CommFuse, arXiv 2604.24013) on any torch.distributed backend.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _train_parser(sub)
+    _generate_parser(sub)
     _demo_parser(sub)
     _bench_parser(sub)
     _simulate_parser(sub)
@@ -118,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # `train` re-runs itself as ranks
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # train/generate re-run as ranks
     return args.run(args)
 
 

@@ -76,7 +76,7 @@ def _rows_attention(q_BHRd, k_BHSd, v_BHSd, pos: list[int], causal: bool) -> tor
     from position a of n rows sees keys 0..a+n-1, the last n of them causally: SDPA's
     lower-right causal bias (``is_causal`` when a = 0), which its fused kernels take; no
     boolean mask is built."""
-    outs = []
+    outs = [q_BHRd[:, :, :0]]  # no rows (a slice of 0 rows: S < ranks): an empty output
     for i, a, n in _runs(pos):
         q = q_BHRd[:, :, i:i + n]
         if not causal:
@@ -85,7 +85,7 @@ def _rows_attention(q_BHRd, k_BHSd, v_BHSd, pos: list[int], causal: bool) -> tor
         k, v = k_BHSd[:, :, :a + n], v_BHSd[:, :, :a + n]  # later keys are masked out anyway
         outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True) if a == 0 else
                     F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, a + n)))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return outs[-1] if len(outs) <= 2 else torch.cat(outs[1:], dim=2)
 
 
 def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, sizes, group, spec) -> torch.Tensor:

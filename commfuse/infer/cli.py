@@ -1,0 +1,297 @@
+"""``commfuse generate``: text from a Llama, tensor-parallel over --tp ranks with the fused ops.
+
+The model comes from a checkpoint of ``commfuse train --checkpoint-dir DIR`` (any TP/UP/DP
+layout: it is read back whole and cut again for --tp) or is a fresh one (--random-init,
+--preset, --seed). The prompt is prefilled sequence-parallel (each rank embeds and keeps its
+slice of the prompt; the fused all-gather -> GEMM and GEMM -> reduce-scatter run every block),
+then one token per step is decoded with the same weights and a KV cache
+(`commfuse.infer.model`). Rank 0 streams the text as it comes. Several --prompt flags make a
+batch of prompts of different lengths (right-padded), printed when done.
+
+Local mode spawns --tp ranks; with --link auto (the default) as root they run on the emulated
+cluster (`commfuse launch`: a network namespace and shaped link per rank), else on loopback;
+under torchrun / commfuse launch the RANK / WORLD_SIZE environment is used.
+
+--bench: generate again with every method (none, sliced, decompose, commfuse, auto; allreduce:
+prefill as none, decode replicated; compute alone: none moving no bytes), after a warm-up,
+interleaved, --iters times; per method and prompt length the median prefill latency, time to
+first token and decode tokens/s (per sequence), their ratio to none, and the simulator's
+prediction (commfuse.infer.predict, on auto's hardware model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+from commfuse.infer.loop import Sampling, Timings, generate
+from commfuse.runtime import modes
+
+METHODS = ("none", "sliced", "decompose", "commfuse", "auto")
+DECODE_METHODS = METHODS + ("allreduce",)
+# --bench rows: (label, prefill method, decode method, executor mode); "allreduce" prefills as
+# none; "compute alone" is none with every transfer skipped (commfuse.runtime.modes)
+BENCH = [(m, m, m, "normal") for m in METHODS] + [("allreduce", "none", "allreduce", "normal"),
+                                                  ("compute alone", "none", "none",
+                                                   "compute_only")]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="The prompt; repeat the flag for a batch of prompts (any lengths)")
+    p.add_argument("--prompt-tokens", metavar="N[,N...]",
+                   help="Instead of --prompt: a prompt of the corpus's first N tokens (with "
+                        "--bench, a comma-separated list of lengths, each measured)")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
+                   help="Tokens to generate per prompt (default: 32)")
+    p.add_argument("--tp", type=int, default=2, metavar="N",
+                   help="Tensor-parallel ranks: heads and FFN split over them (default: 2)")
+    p.add_argument("--method", choices=METHODS, default="auto",
+                   help="The fused ops' method for prefill and decode (default: auto, the "
+                        "cost model's pick per op shape)")
+    p.add_argument("--decode-method", choices=DECODE_METHODS, default=None,
+                   help="Decode's instead of --method: also allreduce (every rank all rows, "
+                        "two all-reduces per block); auto picks it or the fused ops by the cost "
+                        "model (default: --method)")
+    p.add_argument("--query-split", action="store_true",
+                   help="Prefill attention and out-projection per query slice inside the "
+                        "reduce-scatter ring")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR",
+                     help="A commfuse train --checkpoint-dir (its latest) or step directory")
+    src.add_argument("--random-init", action="store_true",
+                     help="A freshly initialised model of --preset (seeded by --seed)")
+    p.add_argument("--preset", default="tiny", help="With --random-init: the model (default: "
+                   "tiny; see commfuse.models.config.PRESETS)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="Weights and activations (default: the checkpoint's, else float32)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; otherwise sample from softmax(logits / T) (default: 0)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="Sample among the K most likely tokens only (0: all; default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="Sample among the most likely tokens of total probability P (default: 1)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="Sampling seed (the same on every rank) and --random-init's (default: 0)")
+    p.add_argument("--bench", action="store_true",
+                   help="Measure prefill latency, time to first token and decode tokens/s per "
+                        "method (see above) instead of printing text")
+    p.add_argument("--iters", type=int, default=3, help="--bench: timed rounds (default: 3)")
+    p.add_argument("--json", metavar="FILE", help="--bench: rank 0 writes the results here")
+    p.add_argument("--link", default="auto", metavar="RATE",
+                   help="Local ranks' network: auto (emulated 1gbit links as root with iproute2, "
+                        "else loopback), loopback, or a tc rate such as 200mbit (default: auto; "
+                        "ignored under torchrun)")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="Seconds a rank waits for a peer before failing (default: 120)")
+
+
+def run(args) -> int:
+    """``commfuse generate``: validate, place the ranks, generate (or bench)."""
+    if args.tp < 1 or args.max_new_tokens < 1 or args.iters < 1:
+        print("commfuse generate: --tp, --max-new-tokens and --iters must be >= 1",
+              file=sys.stderr)
+        return 2
+    if (args.prompt is None) == (args.prompt_tokens is None):
+        print("commfuse generate: give --prompt TEXT or --prompt-tokens N (one of them)",
+              file=sys.stderr)
+        return 2
+    try:
+        Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        _lengths(args)
+    except ValueError as e:
+        print(f"commfuse generate: {e}", file=sys.stderr)
+        return 2
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if not dist.is_initialized():
+            from commfuse.runtime.gloo import duplex
+
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+            duplex()
+        rc = rank_main(dist.get_rank(), dist.get_world_size(), args)
+        dist.destroy_process_group()
+        return rc
+    if args.tp == 1:
+        return rank_main(0, 1, args)
+    relaunched = _on_emulated_cluster(args)
+    if relaunched is not None:
+        return relaunched
+    from commfuse.testbed.spawn import RankFailed, run_local
+
+    threads = max(1, (os.cpu_count() or 1) // args.tp)
+    try:
+        return run_local(rank_main, args.tp, args, threads=threads, timeout=24 * 3600,
+                         pg_timeout_s=args.timeout)[0]
+    except (RankFailed, TimeoutError) as e:
+        print(f"commfuse generate: failed: {e}", file=sys.stderr)
+        return 1
+
+
+def _on_emulated_cluster(args) -> int | None:
+    """--link: run this command as --tp ranks on the emulated cluster; None to run it here."""
+    if args.link == "loopback":
+        return None
+    from commfuse.testbed.launch import ClusterSpec, launch
+    from commfuse.testbed.links import LinkSpec
+    from commfuse.testbed.net import EmulationUnavailable, check_available
+
+    try:
+        check_available()
+    except EmulationUnavailable as e:
+        if args.link != "auto":
+            raise SystemExit(f"commfuse generate: --link {args.link}: {e}")
+        return None
+    rate = "1gbit" if args.link == "auto" else args.link
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])
+    rest = argv[argv.index("generate") + 1:] if "generate" in argv else argv
+    print(f"commfuse generate: {args.tp} ranks on the emulated cluster ({rate} links, one core "
+          "each; --link loopback to run them on loopback)", file=sys.stderr)
+    return launch(ClusterSpec(nproc=args.tp, link=LinkSpec(rate=rate, delay="0us")),
+                  [sys.executable, "-m", "commfuse.cli", "generate", *rest])
+
+
+def _lengths(args) -> list[int]:
+    if args.prompt_tokens is None:
+        return []
+    try:
+        lengths = [int(n) for n in str(args.prompt_tokens).split(",")]
+    except ValueError:
+        raise ValueError(f"--prompt-tokens: not a list of integers: {args.prompt_tokens!r}")
+    if not lengths or min(lengths) < 1 or (len(lengths) > 1 and not args.bench):
+        raise ValueError("--prompt-tokens: lengths >= 1, several only with --bench")
+    return lengths
+
+
+def build(args, rank: int, world: int, max_len: int):
+    """The `InferenceLlama` of this rank and the tokenizer."""
+    from commfuse.data import load_tokenizer
+    from commfuse.infer.load import load_llama
+    from commfuse.infer.model import InferenceLlama
+    from commfuse.models.llama import Llama, LlamaConfig
+
+    if args.checkpoint:
+        model, meta = load_llama(args.checkpoint)
+        dtype = DTYPES[args.dtype or meta.get("dtype", "float32")]
+    else:
+        torch.manual_seed(args.seed)  # the same model on every rank
+        model, dtype = Llama(LlamaConfig.preset(args.preset)), DTYPES[args.dtype or "float32"]
+    model.cfg = dataclasses.replace(model.cfg, max_seq_len=max(model.cfg.max_seq_len, max_len))
+    group = dist.group.WORLD if world > 1 else None
+    opts = {"timeout": args.timeout} if world > 1 else {}
+    return InferenceLlama(model.to(dtype), group, args.method, args.query_split,
+                          args.decode_method, **opts), load_tokenizer()
+
+
+def rank_main(rank: int, world: int, args) -> int:
+    """One rank: generate and stream (rank 0), or bench."""
+    from commfuse.data import load_corpus_tokens
+
+    how = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    lengths = _lengths(args)
+    corpus = load_corpus_tokens() if lengths else None
+    longest = max(lengths) if lengths else 0
+    model, tok = build(args, rank, world, max(longest, 4096) + args.max_new_tokens)
+    if lengths:
+        reps = -(-longest // len(corpus))  # the corpus repeated if it is shorter
+        prompts = [[corpus.repeat(reps)[:n].tolist()] for n in lengths]
+    else:
+        prompts = [[tok.encode(t).ids or [0] for t in args.prompt]]
+    if args.bench:
+        return _bench(model, prompts, args, how, rank, world)
+    show = rank == 0
+    batch = prompts[0]
+    if show and len(batch) == 1:
+        text = tok.decode(batch[0])
+        print(text, end="", flush=True)
+        ids: list[int] = []
+
+        def stream(tokens_B):
+            nonlocal text
+            ids.append(int(tokens_B[0]))
+            new = tok.decode(batch[0] + ids)
+            print(new[len(text):], end="", flush=True)
+            text = new
+    else:
+        stream = None
+    timings = Timings()
+    out = generate(model, batch, args.max_new_tokens, how, stream, timings)
+    if show:
+        if len(batch) > 1:
+            for i, (p, o) in enumerate(zip(batch, out)):
+                print(f"[{i}] {tok.decode(p)}|{tok.decode(o)}", flush=True)
+        else:
+            print(flush=True)
+        print(f"commfuse generate: tp={world} method={args.method}; prefill "
+              f"{timings.prefill_s * 1e3:.1f} ms, first token {timings.first_token_s * 1e3:.1f} "
+              f"ms, decode {timings.decode_tokens_per_s:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
+def _predict(model, world: int, method: str, decode: str, S: int, context: int,
+             batch: int) -> dict:
+    """The simulator's prefill ms and decode tokens/s (`commfuse.infer.predict`) on the
+    hardware model ``auto`` uses (`commfuse.ops.auto.set_hardware`; cpu-testbed on CPU)."""
+    from commfuse.infer.predict import decode_s, prefill_s
+    from commfuse.ops.auto import _hardware
+
+    w = model.tok_emb.weight
+    hw, nbytes = _hardware(w.device.type), w.element_size()
+    if method == "compute alone":
+        return {"sim_prefill_ms": float("nan"), "sim_decode_tokens_per_s": float("nan")}
+    return {"sim_prefill_ms": prefill_s(model.cfg, world, method, S * batch, hw, nbytes) * 1e3,
+            "sim_decode_tokens_per_s":
+                1 / decode_s(model.cfg, world, decode, batch, context, hw, nbytes)}
+
+
+def _bench(model, prompts, args, how: Sampling, rank: int, world: int) -> int:
+    """Every method, interleaved, after a warm-up; rank 0 prints a table (and --json)."""
+    torch.set_flush_denormal(True)  # compute_only buffers hold garbage; keep it off slow paths
+    rows = []
+    for batch in prompts:
+        S = max(len(p) for p in batch)
+        times: dict[str, list[Timings]] = {v[0]: [] for v in BENCH}
+        for it in range(args.iters + 1):  # round 0 warms up (and makes auto's choices)
+            for label, prefill, decode, how_run in BENCH:
+                model.method, model.decode_method = prefill, decode
+                t = Timings()
+                with modes.mode(how_run):
+                    generate(model, batch, args.max_new_tokens, how, None, t)
+                if it:
+                    times[label].append(t)
+        med = {m: {"prefill_ms": statistics.median(t.prefill_s for t in ts) * 1e3,
+                   "first_token_ms": statistics.median(t.first_token_s for t in ts) * 1e3,
+                   "decode_tokens_per_s": statistics.median(t.decode_tokens_per_s for t in ts)}
+               for m, ts in times.items()}
+        for label, prefill, decode, _ in BENCH:
+            sim = _predict(model, world, prefill, decode, S, S + args.max_new_tokens // 2,
+                           len(batch))
+            rows.append({"prompt_tokens": S, "method": label, **med[label], **sim,
+                         "prefill_vs_none": med[label]["prefill_ms"] / med["none"]["prefill_ms"],
+                         "decode_vs_none": med[label]["decode_tokens_per_s"]
+                         / med["none"]["decode_tokens_per_s"]})
+    if rank == 0:
+        link = os.environ.get("COMMFUSE_LINK", "loopback" if world > 1 else "none")
+        print(f"commfuse generate --bench: {model.cfg.n_layers} layers, dim {model.cfg.dim}, "
+              f"tp={world}, link {link}, {args.max_new_tokens} new tokens, median of "
+              f"{args.iters} rounds", flush=True)
+        print(f"{'tokens':>7} {'method':<13} {'prefill ms':>10} {'x none':>7} {'sim ms':>8} "
+              f"{'TTFT ms':>9} {'decode tok/s':>12} {'x none':>7} {'sim tok/s':>9}")
+        for r in rows:
+            print(f"{r['prompt_tokens']:>7} {r['method']:<13} {r['prefill_ms']:>10.1f} "
+                  f"{r['prefill_vs_none']:>7.3f} {r['sim_prefill_ms']:>8.1f} "
+                  f"{r['first_token_ms']:>9.1f} {r['decode_tokens_per_s']:>12.1f} "
+                  f"{r['decode_vs_none']:>7.3f} {r['sim_decode_tokens_per_s']:>9.1f}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"argv": getattr(args, "argv", None), "world": world, "link": link,
+                           "rows": rows}, f, indent=1)
+    return 0

@@ -1,0 +1,301 @@
+"""KV-cached inference of `commfuse.models.llama.Llama`, tensor-parallel over heads.
+
+`InferenceLlama` cuts a plain Llama the way `commfuse.parallel.tensor` does for training (rank
+r holds the head-group rows of wq / wk / wv, the matching columns of wo, rows r*F/T.. of
+w_gate / w_up and the matching columns of w_down) and runs two kinds of forward with the same
+weights and the same per-block code:
+
+    prefill   the prompts [B, S] (right-padded): sequence-parallel, x_BsD between blocks
+              (`even_sizes(S, T)`, any S); per block
+                  [AG -> GEMM] q|k|v of all S tokens for my heads       (fused, one call)
+                  attention (causal; or query-split: attention + out-proj per query slice
+                  inside the reduce-scatter ring), k and v written to the cache
+                  [GEMM -> RS] out-proj, summed over the group, my rows back
+                  [AG -> GEMM] gate|up, SwiGLU, [GEMM -> RS] down
+    decode    one new token per sequence: the B tokens are the rows the fused ops split
+              (`even_sizes(B, T)`, a rank may have none), each attends to its own sequence's
+              cache up to its position. Or (decode method "allreduce") every rank holds all B
+              rows: q|k|v and gate|up are local GEMMs, the out-proj and down partial sums one
+              all-reduce each: two collectives per block instead of four fused ops, which
+              wins when a step is all latency (B small). "auto" takes whichever the cost
+              model predicts faster for B (`commfuse.infer.predict.decode_choice`).
+
+The embedding, final norm and output head are replicated: a rank embeds only its rows, and the
+last hidden state of each sequence is summed over the group (one small all-reduce of [B, D],
+zeros but the owner's row, so exact; `_all_reduce`) before the head, so every rank holds bitwise the same
+logits and samples the same token from the same seed without another collective.
+
+Padding: prompts are right-padded to the longest; causal attention never lets a real token
+see a pad after it, so prefill needs no mask (and query-split attention stays exact). Each
+sequence then continues at its own position (its length), overwriting its pad slots in the
+cache; decode masks the keys past each sequence's position.
+
+Shape suffixes: B batch, S prompt length, s = this rank's rows, L cache length, D model,
+h / g this rank's query / kv heads, K head dim, f = F/T, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from commfuse.models.llama import Llama, rope_cos_sin
+from commfuse.ops.attention import query_split_attention
+from commfuse.ops.binding import even_sizes
+from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scatter
+
+TAG = 7101  # P2P tag of decode's all-reduce (method "allreduce")
+
+
+class KVCache:
+    """Keys (after RoPE) and values of every layer: ``k[i]``, ``v[i]`` are [B, g, L, K].
+
+    ``lengths_B``: positions filled per sequence (the next token of sequence b goes at
+    position ``lengths_B[b]``); slots past it are stale or empty and masked."""
+
+    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device=None):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.lengths_B = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_len = max_len
+
+
+def _rope(x_BSHK: torch.Tensor, cos_BSK: torch.Tensor, sin_BSK: torch.Tensor) -> torch.Tensor:
+    """`commfuse.models.llama.apply_rope` with a position per (sequence, token)."""
+    x1, x2 = x_BSHK.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    cos, sin = cos_BSK[:, :, None, :].to(x_BSHK.dtype), sin_BSK[:, :, None, :].to(x_BSHK.dtype)
+    return x_BSHK * cos + rotated * sin
+
+
+class _Block(nn.Module):
+    """One decoder block's weights on this rank (shards of the projections, the norms whole)."""
+
+    def __init__(self, layer, rank: int, world: int):
+        super().__init__()
+        rows = lambda w: w.detach()[rank * (w.shape[0] // world):(rank + 1) * (w.shape[0] // world)]
+        cols = lambda w: w.detach()[:, rank * (w.shape[1] // world):
+                                    (rank + 1) * (w.shape[1] // world)]
+        a, m = layer.attn, layer.mlp
+        self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
+        for name, w in (("wq", rows(a.wq.weight)), ("wk", rows(a.wk.weight)),
+                        ("wv", rows(a.wv.weight)), ("wo", cols(a.wo.weight)),
+                        ("w_gate", rows(m.w_gate.weight)), ("w_up", rows(m.w_up.weight)),
+                        ("w_down", cols(m.w_down.weight))):
+            self.register_buffer(name, w.contiguous().clone())
+
+
+class InferenceLlama(nn.Module):
+    """``model`` (a plain `Llama`, the same weights on every rank) cut over ``group`` (None:
+    one process, the reference) for KV-cached prefill and decode.
+
+    ``method`` and ``opts``: the fused ops' method for prefill and decode (`commfuse.ops.fused`;
+    "auto" picks per shape, so decode's B-row GEMMs may get another method than prefill's, and
+    decode may run replicated with all-reduces); ``decode_method``: decode's instead, if given
+    (also "allreduce": replicated rows, an all-reduce after each row-parallel GEMM). ``query_split``: prefill attention and
+    out-projection per query slice inside the reduce-scatter ring (`query_split_attention`).
+    """
+
+    def __init__(self, model: Llama, group=None, method: str = "auto", query_split: bool = False,
+                 decode_method: str | None = None, **opts):
+        super().__init__()
+        cfg = self.cfg = model.cfg
+        self.group = group if group is not None and group.size() > 1 else None
+        T, r = (group.size(), group.rank()) if self.group is not None else (1, 0)
+        for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads),
+                        ("ffn_hidden", cfg.ffn_hidden)):
+            if n % T:
+                raise ValueError(f"{what} ({n}) must be divisible by the TP group size ({T})")
+        self.world, self.rank = T, r
+        self.kv_heads = cfg.n_kv_heads // T
+        self.method, self.decode_method, self.opts = method, decode_method or method, dict(opts)
+        self.query_split = query_split
+        self.blocks = nn.ModuleList(_Block(layer, r, T) for layer in model.layers)
+        self.tok_emb, self.norm, self.output = model.tok_emb, model.norm, model.output
+        cos, sin = rope_cos_sin(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta,
+                                model.tok_emb.weight.device, cfg.rope_scaling)
+        self.register_buffer("cos_LK", cos, persistent=False)
+        self.register_buffer("sin_LK", sin, persistent=False)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache for ``batch`` sequences of up to ``max_len`` positions."""
+        if max_len > self.cfg.max_seq_len:
+            raise ValueError(f"{max_len} positions exceed max_seq_len={self.cfg.max_seq_len}")
+        w = self.tok_emb.weight
+        return KVCache(self.cfg.n_layers, batch, self.kv_heads, max_len, self.cfg.head_dim,
+                       w.dtype, w.device)
+
+    # --- the fused ops, or plain GEMMs in one process ----------------------------------------
+
+    def _col(self, x_BsD, ws, sizes, method):
+        """Column-parallel: ``all_gather(x, 1) @ w^T`` for each w (one fused call)."""
+        if self.group is None:
+            return [x_BsD @ w.t() for w in ws]
+        return fused_all_gather_matmul(x_BsD, [w.t() for w in ws], 1, self.group, sizes=sizes,
+                                       return_A=False, method=method, **self.opts)[1]
+
+    def _row(self, h_BSf, w, sizes, method):
+        """Row-parallel: ``reduce_scatter(h @ w^T, 1)``, my ``sizes[rank]`` rows."""
+        if self.group is None:
+            return h_BSf @ w.t()
+        return fused_matmul_reduce_scatter(h_BSf, w.t(), "sum", 1, self.group, sizes=sizes,
+                                           method=method, **self.opts)
+
+    def _block(self, blk: _Block, x_BsD, col, row, attend):
+        """One block; ``col(x, ws)`` / ``row(h, w)``: the column- / row-parallel GEMMs."""
+        q, k, v = col(blk.attn_norm(x_BsD), [blk.wq, blk.wk, blk.wv])
+        x_BsD = x_BsD + attend(blk, q, k, v)
+        g_BSf, u_BSf = col(blk.mlp_norm(x_BsD), [blk.w_gate, blk.w_up])
+        return x_BsD + row(F.silu(g_BSf) * u_BSf, blk.w_down)
+
+    def _heads(self, t, B, S):
+        return t.reshape(B, S, -1, self.cfg.head_dim)
+
+    def _expand(self, k, v, h: int, dim: int):
+        n_rep = h // k.size(dim)  # GQA: query head j reads kv head j // n_rep
+        if n_rep > 1:
+            k, v = k.repeat_interleave(n_rep, dim), v.repeat_interleave(n_rep, dim)
+        return k, v
+
+    def _logits(self, h_BD: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [B, V] from each sequence's last hidden state; ``h_BD`` holds
+        this rank's rows and zeros elsewhere: summed over the group, so the same everywhere."""
+        return self.output(self.norm(self._all_reduce(h_BD)))
+
+    # --- prefill and decode ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, tokens_BS: torch.Tensor, lengths_B: torch.Tensor, cache: KVCache):
+        """Run the right-padded prompts ``tokens_BS`` (sequence b is its first ``lengths_B[b]``
+        tokens, 1 <= lengths <= S) into the empty ``cache``; the logits [B, V] of each
+        sequence's next token (the same on every rank)."""
+        B, S = tokens_BS.shape
+        lengths_B = lengths_B.to(torch.long).to(tokens_BS.device)
+        if int(cache.lengths_B.max()) != 0:
+            raise ValueError("prefill needs an empty cache (new_cache)")
+        if S > cache.max_len or lengths_B.shape != (B,) or not (
+                (lengths_B >= 1) & (lengths_B <= S)).all():
+            raise ValueError(f"prompts [{B}, {S}] with lengths {lengths_B.tolist()} do not fit "
+                             f"a cache of {cache.max_len} positions")
+        sizes = even_sizes(S, self.world)
+        off = sum(sizes[:self.rank])
+        cos, sin = self.cos_LK[None, :S], self.sin_LK[None, :S]
+        layer = iter(range(self.cfg.n_layers))
+
+        def attend(blk, q, k, v):
+            i = next(layer)
+            q, k, v = self._heads(q, B, S), self._heads(k, B, S), self._heads(v, B, S)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            cache.k[i][:, :, :S] = k.transpose(1, 2)
+            cache.v[i][:, :, :S] = v.transpose(1, 2)
+            k, v = self._expand(k, v, q.size(2), 2)
+            if self.query_split and self.group is not None:  # attention inside the RS ring
+                o_SBD = query_split_attention(*(t.transpose(0, 1) for t in (q, k, v)),
+                                              blk.wo.t(), self.group, sizes=sizes,
+                                              method=self.method, **self.opts)
+                return o_SBD.transpose(0, 1)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), is_causal=True)
+            return row(o.transpose(1, 2).reshape(B, S, -1), blk.wo)
+
+        col = lambda x, ws: self._col(x, ws, sizes, self.method)
+        row = lambda h, w: self._row(h, w, sizes, self.method)
+        x_BsD = self.tok_emb(tokens_BS[:, off:off + sizes[self.rank]])
+        for blk in self.blocks:
+            x_BsD = self._block(blk, x_BsD, col, row, attend)
+        cache.lengths_B.copy_(lengths_B)
+        last_B = lengths_B - 1 - off  # each sequence's last token, in my rows
+        mine_B = (last_B >= 0) & (last_B < sizes[self.rank])
+        h_BD = x_BsD.new_zeros(B, x_BsD.shape[-1])
+        idx = mine_B.nonzero().flatten()
+        h_BD[idx] = x_BsD[idx, last_B[idx]]
+        return self._logits(h_BD)
+
+    @torch.no_grad()
+    def decode(self, tokens_B: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Append one token per sequence at its position ``cache.lengths_B``; the logits [B, V]
+        of the next (the same on every rank)."""
+        B = tokens_B.shape[0]
+        pos_B = cache.lengths_B
+        if int(pos_B.max()) >= cache.max_len:
+            raise ValueError(f"the cache is full ({cache.max_len} positions)")
+        method = self._decode_method(B, tokens_B)
+        if method == "allreduce":  # every rank all B rows: local GEMMs, all-reduced partials
+            sizes, off = (B,), 0
+            col = lambda x, ws: [x @ w.t() for w in ws]
+            row = lambda h, w: self._all_reduce(h @ w.t())
+        else:  # the B new tokens are the rows the fused ops split
+            sizes = even_sizes(B, self.world)
+            off = sum(sizes[:self.rank])
+            col = lambda x, ws: self._col(x, ws, sizes, method)
+            row = lambda h, w: self._row(h, w, sizes, method)
+        mine = sizes[self.rank] if method != "allreduce" else B
+        L = int(pos_B.max()) + 1
+        cos, sin = self.cos_LK[pos_B][:, None], self.sin_LK[pos_B][:, None]
+        visible_B11L = (torch.arange(L, device=pos_B.device) <= pos_B[:, None])[:, None, None]
+        ar_B = torch.arange(B, device=pos_B.device)
+        layer = iter(range(self.cfg.n_layers))
+
+        def attend(blk, q, k, v):
+            i = next(layer)
+            q, k, v = self._heads(q, B, 1), self._heads(k, B, 1), self._heads(v, B, 1)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            cache.k[i][ar_B, :, pos_B] = k[:, 0]
+            cache.v[i][ar_B, :, pos_B] = v[:, 0]
+            k_BgLK, v_BgLK = self._expand(cache.k[i][:, :, :L], cache.v[i][:, :, :L], q.size(2), 1)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k_BgLK, v_BgLK,
+                                               attn_mask=visible_B11L)
+            return row(o.transpose(1, 2).reshape(1, B, -1), blk.wo)
+
+        x_1bD = self.tok_emb(tokens_B[None, off:off + mine])
+        for blk in self.blocks:
+            x_1bD = self._block(blk, x_1bD, col, row, attend)
+        cache.lengths_B += 1
+        if method == "allreduce":  # already the same on every rank
+            return self.output(self.norm(x_1bD[0]))
+        h_BD = x_1bD.new_zeros(B, x_1bD.shape[-1])
+        h_BD[off:off + mine] = x_1bD[0]
+        return self._logits(h_BD)
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the group in one round: every rank's partial gathered point to point
+        (`commfuse.runtime.collectives`, "p2p": one exchange with each peer, where gloo's own
+        all-reduce took 3-4x longer for decode's few KiB here), then added in rank order, so
+        the sum is bitwise the same on every rank."""
+        from datetime import timedelta
+
+        from commfuse.errors import CommFuseError
+        from commfuse.runtime import collectives, modes
+        from commfuse.runtime.transport import group_timeout
+
+        if self.group is None or modes.current() == "compute_only":
+            return t
+        T = self.world
+        parts = t.new_empty((T, *t.shape))
+        work = collectives.launch("all_gather", parts, t.unsqueeze(0).contiguous(), self.group,
+                                  TAG, "p2p")
+        try:
+            work.wait(timedelta(seconds=self.opts.get("timeout") or
+                                group_timeout(self.group, t.device)))
+        except Exception as e:
+            raise CommFuseError(f"decode all-reduce on rank {self.rank}: {e}") from e
+        out = parts[0].clone()
+        for p in range(1, T):
+            out += parts[p]
+        return out
+
+    def _decode_method(self, B: int, like: torch.Tensor) -> str:
+        """Decode's method for B rows: "allreduce" or a fused-op method ("auto": the one the
+        cost model predicts faster, the same on every rank)."""
+        if self.group is None or self.decode_method not in ("auto", "allreduce"):
+            return self.decode_method
+        if self.decode_method == "allreduce":
+            return "allreduce"
+        from commfuse.infer.predict import decode_choice
+        from commfuse.ops.auto import _hardware
+
+        return decode_choice(self.cfg, self.world, B, _hardware(like.device.type),
+                             self.tok_emb.weight.element_size())

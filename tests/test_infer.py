@@ -1,0 +1,223 @@
+"""commfuse.infer: the KV cache against full forwards, TP generation against one process (every
+method, 2/3/4 gloo ranks), sampling, checkpoints read back whole, and `commfuse generate`."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from commfuse.infer import InferenceLlama, Sampling, generate, pad_prompts, sample
+from commfuse.models.llama import Llama, LlamaConfig
+from commfuse.testbed.spawn import run_local
+
+ROOT = Path(__file__).resolve().parents[1]
+# 12 heads and FFN 192 divide by 2, 3 and 4; GQA (6 kv heads) on 2 and 3 ranks
+CFG = dict(vocab_size=256, dim=96, n_layers=2, n_heads=12, n_kv_heads=12, ffn_hidden=192,
+           max_seq_len=64)
+METHODS = [("none", {}), ("sliced", {"chunks": 2}), ("decompose", {}), ("commfuse", {}),
+           ("commfuse", {"topology": "direct", "splits": 2}), ("auto", {})]
+# (method, opts, query_split, decode_method): decode on the fused ops with each method, and
+# replicated with all-reduces ("auto" picks one of the two by the cost model)
+VARIANTS = ([(m, o, False, None) for m, o in METHODS]
+            + [("commfuse", {}, True, None), ("commfuse", {}, False, "allreduce"),
+               ("auto", {}, True, "auto")])
+# lengths 7 and 5 divide by none of 2, 3, 4; a prompt of one token, alone and in a batch
+PROMPTS = [[[3, 17, 99, 5, 250, 8, 41], [200], [9, 9, 1, 77, 130]], [[42]], [list(range(1, 23))]]
+NEW = 6
+
+
+def model(dtype=torch.float64, **over) -> Llama:
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(**{**CFG, **over})).to(dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("kv", [12, 4])
+def test_cache_logits_equal_full_forward(dtype, tol, kv):
+    """Prefill of a padded batch and every decode step: the logits of each sequence's next
+    token equal the full forward of that sequence alone (no cache, no padding)."""
+    m = model(dtype, n_kv_heads=kv)
+    inf = InferenceLlama(m)
+    prompts = PROMPTS[0]
+    tokens, lengths = pad_prompts(prompts)
+    cache = inf.new_cache(len(prompts), tokens.shape[1] + NEW)
+    logits = inf.prefill(tokens, lengths, cache)
+    seqs = [list(p) for p in prompts]
+    for step in range(NEW):
+        for b, s in enumerate(seqs):
+            ref = m(torch.tensor([s]))[0, -1]
+            err = (logits[b] - ref).abs().max() / ref.abs().max()
+            assert err < tol, (step, b, err.item())
+        nxt = logits.argmax(-1)
+        for b, s in enumerate(seqs):
+            s.append(int(nxt[b]))
+        logits = inf.decode(nxt, cache)
+    assert cache.lengths_B.tolist() == [len(p) + NEW for p in prompts]
+
+
+def test_cache_errors():
+    inf = InferenceLlama(model())
+    cache = inf.new_cache(1, 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        inf.prefill(torch.zeros(1, 5, dtype=torch.long), torch.tensor([5]), cache)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        inf.new_cache(1, 65)
+    inf.prefill(torch.zeros(1, 4, dtype=torch.long), torch.tensor([4]), cache)
+    with pytest.raises(ValueError, match="empty cache"):
+        inf.prefill(torch.zeros(1, 4, dtype=torch.long), torch.tensor([4]), cache)
+    with pytest.raises(ValueError, match="full"):
+        inf.decode(torch.zeros(1, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="at least one token"):
+        pad_prompts([[1], []])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(inf, [[1]], 0)
+
+
+def test_sampling():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g)
+    greedy = logits.argmax(-1)
+    assert torch.equal(sample(logits, Sampling(), None), greedy)
+    assert torch.equal(sample(logits, Sampling(1.0, top_k=1), g), greedy)
+    assert torch.equal(sample(logits, Sampling(1.0, top_p=1e-6), g), greedy)
+    draw = lambda how: sample(logits, how, torch.Generator().manual_seed(how.seed))
+    how = Sampling(0.8, top_k=5, top_p=0.9, seed=3)
+    assert torch.equal(draw(how), draw(how))  # seeded: the same on every rank
+    top5 = logits.topk(5, -1).indices
+    for _ in range(20):
+        pick = sample(logits, Sampling(1.0, top_k=5), g)
+        assert all(int(p) in top5[b].tolist() for b, p in enumerate(pick))
+    # top-p keeps the smallest set of tokens whose probability reaches p
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    seen = {int(sample(probs, Sampling(1.0, top_p=0.75), g)) for _ in range(200)}
+    assert seen == {0, 1}
+    for bad in (dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5)):
+        with pytest.raises(ValueError):
+            Sampling(**bad)
+
+
+def _tp_rank(rank, world):
+    """Every method (and query-split) on this group: greedy and sampled tokens and the first
+    logits against the single process."""
+    import torch.distributed as dist
+
+    kvs = [12, 6] if 6 % world == 0 else [12]
+    failures = []
+    for kv in kvs:
+        m = model(n_kv_heads=kv)
+        ref = InferenceLlama(m)
+        for how in (Sampling(), Sampling(0.9, top_k=20, top_p=0.9, seed=5)):
+            for prompts in PROMPTS:
+                want = generate(ref, prompts, NEW, how)
+                for method, opts, qs, dec in VARIANTS:
+                    tp = InferenceLlama(m, dist.group.WORLD, method, qs, dec, timeout=60, **opts)
+                    got = generate(tp, prompts, NEW, how)
+                    if got != want:
+                        failures.append((kv, how.temperature, len(prompts), method, opts, qs,
+                                         dec, got, want))
+        tokens, lengths = pad_prompts(PROMPTS[0])
+        a = ref.prefill(tokens, lengths, ref.new_cache(3, 8))
+        tp = InferenceLlama(m, dist.group.WORLD, "commfuse")
+        b = tp.prefill(tokens, lengths, tp.new_cache(3, 8))
+        if (a - b).abs().max() > 1e-12:
+            failures.append((kv, "logits", (a - b).abs().max().item()))
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_tp_generation_equals_single_process(world):
+    results = run_local(_tp_rank, world, timeout=900, pg_timeout_s=120)
+    assert results == [[]] * world, results[0][:3]
+
+
+def test_divisibility_is_checked():
+    class G:
+        def size(self):
+            return 5
+
+        def rank(self):
+            return 0
+
+    with pytest.raises(ValueError, match="n_heads"):
+        InferenceLlama(model(), G())
+
+
+def _save_rank(rank, world, tp, up, dp, root):
+    from commfuse.parallel.checkpoint import save_checkpoint
+    from commfuse.parallel.config import ParallelDims
+    from commfuse.parallel.plan import parallelize
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig.preset("tiny", n_kv_heads=2, tie_embeddings=tp == 2 and dp == 2)
+    pmodel = parallelize(Llama(cfg), ParallelDims(tp, up, dp, "none", world_size=world))
+    opt = torch.optim.AdamW(pmodel.parameters())
+    meta = {"tp": tp, "up": up, "dp": dp, "world": world, "preset": "tiny",
+            "model": {"n_kv_heads": 2, "tie_embeddings": tp == 2 and dp == 2},
+            "dtype": "float32"}
+    save_checkpoint(pmodel, opt, root, 3, meta)
+    return True
+
+
+@pytest.mark.parametrize("tp,up,dp", [(2, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 2)])
+def test_checkpoint_read_back_whole(tmp_path, tp, up, dp):
+    from commfuse.infer.load import load_llama
+
+    run_local(_save_rank, tp * up * dp, tp, up, dp, str(tmp_path), timeout=300)
+    got, meta = load_llama(tmp_path)
+    torch.manual_seed(0)
+    want = Llama(LlamaConfig.preset("tiny", n_kv_heads=2, tie_embeddings=tp == 2 and dp == 2))
+    assert meta["tp"] == tp
+    ref = want.state_dict()
+    for name, t in got.state_dict().items():
+        assert torch.equal(t, ref[name]), name
+    assert (got.output.weight is got.tok_emb.weight) == (tp == 2 and dp == 2)
+
+
+def _cli(*args, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "commfuse.cli", "generate", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_generate_end_to_end(tmp_path):
+    """Checkpoint of commfuse train (tp=2) -> generate with tp=1 and tp=2: the same text;
+    --bench prints every method; bad flags are refused."""
+    ck = tmp_path / "ck"
+    train = subprocess.run(
+        [sys.executable, "-m", "commfuse.cli", "train", "--tp", "2", "--steps", "2",
+         "--batch-size", "2", "--seq-len", "32", "--checkpoint-dir", str(ck), "--link",
+         "loopback"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-2000:]
+    texts = []
+    for tp in ("1", "2"):
+        p = _cli("--prompt", "The history of", "--max-new-tokens", "6", "--tp", tp,
+                 "--checkpoint", str(ck), "--link", "loopback", "--method", "commfuse")
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert p.stdout.startswith("The history of")
+        assert f"tp={tp}" in p.stderr and "tokens/s" in p.stderr
+        texts.append(p.stdout)
+    assert texts[0] == texts[1]
+    p = _cli("--prompt-tokens", "5", "--max-new-tokens", "3", "--random-init", "--bench",
+             "--iters", "1", "--link", "loopback", "--json", str(tmp_path / "b.json"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    for m in ("none", "sliced", "decompose", "commfuse", "auto"):
+        assert f"      5 {m}" in p.stdout
+    import json
+
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["none", "sliced", "decompose", "commfuse", "auto",
+                                           "allreduce", "compute alone"]
+    assert all(r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
+    p = _cli("--prompt", "a", "--prompt", "bb b", "--tp", "2", "--random-init",
+             "--max-new-tokens", "2", "--temperature", "0.7", "--top-k", "5", "--link",
+             "loopback")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.startswith("[0] a|") and "\n[1] bb b|" in p.stdout
+    bad = _cli("--prompt", "x", "--random-init", "--top-p", "0", "--link", "loopback")
+    assert bad.returncode == 2 and "top_p" in bad.stderr
+    bad = _cli("--prompt", "x", "--link", "loopback")
+    assert bad.returncode == 2 and "--checkpoint" in bad.stderr
