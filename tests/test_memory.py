@@ -34,7 +34,8 @@ def _steps() -> dict:
     """Worst-rank step memory (`commfuse.bench.step_memory`) of every layout, with and
     without the gathered tensors kept: one spawn of 2 ranks, one of 4."""
     return step_memory.run([("single", False)] + [(n, k) for n in ("tp2", "dp2", "tp2xdp2")
-                                                  for k in (False, True)])
+                                                  for k in (False, True)]
+                           + [(n, False) for n in ("dp2-deep", "dp2-deep-pf0", "dp2-deep-pfall")])
 
 
 def _step(layout: str, keep: bool = False) -> dict[str, int]:
@@ -76,3 +77,19 @@ def test_tp_x_dp_regathers_weights_in_backward():
     # hooks in force outside the blocks (here the measurement's) still see every activation:
     # half the batch of tp=2's, not only those saved outside the blocks
     assert 0.4 * tp["saved_acts"] <= both["saved_acts"] <= BOUND * tp["saved_acts"], (both, tp)
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="needs glibc's mallinfo2 (glibc >= 2.33)")
+def test_zero3_prefetch_stays_within_its_bound():
+    """Prefetch one block ahead (the default) adds at most two blocks' gathered weights to the
+    step's peak (the block computing and the next one) and keeps none past the forward;
+    prefetching every block ahead passes that bound: the test discriminates."""
+    on, off, every = _step("dp2-deep"), _step("dp2-deep-pf0"), _step("dp2-deep-pfall")
+    cfg = {**step_memory.CFG, **step_memory.MODEL_OF["dp2-deep"]}
+    head_dim = cfg["dim"] // cfg["n_heads"]
+    block = 4 * (cfg["dim"] * head_dim * 2 * (cfg["n_heads"] + cfg["n_kv_heads"])
+                 + 3 * cfg["dim"] * cfg["ffn_hidden"])  # one block's weights, whole, float32
+    assert on["params"] == off["params"]
+    assert on["held"] <= off["held"] + SLACK, (on, off)  # nothing prefetched outlives forward
+    assert on["peak"] <= off["peak"] + 2 * block, (on, off, block)
+    assert every["peak"] > off["peak"] + 2 * block, (every, off, block)

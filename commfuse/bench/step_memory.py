@@ -40,7 +40,12 @@ from commfuse.bench.memory import AVAILABLE, _sampling, in_use
 CFG = dict(vocab_size=256, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=1024,
            max_seq_len=64)
 BATCH, SEQ = 2, 32
-LAYOUTS = {"single": {}, "tp2": {"tp": 2}, "dp2": {"dp": 2}, "tp2xdp2": {"tp": 2, "dp": 2}}
+LAYOUTS = {"single": {}, "tp2": {"tp": 2}, "dp2": {"dp": 2}, "tp2xdp2": {"tp": 2, "dp": 2},
+           # ZeRO-3 prefetch (`commfuse.parallel.prefetch`) on a deeper model: one block
+           # ahead (the default), off, and every block ahead (past any bound)
+           "dp2-deep": {"dp": 2}, "dp2-deep-pf0": {"dp": 2, "prefetch": 0},
+           "dp2-deep-pfall": {"dp": 2, "prefetch": 8}}
+MODEL_OF = {name: {"n_layers": 6} for name in LAYOUTS if "-deep" in name}  # CFG overrides
 
 
 @contextlib.contextmanager
@@ -152,7 +157,8 @@ def measure(rank: int, world: int, layout: dict, keep_gathered: bool = False,
 def measure_many(rank: int, world: int, cases) -> dict:
     """`measure` of each ``(layout name, keep_gathered)`` in ``cases`` on this rank, in one
     process (``"single"`` runs alone on every rank)."""
-    return {(name, keep): measure(rank, world, LAYOUTS[name], keep) for name, keep in cases}
+    return {(name, keep): measure(rank, world, LAYOUTS[name], keep, cfg=MODEL_OF.get(name))
+            for name, keep in cases}
 
 
 def run(cases) -> dict[tuple[str, bool], dict[str, int]]:

@@ -30,9 +30,9 @@ class Config:
     dp: int
     method: str
     """A label of `commfuse.schedule.VARIANTS` (none, sliced, commfuse, commfuse-m4, auto...)."""
-    prefetch: int | None = None
-    """ZeRO-3 prefetch (``commfuse train --prefetch``, blocks ahead; 0 off); None: the
-    default, not passed."""
+    prefetch: str | None = None
+    """ZeRO-3 prefetch: ``commfuse train --prefetch`` N (blocks ahead; 0 off), ``Nr`` adds
+    ``--reduce-in-op``; None: the default, not passed."""
 
     @property
     def world(self) -> int:
@@ -55,7 +55,8 @@ class Config:
         flags = ["--preset", self.preset, "--tp", str(self.tp), "--up", str(self.up),
                  "--dp", str(self.dp), "--method", method]
         if self.prefetch is not None:
-            flags += ["--prefetch", str(self.prefetch)]
+            flags += ["--prefetch", self.prefetch.rstrip("r")]
+            flags += ["--reduce-in-op"] if self.prefetch.endswith("r") else []
         for k, v in opts.items():
             if k != "collective":
                 flags += ["--" + k, str(v)]

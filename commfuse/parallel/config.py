@@ -52,6 +52,10 @@ class ParallelDims:
     prefetch_mb: float | None = None
     """With prefetch: a limit on the gathered MB posted for blocks ahead (the blocks posted
     stop at the first that would pass it); None: only ``prefetch`` bounds them."""
+    defer_reduce: bool = True
+    """With prefetch: each ZeRO-3 weight's gradient reduce-scatter is posted in its backward
+    and finished during the next weight's (all by the end of the backward), so it overlaps
+    the backward before it; False: the method's fused GEMM -> RS, finished in its own."""
 
     def __post_init__(self):
         for name in ("tp", "up", "dp"):

@@ -109,8 +109,15 @@ class _PrefetchedMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_OX):
         w_oI, x_XI = ctx.saved_tensors
-        mod, world = ctx.mod, ctx.mod.group.size()
-        w_OI = ctx.prefetcher.take(mod, "backward").finish()
+        mod, world, pf = ctx.mod, ctx.mod.group.size(), ctx.prefetcher
+        if pf.defer_reduce and ctx.needs_input_grad[0]:
+            # dW's reduce-scatter posted first (no W needed), finished by the next weight's
+            # backward: its transfers overlap the dX GEMM and the backward before it
+            pf.reduce_later(mod, g_OX, x_XI)
+            w_OI = pf.take(mod, "backward").finish()
+            g_xT = modes.gemm(w_OI.t(), g_OX) if ctx.needs_input_grad[1] else None
+            return None, None if g_xT is None else g_xT.t(), None, None, None
+        w_OI = pf.take(mod, "backward").finish()
         g_w, (g_xT,) = ag_matmul_backward(
             w_OI, [x_XI.t()], None, [g_OX], 0, (w_oI.shape[0],) * world, mod.group, ctx.spec,
             gathered=True, need_a=ctx.needs_input_grad[0], need_bs=[ctx.needs_input_grad[1]])

@@ -81,7 +81,8 @@ def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None,
         units = [_sharded(layer) for layer in model.layers] + [_sharded(model.output)]
         mb = dims.prefetch_mb
         pmodel.prefetcher = Prefetcher(units, dims.prefetch,
-                                       None if mb is None else int(mb * 2 ** 20))
+                                       None if mb is None else int(mb * 2 ** 20),
+                                       dims.defer_reduce)
         for m in pmodel.prefetcher.modules():
             m.prefetcher = pmodel.prefetcher
     return pmodel

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from commfuse.errors import CommFuseError
-from commfuse.runtime import executor
+from commfuse.runtime import executor, modes
 from commfuse.schedule import Transfer
 
 TAG = 9001  # P2P tag of every prefetched gather (the ops' schedules use small tags, vocab 7001)
@@ -103,6 +103,57 @@ class WeightGather:
                                 f"failed waiting for its {what} rank {p}: {e}") from e
 
 
+class GradReduce:
+    """``dW_oI = reduce_scatter(dY_OX @ X_XI, 0)`` into ``mod.weight.grad``, posted now and
+    finished later (`finish`), so its transfers overlap the backward that follows.
+
+    The partial of every peer's rows is computed and sent at once (rank r+1's first), this
+    rank's own last; `finish` waits for the peers' partials and adds them in rank order
+    (deterministic), then accumulates into ``.grad``. Extra memory until then: W-1 partials
+    sent and W-1 received, each of the shard's size.
+    """
+
+    def __init__(self, mod, g_OX: torch.Tensor, x_XI: torch.Tensor, timeout_s: float | None):
+        group, w = mod.group, mod.weight
+        world, rank, o = group.size(), group.rank(), w.shape[0]
+        self.mod, self.rank = mod, rank
+        self.transport = executor.make_transport(group, w.device, timeout_s)
+        self.parts: dict[int, torch.Tensor] = {}
+        posts = []
+        for k in range(1, world):  # the peers' partials first: they travel while we compute
+            src, dst = (rank - k) % world, (rank + k) % world
+            self.parts[src] = w.new_empty(w.shape)
+            part = modes.gemm(g_OX[dst * o:(dst + 1) * o], x_XI)
+            posts += [(Transfer("recv", src, src, TAG + 1), self.parts[src]),
+                      (Transfer("send", dst, dst, TAG + 1), part)]
+        works = self.transport.post(posts) if posts else []
+        self.works = {(t.kind, t.peer): wk for (t, _), wk in zip(posts, works)}
+        self.sent = [b for t, b in posts if t.kind == "send"]  # alive until their sends end
+        self.parts[rank] = modes.gemm(g_OX[rank * o:(rank + 1) * o], x_XI)
+
+    def finish(self) -> None:
+        for key in list(self.works):
+            work = self.works.pop(key)  # popped first: never waited twice
+            try:
+                self.transport.wait(work)
+            except Exception as e:
+                raise CommFuseError(
+                    f"commfuse prefetch: gradient reduce-scatter of {self.mod.what} (rank "
+                    f"{self.rank}) failed waiting for its {key[0]} {key[1]}: {e}") from e
+        self.sent = []
+        if not self.parts:
+            return
+        parts, self.parts = self.parts, {}
+        total = parts[0]
+        for p in range(1, len(parts)):  # rank order, own partial included
+            total.add_(parts[p])
+        w = self.mod.weight
+        if w.grad is None:
+            w.grad = total
+        else:
+            w.grad.add_(total)
+
+
 class Prefetcher:
     """Posts the weight gathers of ``units`` ahead of their use (see the module docstring).
 
@@ -112,7 +163,8 @@ class Prefetcher:
     (None: no limit but ``ahead``).
     """
 
-    def __init__(self, units, ahead: int = 1, max_bytes: int | None = None):
+    def __init__(self, units, ahead: int = 1, max_bytes: int | None = None,
+                 defer_reduce: bool = True):
         if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 1:
             raise ValueError(f"Prefetcher: ahead must be an int >= 1, got {ahead!r}")
         if max_bytes is not None and max_bytes < 0:
@@ -123,6 +175,8 @@ class Prefetcher:
         self.pending: dict[str, dict[int, WeightGather]] = {ph: {} for ph in PHASES}
         self.taken: dict[str, set[int]] = {ph: set() for ph in PHASES}
         self.last = {ph: -1 for ph in PHASES}  # position of the last unit taken in this pass
+        self.defer_reduce = defer_reduce
+        self.reducing: list[GradReduce] = []  # gradient reduce-scatters posted, not finished
         self.callback_queued = False
         self.peak_pending = 0  # most gathers posted and not yet taken at once (tests)
 
@@ -159,8 +213,23 @@ class Prefetcher:
         self.peak_pending = max(self.peak_pending, len(self.pending[phase]))
         return gather
 
+    def reduce_later(self, mod, g_OX: torch.Tensor, x_XI: torch.Tensor) -> None:
+        """Post ``mod``'s gradient reduce-scatter (`GradReduce`); the one posted before it is
+        finished first (at most two in flight), the last at the end of the backward."""
+        self._end_of_backward()
+        while len(self.reducing) > 1:
+            self.reducing.pop(0).finish()
+        self.reducing.append(GradReduce(mod, g_OX, x_XI, mod.op_kwargs.get("timeout")))
+
+    def finish_reductions(self) -> None:
+        """Finish every gradient reduce-scatter posted (their ``.grad`` complete)."""
+        while self.reducing:
+            self.reducing.pop(0).finish()
+
     def drain(self, phase: str | None = None) -> None:
         """Finish and drop every gather still posted (``phase``'s, or all); a new pass."""
+        if phase != "forward":
+            self.finish_reductions()
         for ph in PHASES if phase is None else (phase,):
             pending, self.pending[ph] = self.pending[ph], {}
             self.taken[ph], self.last[ph] = set(), -1
@@ -189,7 +258,7 @@ class Prefetcher:
 
     def _backward_done(self) -> None:
         self.callback_queued = False
-        self.drain("backward")
+        self.drain("backward")  # the reductions first, then the gathers left
 
 
 def _gathered_bytes(mod) -> int:

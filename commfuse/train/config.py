@@ -102,6 +102,10 @@ class TrainConfig:
     prefetch_mb: float | None = field(default=None, metadata={"metavar": "MB"})
     """With prefetch: a limit on the gathered MB posted for blocks ahead; if not given (None),
     only --prefetch bounds them."""
+    reduce_in_op: bool = False
+    """With prefetch: each ZeRO-3 weight's gradient reduce-scatter runs as the method's fused
+    GEMM -> RS, finished in its own backward, instead of being finished during the next
+    weight's backward."""
     bucket_mb: float = field(default=25.0, metadata={"metavar": "MB"})
     """Size of the gradient-sync buckets of replicated parameters, each all-reduced as soon as
     the backward has filled it (`commfuse.parallel.grad_sync`)."""
