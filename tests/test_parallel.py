@@ -23,7 +23,7 @@ from commfuse.testbed.spawn import run_local
 
 CFG = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
            max_seq_len=16)
-BATCH, SEQ = 4, 16
+BATCH, SEQ = 12, 16  # divisible by every dp
 METHODS = (("none", {}), ("sliced", {"chunks": 2}), ("decompose", {"topology": "ring"}),
            ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"}),
            ("auto", {}))  # auto: under DP only (the ZeRO-3 prefetch's backward resolves it)

@@ -169,8 +169,8 @@ def run(cases) -> dict[tuple[str, bool], dict[str, int]]:
     by_world: dict[int, list] = {}
     for name, keep in cases:
         world = 1
-        for v in LAYOUTS[name].values():
-            world *= v
+        for axis in ("tp", "up", "dp"):
+            world *= LAYOUTS[name].get(axis, 1)
         by_world.setdefault(world, []).append((name, keep))
     if 1 in by_world and len(by_world) > 1:
         by_world[min(w for w in by_world if w > 1)] += by_world.pop(1)

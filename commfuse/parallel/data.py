@@ -110,7 +110,7 @@ class _PrefetchedMatmul(torch.autograd.Function):
     def backward(ctx, g_OX):
         w_oI, x_XI = ctx.saved_tensors
         mod, world, pf = ctx.mod, ctx.mod.group.size(), ctx.prefetcher
-        if pf.defer_reduce and ctx.needs_input_grad[0]:
+        if mod.defer_reduce and ctx.needs_input_grad[0]:
             # dW's reduce-scatter posted first (no W needed), finished by the next weight's
             # backward: its transfers overlap the dX GEMM and the backward before it
             pf.reduce_later(mod, g_OX, x_XI)
@@ -140,6 +140,7 @@ class ShardedLinear(nn.Module):
         self.weight = mark_sharded(nn.Parameter(shard_rows(weight_OI, group, what)), "dp")
 
     prefetcher = None  # a commfuse.parallel.prefetch.Prefetcher, set by the plan
+    defer_reduce = False  # with it: dW's reduce-scatter finished later (set by the plan)
 
     def forward(self, x_NI: torch.Tensor) -> torch.Tensor:
         x_XI = x_NI.reshape(-1, x_NI.shape[-1])

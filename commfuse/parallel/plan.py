@@ -81,10 +81,13 @@ def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None,
         units = [_sharded(layer) for layer in model.layers] + [_sharded(model.output)]
         mb = dims.prefetch_mb
         pmodel.prefetcher = Prefetcher(units, dims.prefetch,
-                                       None if mb is None else int(mb * 2 ** 20),
-                                       dims.defer_reduce)
+                                       None if mb is None else int(mb * 2 ** 20))
+        # a gradient summed again over another axis (UP x DP's MLP) must be complete when
+        # its bucket's hook fires: that weight's reduce-scatter ends in its own backward
+        synced = {id(p) for b in pmodel.grad_sync.buckets for p in b.params}
         for m in pmodel.prefetcher.modules():
             m.prefetcher = pmodel.prefetcher
+            m.defer_reduce = dims.defer_reduce and id(m.weight) not in synced
     return pmodel
 
 

@@ -163,8 +163,7 @@ class Prefetcher:
     (None: no limit but ``ahead``).
     """
 
-    def __init__(self, units, ahead: int = 1, max_bytes: int | None = None,
-                 defer_reduce: bool = True):
+    def __init__(self, units, ahead: int = 1, max_bytes: int | None = None):
         if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 1:
             raise ValueError(f"Prefetcher: ahead must be an int >= 1, got {ahead!r}")
         if max_bytes is not None and max_bytes < 0:
@@ -175,7 +174,6 @@ class Prefetcher:
         self.pending: dict[str, dict[int, WeightGather]] = {ph: {} for ph in PHASES}
         self.taken: dict[str, set[int]] = {ph: set() for ph in PHASES}
         self.last = {ph: -1 for ph in PHASES}  # position of the last unit taken in this pass
-        self.defer_reduce = defer_reduce
         self.reducing: list[GradReduce] = []  # gradient reduce-scatters posted, not finished
         self.callback_queued = False
         self.peak_pending = 0  # most gathers posted and not yet taken at once (tests)
