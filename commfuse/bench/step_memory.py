@@ -22,7 +22,8 @@ layout (after a warm-up step) and reports per rank, in bytes:
   12x more under it.)
 
 ``keep_gathered=True`` makes every all-gather -> GEMM of the plans save its gathered input
-(``save_gathered=True``) and turns off `regathered`: the behaviour the plans must not have,
+(``save_gathered=True``) and turns off `regathered` and the ZeRO-3 prefetch (whose forward
+does not go through those ops): the behaviour the plans must not have,
 measured to show that the bounds discriminate. ``python -m commfuse.bench.step_memory`` prints
 the table.
 """
@@ -122,6 +123,8 @@ def measure(rank: int, world: int, layout: dict, keep_gathered: bool = False,
     cfg = {**CFG, **(cfg or {})}
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**cfg))
+    if keep_gathered:  # what is kept is the fused ops' (ZeRO-3 prefetch takes other paths)
+        layout = {**layout, "prefetch": 0}
     dims = ParallelDims(**layout, method=method) if layout else None
     pmodel = parallelize(model, dims)
     g = torch.Generator().manual_seed(1)
