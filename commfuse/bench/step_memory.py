@@ -123,7 +123,7 @@ def measure(rank: int, world: int, layout: dict, keep_gathered: bool = False,
     cfg = {**CFG, **(cfg or {})}
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**cfg))
-    if keep_gathered:  # what is kept is the fused ops' (ZeRO-3 prefetch takes other paths)
+    if keep_gathered and layout:  # what is kept is the fused ops' (ZeRO-3 prefetch takes other paths)
         layout = {**layout, "prefetch": 0}
     dims = ParallelDims(**layout, method=method) if layout else None
     pmodel = parallelize(model, dims)
