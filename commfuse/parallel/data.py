@@ -22,9 +22,12 @@ gathered again (plain all-gather) when the backward needs it.
 Prefetch (`commfuse.parallel.prefetch`, on unless the plan's ``prefetch`` is 0): a
 ShardedLinear that the plan gave a `Prefetcher` takes its gathered weight from it: posted
 while the previous unit (transformer block) computed, consumed slot by slot (its own rows
-first) by the forward GEMM (`_PrefetchedMatmul`), taken again, whole, by the backward, whose
-gradient reduce-scatter is the fused GEMM -> RS of the method (as without prefetch); under
-TP / UP x DP ``gather()`` and `regathered`'s backward take it too.
+first) by the forward GEMM (`_PrefetchedMatmul`), taken again, whole, by the backward. The
+backward posts the gradient reduce-scatter and finishes it during the next weight's backward
+(``defer_reduce``, set by the plan; the prefetcher's `GradReduce` writes ``.grad``, so
+``torch.autograd.grad`` does not see these weights), else it runs the method's fused
+GEMM -> RS as without prefetch. Under TP / UP x DP ``gather()`` and `regathered`'s backward
+take from the prefetcher too.
 
 The optimizer is sharded by construction: AdamW over the local parameters (each rank updates
 only its rows; the replicated norms / embedding are updated identically on every rank, from
@@ -90,8 +93,10 @@ class _PrefetchedMatmul(torch.autograd.Function):
     Forward: row slice p of Y is computed as soon as rank p's rows of W are here, this rank's
     first (their GEMM hides whatever is still travelling); the whole W is dropped after.
     Backward: the whole W is taken again from the prefetcher (posted during the backward of
-    the unit after), dX^T = W^T @ dY, and dW_oI = reduce_scatter(dY_OX @ X_XI) as the
-    method's fused GEMM -> RS (`ag_matmul_backward` on the gathered W). Saved: W_oI, X_XI.
+    the unit after), dX^T = W^T @ dY, and dW_oI = reduce_scatter(dY_OX @ X_XI): with
+    ``mod.defer_reduce`` posted first and finished later into ``.grad``
+    (`commfuse.parallel.prefetch.GradReduce`; None is returned for W), else the method's
+    fused GEMM -> RS (`ag_matmul_backward` on the gathered W). Saved: W_oI, X_XI.
     """
 
     @staticmethod
