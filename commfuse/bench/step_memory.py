@@ -44,6 +44,7 @@ BATCH, SEQ = 2, 32
 LAYOUTS = {"single": {}, "tp2": {"tp": 2}, "dp2": {"dp": 2}, "tp2xdp2": {"tp": 2, "dp": 2},
            # ZeRO-3 prefetch (`commfuse.parallel.prefetch`) on a deeper model: one block
            # ahead (the default), off, and every block ahead (past any bound)
+           "dp2-pf0": {"dp": 2, "prefetch": 0},
            "dp2-deep": {"dp": 2}, "dp2-deep-pf0": {"dp": 2, "prefetch": 0},
            "dp2-deep-pfall": {"dp": 2, "prefetch": 8}}
 MODEL_OF = {name: {"n_layers": 6} for name in LAYOUTS if "-deep" in name}  # CFG overrides
