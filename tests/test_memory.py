@@ -34,7 +34,9 @@ def _steps() -> dict:
     """Worst-rank step memory (`commfuse.bench.step_memory`) of every layout, with and
     without the gathered tensors kept: one spawn of 2 ranks, one of 4."""
     return step_memory.run([("single", False)] + [(n, k) for n in ("tp2", "dp2", "tp2xdp2")
-                                                  for k in (False, True)])
+                                                  for k in (False, True)]
+                           + [(n, False) for n in ("dp2-pf0", "dp2-deep", "dp2-deep-pf0",
+                                                   "dp2-deep-pfall")])
 
 
 def _step(layout: str, keep: bool = False) -> dict[str, int]:
@@ -63,8 +65,11 @@ def test_zero3_keeps_no_gathered_weight():
     # with the gathered weights saved for backward, the bound fails: the test discriminates
     assert kept["params"] + kept["held"] > BOUND * (one["params"] + one["held"]), (kept, one)
     assert kept["held"] > dp["held"] + 0.8 * one["params"] / 2, (kept, dp)
-    # the step's peak: parameters, gradients, one gathered weight at a time (kept: all)
-    assert dp["peak"] <= 0.7 * one["peak"] < kept["peak"], (dp, kept, one)
+    # the step's peak without prefetch: parameters, gradients, one gathered weight at a time
+    # (kept: all); with prefetch (the default) two blocks, which here are all of them: its
+    # bound is test_zero3_prefetch_stays_within_its_bound's
+    off = _step("dp2-pf0")
+    assert off["peak"] <= 0.7 * one["peak"] < kept["peak"], (off, kept, one)
 
 
 @pytest.mark.skipif(not AVAILABLE, reason="needs glibc's mallinfo2 (glibc >= 2.33)")
@@ -76,3 +81,19 @@ def test_tp_x_dp_regathers_weights_in_backward():
     # hooks in force outside the blocks (here the measurement's) still see every activation:
     # half the batch of tp=2's, not only those saved outside the blocks
     assert 0.4 * tp["saved_acts"] <= both["saved_acts"] <= BOUND * tp["saved_acts"], (both, tp)
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="needs glibc's mallinfo2 (glibc >= 2.33)")
+def test_zero3_prefetch_stays_within_its_bound():
+    """Prefetch one block ahead (the default) adds at most two blocks' gathered weights to the
+    step's peak (the block computing and the next one) and keeps none past the forward;
+    prefetching every block ahead passes that bound: the test discriminates."""
+    on, off, every = _step("dp2-deep"), _step("dp2-deep-pf0"), _step("dp2-deep-pfall")
+    cfg = {**step_memory.CFG, **step_memory.MODEL_OF["dp2-deep"]}
+    head_dim = cfg["dim"] // cfg["n_heads"]
+    block = 4 * (cfg["dim"] * head_dim * 2 * (cfg["n_heads"] + cfg["n_kv_heads"])
+                 + 3 * cfg["dim"] * cfg["ffn_hidden"])  # one block's weights, whole, float32
+    assert on["params"] == off["params"]
+    assert on["held"] <= off["held"] + SLACK, (on, off)  # nothing prefetched outlives forward
+    assert on["peak"] <= off["peak"] + 2 * block, (on, off, block)
+    assert every["peak"] > off["peak"] + 2 * block, (every, off, block)

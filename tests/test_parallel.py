@@ -23,11 +23,13 @@ from commfuse.testbed.spawn import run_local
 
 CFG = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
            max_seq_len=16)
-BATCH, SEQ = 4, 16
+BATCH, SEQ = 12, 16  # divisible by every dp
 METHODS = (("none", {}), ("sliced", {"chunks": 2}), ("decompose", {"topology": "ring"}),
-           ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"}))
+           ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"}),
+           ("auto", {}))  # auto: under DP only (the ZeRO-3 prefetch's backward resolves it)
 LAYOUTS = {2: [dict(tp=2), dict(tp=2, query_split=True), dict(up=2), dict(dp=2)],
-           3: [dict(tp=3)], 4: [dict(tp=2, dp=2), dict(up=2, dp=2), dict(tp=4)]}
+           3: [dict(tp=3), dict(dp=3)],
+           4: [dict(tp=2, dp=2), dict(up=2, dp=2), dict(tp=4), dict(dp=4)]}
 # variant: (LlamaConfig overrides, dtype of the parallel model, norm-relative tolerance vs the
 # float32 reference); float32 runs every method, the others commfuse (ring) only
 VARIANTS = {"f32": ({}, torch.float32, 1e-5), "bf16": ({}, torch.bfloat16, 3e-2),
@@ -37,9 +39,17 @@ VARIANTS = {"f32": ({}, torch.float32, 1e-5), "bf16": ({}, torch.bfloat16, 3e-2)
             "tp3": ({"dim": 48, "n_heads": 6, "n_kv_heads": 3, "ffn_hidden": 96, "vocab_size": 66},
                     torch.float32, 1e-5),
             # 33 head rows per TP rank: not divisible by dp=2, the head stays replicated over DP
-            "v66": ({"vocab_size": 66}, torch.float32, 1e-5)}
+            "v66": ({"vocab_size": 66}, torch.float32, 1e-5),
+            # ZeRO-3 prefetch (on, one block ahead, in every other variant): off; two blocks
+            # ahead; a byte limit that leaves only the current block's gathers posted
+            "pf0": ({}, torch.float32, 1e-5), "pf2": ({}, torch.float32, 1e-5),
+            "pf0mb": ({}, torch.float32, 1e-5)}
 SEQ_OF = {"seq15": 15}
-ONLY = {"kv4": dict(tp=4), "tp3": dict(tp=3), "v66": dict(tp=2, dp=2)}  # where these run
+DIMS_OF = {"pf0": {"prefetch": 0}, "pf2": {"prefetch": 2}, "pf0mb": {"prefetch_mb": 0.0}}
+ONLY = {"kv4": [dict(tp=4)], "tp3": [dict(tp=3), dict(dp=3)],  # where these run
+        "v66": [dict(tp=2, dp=2)], **{v: [dict(dp=2), dict(dp=4), dict(tp=2, dp=2)]
+                                       for v in DIMS_OF}}
+EVERY_METHOD = ("f32", "seq15", "kv4", "tp3", "v66", "pf0", "pf2")  # the others: commfuse only
 
 
 def _fits_cfg(layout: dict) -> bool:
@@ -55,10 +65,11 @@ def _fits_cfg(layout: dict) -> bool:
 def _cases(world: int) -> list[tuple[dict, str, dict, str]]:
     out = []
     for lay in LAYOUTS[world]:
-        own = [v for v, only in ONLY.items() if only == lay]
+        own = [v for v, only in ONLY.items() if lay in only]
         for v in [v for v in VARIANTS if v not in ONLY and _fits_cfg(lay)] + own:
             out += [(lay, m, o, v) for m, o in METHODS
-                    if v in ("f32", "seq15", *own) or (m, o) == ("commfuse", {"topology": "ring"})]
+                    if (v in EVERY_METHOD and (m != "auto" or "dp" in lay))
+                    or (m, o) == ("commfuse", {"topology": "ring"})]
     return out
 
 
@@ -95,12 +106,22 @@ def _check(mesh, method, opts, variant) -> list[str]:
     _, dtype, tol = VARIANTS[variant]
     b = BATCH // mesh.dims.dp
     rows = slice(mesh.dp_index * b, (mesh.dp_index + 1) * b)
-    dims = dataclasses.replace(mesh.dims, method=method, method_opts=dict(opts))
+    dims = dataclasses.replace(mesh.dims, method=method, method_opts=dict(opts),
+                               **DIMS_OF.get(variant, {}))
     pmodel = parallelize(copy.deepcopy(model0).to(dtype), dataclasses.replace(mesh, dims=dims))
     problems = []
     local = pmodel.loss(tokens[rows], targets[rows])
     local.backward()
     pmodel.sync_grads()
+    pf = pmodel.prefetcher
+    if (pf is not None) != (mesh.dims.dp > 1 and dims.prefetch > 0):
+        problems.append(f"prefetcher {pf} with dp={mesh.dims.dp} prefetch={dims.prefetch}")
+    elif pf is not None:  # it ran, within its bound, and left nothing posted
+        ahead = 0 if dims.prefetch_mb == 0 else dims.prefetch
+        bound = (ahead + 1) * max(len(u) for u in pf.units)
+        if not 0 < pf.peak_pending <= bound or any(pf.pending.values()):
+            problems.append(f"prefetch: peak {pf.peak_pending} posted (bound {bound}), "
+                            f"left {[len(p) for p in pf.pending.values()]}")
     logits, want = pmodel(tokens[rows]).detach(), logits_ref[rows][..., pmodel.vocab_slice()]
     if _rel(logits, want) > tol:
         problems.append(f"logits rel {_rel(logits, want):.2e}")

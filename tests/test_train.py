@@ -21,6 +21,10 @@ BASE = train.TrainConfig(steps=30, batch_size=4, seq_len=32, model=SMALL, progre
 LAYOUTS = {"tp2": dict(tp=2), "up2": dict(up=2), "dp2": dict(dp=2)}
 RUNS = {f"{name}-{m}": dataclasses.replace(BASE, method=m, **kw)
         for name, kw in LAYOUTS.items() for m in ("commfuse", "none")}
+RUNS.update({  # ZeRO-3 prefetch (on, one block ahead, above): off, two ahead, auto's methods
+    "dp2-commfuse-pf0": dataclasses.replace(BASE, dp=2, prefetch=0),
+    "dp2-sliced-pf2": dataclasses.replace(BASE, dp=2, method="sliced", prefetch=2),
+    "dp2-auto": dataclasses.replace(BASE, dp=2, method="auto")})
 VARLEN = dataclasses.replace(BASE, steps=12, seq_len=31, variable_length=True)  # 16..31 tokens
 VARLEN_RUNS = {f"{name}-varlen": dataclasses.replace(VARLEN, **kw)
                for name, kw in LAYOUTS.items() if name != "dp2"}

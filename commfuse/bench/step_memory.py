@@ -22,7 +22,8 @@ layout (after a warm-up step) and reports per rank, in bytes:
   12x more under it.)
 
 ``keep_gathered=True`` makes every all-gather -> GEMM of the plans save its gathered input
-(``save_gathered=True``) and turns off `regathered`: the behaviour the plans must not have,
+(``save_gathered=True``) and turns off `regathered` and the ZeRO-3 prefetch (whose forward
+does not go through those ops): the behaviour the plans must not have,
 measured to show that the bounds discriminate. ``python -m commfuse.bench.step_memory`` prints
 the table.
 """
@@ -40,7 +41,13 @@ from commfuse.bench.memory import AVAILABLE, _sampling, in_use
 CFG = dict(vocab_size=256, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=1024,
            max_seq_len=64)
 BATCH, SEQ = 2, 32
-LAYOUTS = {"single": {}, "tp2": {"tp": 2}, "dp2": {"dp": 2}, "tp2xdp2": {"tp": 2, "dp": 2}}
+LAYOUTS = {"single": {}, "tp2": {"tp": 2}, "dp2": {"dp": 2}, "tp2xdp2": {"tp": 2, "dp": 2},
+           # ZeRO-3 prefetch (`commfuse.parallel.prefetch`) on a deeper model: one block
+           # ahead (the default), off, and every block ahead (past any bound)
+           "dp2-pf0": {"dp": 2, "prefetch": 0},
+           "dp2-deep": {"dp": 2}, "dp2-deep-pf0": {"dp": 2, "prefetch": 0},
+           "dp2-deep-pfall": {"dp": 2, "prefetch": 8}}
+MODEL_OF = {name: {"n_layers": 6} for name in LAYOUTS if "-deep" in name}  # CFG overrides
 
 
 @contextlib.contextmanager
@@ -117,6 +124,8 @@ def measure(rank: int, world: int, layout: dict, keep_gathered: bool = False,
     cfg = {**CFG, **(cfg or {})}
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**cfg))
+    if keep_gathered and layout:  # what is kept is the fused ops' (ZeRO-3 prefetch takes other paths)
+        layout = {**layout, "prefetch": 0}
     dims = ParallelDims(**layout, method=method) if layout else None
     pmodel = parallelize(model, dims)
     g = torch.Generator().manual_seed(1)
@@ -152,7 +161,8 @@ def measure(rank: int, world: int, layout: dict, keep_gathered: bool = False,
 def measure_many(rank: int, world: int, cases) -> dict:
     """`measure` of each ``(layout name, keep_gathered)`` in ``cases`` on this rank, in one
     process (``"single"`` runs alone on every rank)."""
-    return {(name, keep): measure(rank, world, LAYOUTS[name], keep) for name, keep in cases}
+    return {(name, keep): measure(rank, world, LAYOUTS[name], keep, cfg=MODEL_OF.get(name))
+            for name, keep in cases}
 
 
 def run(cases) -> dict[tuple[str, bool], dict[str, int]]:
@@ -163,8 +173,8 @@ def run(cases) -> dict[tuple[str, bool], dict[str, int]]:
     by_world: dict[int, list] = {}
     for name, keep in cases:
         world = 1
-        for v in LAYOUTS[name].values():
-            world *= v
+        for axis in ("tp", "up", "dp"):
+            world *= LAYOUTS[name].get(axis, 1)
         by_world.setdefault(world, []).append((name, keep))
     if 1 in by_world and len(by_world) > 1:
         by_world[min(w for w in by_world if w > 1)] += by_world.pop(1)

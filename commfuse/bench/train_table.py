@@ -30,6 +30,9 @@ class Config:
     dp: int
     method: str
     """A label of `commfuse.schedule.VARIANTS` (none, sliced, commfuse, commfuse-m4, auto...)."""
+    prefetch: str | None = None
+    """ZeRO-3 prefetch: ``commfuse train --prefetch`` N (blocks ahead; 0 off), ``Nr`` adds
+    ``--reduce-in-op``; None: the default, not passed."""
 
     @property
     def world(self) -> int:
@@ -37,8 +40,9 @@ class Config:
 
     @property
     def layout(self) -> str:
-        return "x".join(f"{a}{n}" for a, n in (("tp", self.tp), ("up", self.up), ("dp", self.dp))
+        axes = "x".join(f"{a}{n}" for a, n in (("tp", self.tp), ("up", self.up), ("dp", self.dp))
                         if n > 1) or "single"
+        return axes if self.prefetch is None else f"{axes}-pf{self.prefetch}"
 
     @property
     def key(self) -> str:
@@ -50,6 +54,9 @@ class Config:
         method, opts = VARIANTS[self.method]
         flags = ["--preset", self.preset, "--tp", str(self.tp), "--up", str(self.up),
                  "--dp", str(self.dp), "--method", method]
+        if self.prefetch is not None:
+            flags += ["--prefetch", self.prefetch.rstrip("r")]
+            flags += ["--reduce-in-op"] if self.prefetch.endswith("r") else []
         for k, v in opts.items():
             if k != "collective":
                 flags += ["--" + k, str(v)]
@@ -69,8 +76,9 @@ def parse_layout(text: str) -> tuple[int, int, int]:
     return sizes["tp"], sizes["up"], sizes["dp"]
 
 
-def configs(presets, layouts, methods) -> list[Config]:
-    """Every preset x layout x method, methods innermost (each layout's methods together)."""
+def configs(presets, layouts, methods, prefetch=(None,)) -> list[Config]:
+    """Every preset x layout x prefetch x method, methods innermost (each layout's methods
+    together); ``prefetch``: the ``--prefetch`` values (None: not passed)."""
     bad = [m for m in methods if m not in VARIANTS or VARIANTS[m][1].get("collective")]
     if bad:
         raise ValueError(f"unknown method(s) {bad}; choose from "
@@ -79,7 +87,7 @@ def configs(presets, layouts, methods) -> list[Config]:
     for preset in presets:
         for layout in layouts:
             tp, up, dp = parse_layout(layout)
-            out += [Config(preset, tp, up, dp, m) for m in methods]
+            out += [Config(preset, tp, up, dp, m, pf) for pf in prefetch for m in methods]
     return out
 
 

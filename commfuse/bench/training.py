@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="comma-separated method labels (none, sliced, decompose, commfuse, commfuse-m2, "
            "commfuse-m4, commfuse-direct, auto); none is the baseline of the ratios "
            "(default none,sliced,commfuse,auto)")
+    a("--prefetch", default=None,
+      help="comma-separated commfuse train --prefetch values, each run as its own layout "
+           "(dp2-pf1, dp2-pf0), e.g. 1,0 to compare ZeRO-3 prefetch on and off in one run; "
+           "Nr: N with --reduce-in-op (default: not passed, the train default)")
     a("--steps", type=int, default=20, help="training steps per run (default 20; the first "
                                             "is warm-up, excluded from the medians)")
     a("--batch-size", type=int, default=8, help="global batch in sequences (default 8)")
@@ -90,8 +94,11 @@ def run(args) -> int:
     from commfuse.models.config import PRESETS
 
     try:
+        pf = _split(args.prefetch) if args.prefetch else [None]
+        if any(not x.rstrip("r").isdigit() for x in pf if x):
+            raise ValueError(f"--prefetch takes N or Nr values (N >= 0), got {args.prefetch!r}")
         cfgs = train_table.configs(_split(args.presets), _split(args.layouts),
-                                   _split(args.methods))
+                                   _split(args.methods), pf)
     except ValueError as e:
         raise SystemExit(f"commfuse bench train: {e}") from e
     bad = [p for p in _split(args.presets) if p not in PRESETS]

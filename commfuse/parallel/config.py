@@ -44,6 +44,18 @@ class ParallelDims:
     inside the reduce-scatter ring (`commfuse.ops.attention`); needs tp > 1."""
     world_size: int | None = None
     """Ranks in the job. None: torch.distributed's world size if initialised, else tp*up*dp."""
+    prefetch: int = 1
+    """With dp > 1: transformer blocks whose weight all-gathers are posted ahead of the one
+    computing (forward: the next ones; backward: the previous ones), consumed by their GEMMs
+    as they arrive (`commfuse.parallel.prefetch`); 0: none, every weight gathered when used,
+    fused with its GEMM."""
+    prefetch_mb: float | None = None
+    """With prefetch: a limit on the gathered MB posted for blocks ahead (the blocks posted
+    stop at the first that would pass it); None: only ``prefetch`` bounds them."""
+    defer_reduce: bool = True
+    """With prefetch: each ZeRO-3 weight's gradient reduce-scatter is posted in its backward
+    and finished during the next weight's (all by the end of the backward), so it overlaps
+    the backward before it; False: the method's fused GEMM -> RS, finished in its own."""
 
     def __post_init__(self):
         for name in ("tp", "up", "dp"):
@@ -59,6 +71,13 @@ class ParallelDims:
         method_spec(self.method, self.method_opts)  # ValueError on bad method/options
         if self.query_split and self.tp == 1:
             raise ValueError("query_split=True needs tp > 1: it is a TP attention schedule")
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) \
+                or self.prefetch < 0:
+            raise ValueError(f"ParallelDims.prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.prefetch_mb is not None and not (isinstance(self.prefetch_mb, (int, float))
+                                                 and self.prefetch_mb >= 0):
+            raise ValueError(f"ParallelDims.prefetch_mb must be >= 0 or None, "
+                             f"got {self.prefetch_mb!r}")
         if self.world_size is None:
             self.world_size = _initialised_world() or self.tp * self.up * self.dp
         if self.tp * self.up * self.dp != self.world_size:

@@ -38,6 +38,7 @@ from commfuse.parallel.config import Mesh, ParallelDims, sharded_axes
 from commfuse.parallel.data import ShardedLinear, gather_rows, shard_linears, weight
 from commfuse.parallel.grad_sync import DEFAULT_BUCKET_MB, GradSync
 from commfuse.parallel.layout import SeqLayout
+from commfuse.parallel.prefetch import Prefetcher
 from commfuse.parallel.tensor import TPAttention, TPMLP
 from commfuse.parallel.ulysses import UPAttention
 from commfuse.parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,
@@ -75,7 +76,24 @@ def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None,
         model.output = VocabParallelHead(head, mesh.seq_group, layout, kw, emb.start)
     elif dp is not None and not tied:
         model.output = ShardedLinear(model.output.weight, dp, kw, "output")
-    return ParallelLlama(model, mesh, bucket_mb)
+    pmodel = ParallelLlama(model, mesh, bucket_mb)
+    if dp is not None and dims.prefetch:  # ZeRO-3 prefetch: one unit per block, the head last
+        units = [_sharded(layer) for layer in model.layers] + [_sharded(model.output)]
+        mb = dims.prefetch_mb
+        pmodel.prefetcher = Prefetcher(units, dims.prefetch,
+                                       None if mb is None else int(mb * 2 ** 20))
+        # a gradient summed again over another axis (UP x DP's MLP) must be complete when
+        # its bucket's hook fires: that weight's reduce-scatter ends in its own backward
+        synced = {id(p) for b in pmodel.grad_sync.buckets for p in b.params}
+        for m in pmodel.prefetcher.modules():
+            m.prefetcher = pmodel.prefetcher
+            m.defer_reduce = dims.defer_reduce and id(m.weight) not in synced
+    return pmodel
+
+
+def _sharded(module: nn.Module) -> list[ShardedLinear]:
+    """The DP-sharded weights under ``module``, in registration order (the forward's)."""
+    return [m for m in module.modules() if isinstance(m, ShardedLinear)]
 
 
 class ParallelLlama(nn.Module):
@@ -86,6 +104,7 @@ class ParallelLlama(nn.Module):
         super().__init__()
         self.model, self.mesh = model, mesh
         self.grad_sync = None
+        self.prefetcher = None  # ZeRO-3's weight prefetch (commfuse.parallel.prefetch), if on
         if mesh is not None:
             groups = {"seq": mesh.seq_group, "dp": mesh.dp_group, "seq+dp": mesh.world_group}
             self.grad_sync = GradSync(

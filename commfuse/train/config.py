@@ -95,6 +95,17 @@ class TrainConfig:
     device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda")})
     """cpu: gloo ranks on CPU cores; cuda: NCCL, one GPU per rank (LOCAL_RANK under torchrun,
     rank i on GPU i when spawned locally), every op on the CUDA stream path."""
+    prefetch: int = field(default=1, metadata={"metavar": "N"})
+    """With dp > 1: transformer blocks whose ZeRO-3 weight all-gathers are posted ahead of the
+    one computing, forward and backward (commfuse.parallel.prefetch); 0 turns prefetch off
+    (every weight gathered when used, fused with its GEMM)."""
+    prefetch_mb: float | None = field(default=None, metadata={"metavar": "MB"})
+    """With prefetch: a limit on the gathered MB posted for blocks ahead; if not given (None),
+    only --prefetch bounds them."""
+    reduce_in_op: bool = False
+    """With prefetch: each ZeRO-3 weight's gradient reduce-scatter runs as the method's fused
+    GEMM -> RS, finished in its own backward, instead of being finished during the next
+    weight's backward."""
     bucket_mb: float = field(default=25.0, metadata={"metavar": "MB"})
     """Size of the gradient-sync buckets of replicated parameters, each all-reduced as soon as
     the backward has filled it (`commfuse.parallel.grad_sync`)."""
@@ -103,6 +114,9 @@ class TrainConfig:
     the run fails with an error naming the op, step and peer."""
 
     def __post_init__(self):
+        if self.prefetch < 0 or (self.prefetch_mb is not None and self.prefetch_mb < 0):
+            raise ValueError(f"TrainConfig.prefetch / prefetch_mb must be >= 0, got "
+                             f"{self.prefetch!r} / {self.prefetch_mb!r}")
         if not self.bucket_mb > 0:
             raise ValueError(f"TrainConfig.bucket_mb must be positive, got {self.bucket_mb!r}")
         for f in dataclasses.fields(self):

@@ -137,7 +137,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     from commfuse.parallel.plan import parallelize
 
     dims = ParallelDims(cfg.tp, cfg.up, cfg.dp, cfg.method, cfg.method_opts(),
-                        query_split=cfg.query_split, world_size=world)
+                        query_split=cfg.query_split, world_size=world,
+                        prefetch=cfg.prefetch, prefetch_mb=cfg.prefetch_mb,
+                        defer_reduce=not cfg.reduce_in_op)
     mcfg = LlamaConfig.preset(cfg.preset, **{"max_seq_len": max(cfg.seq_len, 1), **cfg.model})
     dims.check_model(mcfg, cfg.seq_len, cfg.batch_size)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
@@ -164,6 +166,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     if show:
         print(f"commfuse train: {cfg.preset} {sum(p.numel() for p in model.parameters())} local "
               f"params, tp={cfg.tp} up={cfg.up} dp={cfg.dp} method={cfg.method} "
+              f"{f'prefetch={cfg.prefetch} ' if cfg.dp > 1 else ''}"
               f"{dims.method_opts}, batch {cfg.batch_size}x{cfg.seq_len}, "
               f"steps {start}..{cfg.steps}, peak {peak / 1e9:.1f} GFLOP/s per rank, link "
               f"{os.environ.get('COMMFUSE_LINK', 'loopback' if world > 1 else 'none')}", flush=True)
