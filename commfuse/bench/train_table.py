@@ -30,6 +30,8 @@ class Config:
     dp: int
     method: str
     """A label of `commfuse.schedule.VARIANTS` (none, sliced, commfuse, commfuse-m4, auto...)."""
+    prefetch: bool = True
+    """The backward posts AG->GEMM re-gathers ahead (`commfuse.ops.prefetch`; TP only)."""
 
     @property
     def world(self) -> int:
@@ -43,7 +45,12 @@ class Config:
     @property
     def key(self) -> str:
         """A file-name-safe id of the configuration."""
-        return f"{self.preset}-{self.layout}-{self.method}"
+        return f"{self.preset}-{self.layout}-{self.label}"
+
+    @property
+    def label(self) -> str:
+        """The method, and "-noprefetch" without the backward prefetch."""
+        return self.method + ("" if self.prefetch else "-noprefetch")
 
     def train_flags(self) -> list[str]:
         """``commfuse train`` flags of this configuration (the method's options included)."""
@@ -53,7 +60,7 @@ class Config:
         for k, v in opts.items():
             if k != "collective":
                 flags += ["--" + k, str(v)]
-        return flags
+        return flags + ([] if self.prefetch else ["--no-regather-prefetch"])
 
 
 def parse_layout(text: str) -> tuple[int, int, int]:
@@ -69,8 +76,9 @@ def parse_layout(text: str) -> tuple[int, int, int]:
     return sizes["tp"], sizes["up"], sizes["dp"]
 
 
-def configs(presets, layouts, methods) -> list[Config]:
-    """Every preset x layout x method, methods innermost (each layout's methods together)."""
+def configs(presets, layouts, methods, prefetch=(True,)) -> list[Config]:
+    """Every preset x layout x method x prefetch setting, methods (then prefetch) innermost
+    (each layout's methods together)."""
     bad = [m for m in methods if m not in VARIANTS or VARIANTS[m][1].get("collective")]
     if bad:
         raise ValueError(f"unknown method(s) {bad}; choose from "
@@ -79,7 +87,7 @@ def configs(presets, layouts, methods) -> list[Config]:
     for preset in presets:
         for layout in layouts:
             tp, up, dp = parse_layout(layout)
-            out += [Config(preset, tp, up, dp, m) for m in methods]
+            out += [Config(preset, tp, up, dp, m, p) for m in methods for p in prefetch]
     return out
 
 
@@ -95,8 +103,9 @@ def run_row(metrics: dict) -> dict:
 def aggregate(runs: dict, predictions: dict | None = None, loss_tol: float = 1e-4) -> list[dict]:
     """Rows of the table. ``runs``: Config -> [metrics JSON of each repeat]; ``predictions``:
     Config -> (predicted step s, limit s). Per configuration the medians over its repeats;
-    ``vs_none`` divides by ``none``'s median step of the same preset and layout (None without
-    a ``none`` run); ``losses`` compares the first repeat's per-step losses with ``none``'s:
+    ``vs_none`` divides by ``none``'s median step of the same preset and layout, without the
+    backward prefetch where it ran both ways (the plain reference; None without a ``none``
+    run); ``losses`` compares the first repeat's per-step losses with ``none``'s:
     "equal" within ``loss_tol`` (relative), else the largest difference."""
     predictions = predictions or {}
     rows = []
@@ -111,8 +120,9 @@ def aggregate(runs: dict, predictions: dict | None = None, loss_tol: float = 1e-
                      "exposed_s": med("exposed_s"), "losses": per[0]["losses"],
                      "predicted_s": predictions.get(cfg, (None, None))[0],
                      "limit_s": predictions.get(cfg, (None, None))[1]})
-    base = {(r["config"].preset, r["config"].layout): r for r in rows
-            if r["config"].method == "none"}
+    nones = sorted((r for r in rows if r["config"].method == "none"),
+                   key=lambda r: not r["config"].prefetch)  # no prefetch last: it wins
+    base = {(r["config"].preset, r["config"].layout): r for r in nones}
     for r in rows:
         b = base.get((r["config"].preset, r["config"].layout))
         r["vs_none"] = r["step_s"] / b["step_s"] if b else None
@@ -139,7 +149,7 @@ def row_line(r: dict) -> str:
     """One markdown row."""
     c = r["config"]
     ratio = "-" if r["vs_none"] is None else f"{r['vs_none']:.3f}"
-    return (f"| {c.preset} | {c.layout} | {c.method} | {_ms(r['step_s'])} | {ratio} | "
+    return (f"| {c.preset} | {c.layout} | {c.label} | {_ms(r['step_s'])} | {ratio} | "
             f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.2f}% | {_ms(r['exposed_s'])} | "
             f"{_ms(r['predicted_s'])} | {_ms(r['limit_s'])} | {r['loss_check']} |")
 
@@ -159,7 +169,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
 LEGEND = """\
 Columns: median step = the median over repeats of each run's median step time (rank 0's,
 first step excluded: warm-up); vs none = that divided by method none's of the same preset and
-layout; tokens/s and MFU as `commfuse train` reports them (MFU against each rank's measured
+layout (its run without the backward prefetch where there are both; "-noprefetch": the
+backward posts no re-gather ahead, `commfuse train --no-regather-prefetch`); tokens/s and MFU as `commfuse train` reports them (MFU against each rank's measured
 dense-matmul peak); exposed comm = fwd+bwd(+grad sync) minus the same in compute-only mode,
 medians of {exposed_iters} interleaved pairs after training; predicted =
 `commfuse.sim.simulate_step` of the same model, layout, method, batch and sequence on the

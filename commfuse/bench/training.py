@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="comma-separated method labels (none, sliced, decompose, commfuse, commfuse-m2, "
            "commfuse-m4, commfuse-direct, auto); none is the baseline of the ratios "
            "(default none,sliced,commfuse,auto)")
+    a("--prefetch", choices=("on", "off", "both"), default="on",
+      help="the backward's cross-op prefetch of AG->GEMM re-gathers (commfuse.ops.prefetch): "
+           "on (commfuse train's default), off (--no-regather-prefetch) or both, each method "
+           "run both ways side by side (default on)")
     a("--steps", type=int, default=20, help="training steps per run (default 20; the first "
                                             "is warm-up, excluded from the medians)")
     a("--batch-size", type=int, default=8, help="global batch in sequences (default 8)")
@@ -91,7 +95,9 @@ def run(args) -> int:
 
     try:
         cfgs = train_table.configs(_split(args.presets), _split(args.layouts),
-                                   _split(args.methods))
+                                   _split(args.methods),
+                                   {"on": (True,), "off": (False,), "both": (True, False)}
+                                   [args.prefetch])
     except ValueError as e:
         raise SystemExit(f"commfuse bench train: {e}") from e
     bad = [p for p in _split(args.presets) if p not in PRESETS]
@@ -112,7 +118,7 @@ def run(args) -> int:
         for i, c in enumerate(cfgs):
             n = rep * len(cfgs) + i + 1
             path = out / f"{c.key}-r{rep + 1}.json"
-            label = f"{c.preset} {c.layout} {c.method}"
+            label = f"{c.preset} {c.layout} {c.label}"
             metrics = None if args.fresh else _load(path)
             if metrics is None:
                 say(f"[bench train] run {n}/{total}: {label} on {c.world} ranks "
@@ -181,7 +187,8 @@ def predict(c: Config, args) -> tuple[float | None, float | None]:
     method, opts = VARIANTS[c.method]
     try:
         model = LlamaConfig.preset(c.preset, max_seq_len=args.seq_len)
-        dims = ParallelDims(c.tp, c.up, c.dp, method, opts, world_size=c.world)
+        dims = ParallelDims(c.tp, c.up, c.dp, method, opts, world_size=c.world,
+                            regather_prefetch=1 if c.prefetch else 0)
         dtype_bytes = 4 if args.dtype == "float32" else 2
         r = simulate_step(model, dims, args.hw, seq=args.seq_len, batch=args.batch_size,
                           micro_batch=args.batch_size // c.dp, dtype_bytes=dtype_bytes,
