@@ -78,6 +78,32 @@ def test_prefetcher_rejects_bad_depth():
         ParallelDims(tp=2, world_size=2, regather_prefetch=True)
 
 
+def test_step_model_hides_the_prefetched_regather_behind_the_attention_backward():
+    from commfuse import sim
+    from commfuse.sim.model_ops import StepModel, block_ops
+    from commfuse.sim.step import prefetch_credit, simulate_step
+
+    cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4,
+                      ffn_hidden=512, max_seq_len=1024)
+    hw = sim.Hardware(gemm_flops=1e12, link_bandwidth=1e9, link_latency=5e-6,
+                      mem_bandwidth=1e11, m0=64.0, n0=64.0, k0=64.0, interference=0.0)
+    _, bwd = block_ops(cfg, 2, 1, 1, 1024, 2, True, 4, StepModel())
+    credit = prefetch_credit(bwd)
+    assert {op.name: [g.name for g in hide] for op, hide in credit.items()} == \
+        {"gate|up dW": [], "q|k|v dW": ["attention bwd"]}
+    names = [op.name for op in bwd]  # the code's order: re-gather (dW) then the RS of dx
+    assert names.index("q|k|v dW") < names.index("q|k|v dx")
+    step = {p: simulate_step(cfg, ParallelDims(tp=2, world_size=2, regather_prefetch=p), hw,
+                             seq=1024, batch=2, micro_batch=2, dtype_bytes=4)
+            for p in (0, 1)}
+    assert step[1].step_s < step[0].step_s  # the re-gather was exposed here, now partly hidden
+    assert step[1].compute_s == step[0].compute_s and step[1].step_s >= step[1].compute_s
+    off = simulate_step(cfg, ParallelDims(tp=2, world_size=2), hw, seq=1024, batch=2,
+                        micro_batch=2, dtype_bytes=4,
+                        step_model=StepModel(regather_prefetch=False))
+    assert off.step_s == pytest.approx(step[0].step_s)
+
+
 # --- the TP model on 2, 3, 4 ranks --------------------------------------------------------------
 
 BASE = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,

@@ -135,10 +135,13 @@ class MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, gc):
         a, b = ctx.saved_tensors
         ticket, ctx.ticket = ctx.ticket, None
-        post = None if ticket is None else ticket.post
+        at = None if ticket is None else ticket.prefetcher.at
         ga, gb = matmul_rs_backward(a, b, gc, ctx.dim, ctx.avg, ctx.sizes, ctx.group, ctx.spec,
                                     need_a=ctx.needs_input_grad[0],
-                                    need_b=ctx.needs_input_grad[1], after_posts=post)
+                                    need_b=ctx.needs_input_grad[1],
+                                    after_posts=ticket.post if at == "posts" else None)
+        if at == "end":
+            ticket.post()
         return ga, gb, None, None, None, None, None, None
 
 

@@ -29,7 +29,7 @@ every wait with the op's deadline) before the next post and by `drain`, which th
 at each forward: its transfers were posted by every rank, so they complete and nothing is left
 in flight to desync the next step. Prefetched gathers use P2P tags of their own
 (``TAG_BASE``), so they never match another op's messages. Under torch.compile the ops run as
-custom ops and nothing is recorded (no prefetch).
+custom ops and nothing is recorded (no prefetch); on CUDA it is off too, for now.
 """
 
 from __future__ import annotations
@@ -67,12 +67,18 @@ class Prefetcher:
     """Links the fused ops of one model for the backward prefetch (module doc).
 
     ``depth``: gathers posted ahead and not yet consumed, at most (0: off; the ops then run
-    exactly as without a prefetcher)."""
+    exactly as without a prefetcher). ``at``: where the claiming op's backward posts it,
+    "posts" (right after its own last post: the default) or "end" (when its backward is done;
+    kept to measure the choice, see docs/benchmarks/2026-12-01-prefetch.md)."""
 
-    def __init__(self, depth: int = 1):
+    AT = ("posts", "end")
+
+    def __init__(self, depth: int = 1, at: str = "posts"):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
             raise ValueError(f"prefetch depth must be an int >= 0, got {depth!r}")
-        self.depth = depth
+        if at not in self.AT:
+            raise ValueError(f"prefetch point must be one of {self.AT}, got {at!r}")
+        self.depth, self.at = depth, at
         self.last: Ticket | None = None  # recorded in the forward, not yet claimed
         self.inflight: deque[Ticket] = deque()  # posted, not yet taken
         self.posts = 0  # gathers posted so far (their tag window), the same count on every rank
@@ -80,8 +86,9 @@ class Prefetcher:
     # forward
     def record(self, a_sMK: torch.Tensor, sizes, group, spec) -> Ticket | None:
         """An AG->GEMM's forward: the ticket of its backward's gather (None when off)."""
-        if self.depth == 0 or torch.compiler.is_compiling():
-            return None
+        if self.depth == 0 or torch.compiler.is_compiling() or a_sMK.device.type != "cpu":
+            return None  # CUDA: the streams' ordering of a gather split over two ops is not
+            # verified on a GPU yet (the same choice on every rank: they share the device type)
         self.last = Ticket(self, a_sMK, sizes, group, spec)
         return self.last
 
@@ -116,7 +123,9 @@ class Prefetcher:
     def drain(self) -> None:
         """Wait out every gather posted and not taken (each transfer once, with its deadline)
         and forget the unclaimed ticket. Call it where every rank is at the same point (the
-        model's forward)."""
+        model's forward). Nothing to do under torch.compile (nothing is posted there)."""
+        if torch.compiler.is_compiling():
+            return
         self.last = None
         while self.inflight:
             self._abandon(self.inflight.popleft())

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from commfuse.ops.prefetch import Prefetcher
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, FusedRowwiseParallel,
                                ReplicateParallel, SeqSplit, SequenceParallelNorm, ShardSequence)
@@ -87,7 +88,8 @@ def check(model: nn.Module, T: int) -> int:
     return T // G if G < T else 1
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto", **opts) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto", prefetch: bool = True,
+                **opts) -> nn.Module:
     """Shard ``model`` (a transformers Llama-style causal LM, the same on every rank) for
     commfuse TPSP over ``mesh`` (1-D, or the "tp" dim of a larger one), in place; returns it.
 
@@ -96,25 +98,31 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto", **o
     and each parameter's ``.grad`` is its shard of the unsharded gradient (replicated ones
     summed over TP during the backward), so any optimizer steps it. Parameters are DTensors.
     Training/scoring forward only: no KV-cache generation, no ``logits_to_keep``.
+    ``prefetch``: each o_proj / down_proj backward posts the re-gather of the fused
+    projections before it ahead, so it moves during the attention / MLP backward
+    (`commfuse.ops.prefetch`; False: each gathers in its own backward).
     """
     mesh = tp_mesh(mesh)
     T = mesh.size()
     k = check(model, T)
     duplex(mesh.get_group())
-    split = SeqSplit()
+    split, chain = SeqSplit(), Prefetcher(1 if prefetch else 0)
     kw = dict(method=method, split=split, **opts)
-    col, row, norm = FusedColwiseParallel(**kw), FusedRowwiseParallel(**kw), SequenceParallelNorm()
+    col, row, norm = FusedColwiseParallel(**kw), FusedRowwiseParallel(prefetch=chain, **kw), \
+        SequenceParallelNorm()
     kv = FusedColwiseParallel(replicas=k, **kw)
-    plan = {"model.embed_tokens": ReplicateParallel(), "model.layers.0": ShardSequence(split),
+    plan = {"model.embed_tokens": ReplicateParallel(),
+            "model.layers.0": ShardSequence(split, prefetch=chain),
             "model.norm": norm, "lm_head": FusedColwiseParallel(gather_output=True, **kw)}
     H, G = model.config.num_attention_heads, model.config.num_key_value_heads
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         plan.update({p + "input_layernorm": norm, p + "post_attention_layernorm": norm,
-                     p + "self_attn": FusedProjections(("q_proj", "k_proj", "v_proj"), **kw),
+                     p + "self_attn": FusedProjections(("q_proj", "k_proj", "v_proj"),
+                                                       prefetch=chain, **kw),
                      p + "self_attn.q_proj": col, p + "self_attn.k_proj": kv,
                      p + "self_attn.v_proj": kv, p + "self_attn.o_proj": row,
-                     p + "mlp": FusedProjections(("gate_proj", "up_proj"), **kw),
+                     p + "mlp": FusedProjections(("gate_proj", "up_proj"), prefetch=chain, **kw),
                      p + "mlp.gate_proj": col, p + "mlp.up_proj": col, p + "mlp.down_proj": row})
         attn = layer.self_attn
         for name in ("q_norm", "k_norm"):
