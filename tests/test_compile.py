@@ -141,9 +141,12 @@ def _llama_case(rank, world, layout, method) -> list[str]:
         loss = pmodel.loss(tokens, targets)
         loss.backward()
         pmodel.sync_grads()
-        runs.append((pmodel.global_loss(loss), pmodel.gather_full_grads()))
-    (loss_e, grads_e), (loss_c, grads_c) = runs
+        runs.append((pmodel.global_loss(loss), pmodel.gather_full_grads(),
+                     pmodel.prefetch.posts if pmodel.prefetch else 0))
+    (loss_e, grads_e, posts_e), (loss_c, grads_c, posts_c) = runs
     problems = [] if abs(loss_e - loss_c) <= 1e-6 * abs(loss_e) else [f"loss {loss_c} != {loss_e}"]
+    if layout.get("tp", 1) > 1 and (posts_e == 0 or posts_c):  # eager prefetches, compiled not
+        problems.append(f"re-gathers posted ahead: eager {posts_e}, compiled {posts_c}")
     problems += [f"grad {n}: {_rel(grads_c[n], grads_e[n]):.1e}" for n in grads_e
                  if _rel(grads_c[n], grads_e[n]) > 1e-5]
     return problems

@@ -33,6 +33,8 @@ class Config:
     prefetch: str | None = None
     """ZeRO-3 prefetch: ``commfuse train --prefetch`` N (blocks ahead; 0 off), ``Nr`` adds
     ``--reduce-in-op``; None: the default, not passed."""
+    regather: bool = True
+    """The backward posts AG->GEMM re-gathers ahead (`commfuse.ops.prefetch`; TP only)."""
 
     @property
     def world(self) -> int:
@@ -47,7 +49,12 @@ class Config:
     @property
     def key(self) -> str:
         """A file-name-safe id of the configuration."""
-        return f"{self.preset}-{self.layout}-{self.method}"
+        return f"{self.preset}-{self.layout}-{self.label}"
+
+    @property
+    def label(self) -> str:
+        """The method, and "-noprefetch" without the backward prefetch."""
+        return self.method + ("" if self.regather else "-noprefetch")
 
     def train_flags(self) -> list[str]:
         """``commfuse train`` flags of this configuration (the method's options included)."""
@@ -60,7 +67,7 @@ class Config:
         for k, v in opts.items():
             if k != "collective":
                 flags += ["--" + k, str(v)]
-        return flags
+        return flags + ([] if self.regather else ["--no-regather-prefetch"])
 
 
 def parse_layout(text: str) -> tuple[int, int, int]:
@@ -76,9 +83,10 @@ def parse_layout(text: str) -> tuple[int, int, int]:
     return sizes["tp"], sizes["up"], sizes["dp"]
 
 
-def configs(presets, layouts, methods, prefetch=(None,)) -> list[Config]:
-    """Every preset x layout x prefetch x method, methods innermost (each layout's methods
-    together); ``prefetch``: the ``--prefetch`` values (None: not passed)."""
+def configs(presets, layouts, methods, prefetch=(None,), regather=(True,)) -> list[Config]:
+    """Every preset x layout x prefetch x method x regather setting, methods (then regather)
+    innermost (each layout's methods together); ``prefetch``: the ``--prefetch`` values
+    (None: not passed); ``regather``: with and/or without the backward's re-gather prefetch."""
     bad = [m for m in methods if m not in VARIANTS or VARIANTS[m][1].get("collective")]
     if bad:
         raise ValueError(f"unknown method(s) {bad}; choose from "
@@ -87,7 +95,8 @@ def configs(presets, layouts, methods, prefetch=(None,)) -> list[Config]:
     for preset in presets:
         for layout in layouts:
             tp, up, dp = parse_layout(layout)
-            out += [Config(preset, tp, up, dp, m, pf) for pf in prefetch for m in methods]
+            out += [Config(preset, tp, up, dp, m, pf, r) for pf in prefetch for m in methods
+                    for r in regather]
     return out
 
 
@@ -103,8 +112,9 @@ def run_row(metrics: dict) -> dict:
 def aggregate(runs: dict, predictions: dict | None = None, loss_tol: float = 1e-4) -> list[dict]:
     """Rows of the table. ``runs``: Config -> [metrics JSON of each repeat]; ``predictions``:
     Config -> (predicted step s, limit s). Per configuration the medians over its repeats;
-    ``vs_none`` divides by ``none``'s median step of the same preset and layout (None without
-    a ``none`` run); ``losses`` compares the first repeat's per-step losses with ``none``'s:
+    ``vs_none`` divides by ``none``'s median step of the same preset and layout, without the
+    backward prefetch where it ran both ways (the plain reference; None without a ``none``
+    run); ``losses`` compares the first repeat's per-step losses with ``none``'s:
     "equal" within ``loss_tol`` (relative), else the largest difference."""
     predictions = predictions or {}
     rows = []
@@ -119,8 +129,9 @@ def aggregate(runs: dict, predictions: dict | None = None, loss_tol: float = 1e-
                      "exposed_s": med("exposed_s"), "losses": per[0]["losses"],
                      "predicted_s": predictions.get(cfg, (None, None))[0],
                      "limit_s": predictions.get(cfg, (None, None))[1]})
-    base = {(r["config"].preset, r["config"].layout): r for r in rows
-            if r["config"].method == "none"}
+    nones = sorted((r for r in rows if r["config"].method == "none"),
+                   key=lambda r: not r["config"].regather)  # no prefetch last: it wins
+    base = {(r["config"].preset, r["config"].layout): r for r in nones}
     for r in rows:
         b = base.get((r["config"].preset, r["config"].layout))
         r["vs_none"] = r["step_s"] / b["step_s"] if b else None
@@ -147,7 +158,7 @@ def row_line(r: dict) -> str:
     """One markdown row."""
     c = r["config"]
     ratio = "-" if r["vs_none"] is None else f"{r['vs_none']:.3f}"
-    return (f"| {c.preset} | {c.layout} | {c.method} | {_ms(r['step_s'])} | {ratio} | "
+    return (f"| {c.preset} | {c.layout} | {c.label} | {_ms(r['step_s'])} | {ratio} | "
             f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.2f}% | {_ms(r['exposed_s'])} | "
             f"{_ms(r['predicted_s'])} | {_ms(r['limit_s'])} | {r['loss_check']} |")
 
@@ -167,7 +178,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
 LEGEND = """\
 Columns: median step = the median over repeats of each run's median step time (rank 0's,
 first step excluded: warm-up); vs none = that divided by method none's of the same preset and
-layout; tokens/s and MFU as `commfuse train` reports them (MFU against each rank's measured
+layout (its run without the backward prefetch where there are both; "-noprefetch": the
+backward posts no re-gather ahead, `commfuse train --no-regather-prefetch`); tokens/s and MFU as `commfuse train` reports them (MFU against each rank's measured
 dense-matmul peak); exposed comm = fwd+bwd(+grad sync) minus the same in compute-only mode,
 medians of {exposed_iters} interleaved pairs after training; predicted =
 `commfuse.sim.simulate_step` of the same model, layout, method, batch and sequence on the

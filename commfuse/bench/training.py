@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="comma-separated commfuse train --prefetch values, each run as its own layout "
            "(dp2-pf1, dp2-pf0), e.g. 1,0 to compare ZeRO-3 prefetch on and off in one run; "
            "Nr: N with --reduce-in-op (default: not passed, the train default)")
+    a("--regather-prefetch", choices=("on", "off", "both"), default="on",
+      help="the backward's cross-op prefetch of AG->GEMM re-gathers (commfuse.ops.prefetch): "
+           "on (commfuse train's default), off (--no-regather-prefetch) or both, each method "
+           "run both ways side by side (default on)")
     a("--steps", type=int, default=20, help="training steps per run (default 20; the first "
                                             "is warm-up, excluded from the medians)")
     a("--batch-size", type=int, default=8, help="global batch in sequences (default 8)")
@@ -98,7 +102,9 @@ def run(args) -> int:
         if any(not x.rstrip("r").isdigit() for x in pf if x):
             raise ValueError(f"--prefetch takes N or Nr values (N >= 0), got {args.prefetch!r}")
         cfgs = train_table.configs(_split(args.presets), _split(args.layouts),
-                                   _split(args.methods), pf)
+                                   _split(args.methods), pf,
+                                   {"on": (True,), "off": (False,), "both": (True, False)}
+                                   [args.regather_prefetch])
     except ValueError as e:
         raise SystemExit(f"commfuse bench train: {e}") from e
     bad = [p for p in _split(args.presets) if p not in PRESETS]
@@ -119,7 +125,7 @@ def run(args) -> int:
         for i, c in enumerate(cfgs):
             n = rep * len(cfgs) + i + 1
             path = out / f"{c.key}-r{rep + 1}.json"
-            label = f"{c.preset} {c.layout} {c.method}"
+            label = f"{c.preset} {c.layout} {c.label}"
             metrics = None if args.fresh else _load(path)
             if metrics is None:
                 say(f"[bench train] run {n}/{total}: {label} on {c.world} ranks "
@@ -188,7 +194,8 @@ def predict(c: Config, args) -> tuple[float | None, float | None]:
     method, opts = VARIANTS[c.method]
     try:
         model = LlamaConfig.preset(c.preset, max_seq_len=args.seq_len)
-        dims = ParallelDims(c.tp, c.up, c.dp, method, opts, world_size=c.world)
+        dims = ParallelDims(c.tp, c.up, c.dp, method, opts, world_size=c.world,
+                            regather_prefetch=1 if c.regather else 0)
         dtype_bytes = 4 if args.dtype == "float32" else 2
         r = simulate_step(model, dims, args.hw, seq=args.seq_len, batch=args.batch_size,
                           micro_batch=args.batch_size // c.dp, dtype_bytes=dtype_bytes,

@@ -9,10 +9,13 @@ other leading dims, K the contraction, N a GEMM's output columns. Slot p is rank
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from commfuse.ops.binding import Binding, execute
-from commfuse.runtime import modes
+from commfuse import schedule
+from commfuse.ops.binding import Binding, build, execute
+from commfuse.runtime import executor, modes
 from commfuse.schedule import Transfer
 
 
@@ -70,16 +73,49 @@ class _GatherBinding(Binding):
             self.consume(lambda x: self.flat(self.chunk_rows(x, slot)), a)
 
 
-def ag_matmul(a_sMK: torch.Tensor, bs_KN, sizes, group, spec,
-              consume=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def ag_matmul(a_sMK: torch.Tensor, bs_KN, sizes, group, spec, consume=None,
+              after_posts=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """No autograd: ``(all_gather(a_sMK, 0), [A @ b for b in bs_KN])`` under ``spec``; rank p's
     slice has ``sizes[p]`` rows. ``consume(view, a_rows)``, if given, is more compute fed by
     the gather: it runs on each slot's (chunk's) rows of A right after their GEMMs, so the
-    transfers hide behind it too (the backward's weight-gradient GEMMs, `SlotGEMMs`)."""
+    transfers hide behind it too (the backward's weight-gradient GEMMs, `SlotGEMMs`).
+    ``after_posts()``, if given, runs right after the schedule's last post (where a backward
+    posts the next op's prefetch, `commfuse.ops.prefetch`)."""
     binding = _GatherBinding(a_sMK.contiguous(), bs_KN, sizes, group.size(), group.rank(), spec,
                              consume)
-    execute("ag_matmul", spec, group, binding, a_sMK.device)
+    execute("ag_matmul", spec, group, binding, a_sMK.device, after_posts)
     return binding.a_SMK, binding.ys_SMN
+
+
+class PostedGather:
+    """``all_gather(a_sMK, 0)`` posted ahead (`commfuse.schedule.prefetch_plan`): the schedule's
+    early steps (every transfer that needs only this rank's slice) run now, the rest in
+    `finish`, with the ``consume`` of the op that uses it; `abandon` waits out what was posted
+    instead. P2P methods gather over the direct topology (every transfer early: the ring's
+    forwards would wait for their arrival); the slots are computed in the same order either
+    way. ``tag_offset`` moves its P2P tags out of the ops' own range."""
+
+    def __init__(self, a_sMK: torch.Tensor, sizes, group, spec, tag_offset: int = 0):
+        if spec.method in ("decompose", "commfuse"):
+            spec = dataclasses.replace(spec, topology="direct")
+        self.binding = _GatherBinding(a_sMK.contiguous(), [], sizes, group.size(), group.rank(),
+                                      spec)
+        self.plan = schedule.prefetch_plan(build("ag_matmul", spec, group, self.binding))
+        transport = executor.make_transport(group, a_sMK.device, spec.timeout, spec.collective)
+        self.execution = executor.Execution(self.plan.gather, self.binding,
+                                            executor.Retagged(transport, tag_offset))
+        self.execution.run(self.plan.early)
+
+    def finish(self, consume=None) -> torch.Tensor:
+        """Run the rest (waits and ``consume`` per slot, in the op's slot order); the gathered A."""
+        self.binding.consume = consume
+        self.execution.run(self.plan.late)
+        self.execution.close()
+        return self.binding.a_SMK
+
+    def abandon(self) -> None:
+        """Wait for every posted transfer (deadline), compute nothing."""
+        self.execution.drain()
 
 
 class SlotGEMMs:

@@ -107,14 +107,19 @@ class Binding:
         pass
 
 
+def build(op: str, spec: MethodSpec, group: dist.ProcessGroup, binding) -> schedule.Schedule:
+    """This rank's schedule for ``op`` under ``spec``, cut as ``binding`` is."""
+    return schedule.build(op, spec.method, group.size(), group.rank(), topology=spec.topology,
+                          chunks=binding.chunks(spec), splits=binding.m)
+
+
 def execute(op: str, spec: MethodSpec, group: dist.ProcessGroup, binding,
-            device: torch.device) -> None:
-    """Build this rank's schedule for ``op`` and run it with ``binding``'s tensors."""
-    world, rank = group.size(), group.rank()
-    sched = schedule.build(op, spec.method, world, rank, topology=spec.topology,
-                           chunks=binding.chunks(spec), splits=binding.m)
-    executor.run(sched, binding,
-                 executor.make_transport(group, device, spec.timeout, spec.collective))
+            device: torch.device, after_posts=None) -> None:
+    """Build this rank's schedule for ``op`` and run it with ``binding``'s tensors;
+    ``after_posts()`` runs right after its last post (`commfuse.runtime.executor.run`)."""
+    executor.run(build(op, spec, group, binding), binding,
+                 executor.make_transport(group, device, spec.timeout, spec.collective),
+                 after_posts)
 
 
 def split(size: int, parts: int) -> list[tuple[int, int]]:

@@ -27,12 +27,14 @@ from commfuse.ops import auto, checks, library
 from commfuse.ops.all_to_all import AllToAllMatmul, MatmulAllToAll
 from commfuse.ops.gather_scatter import AllGatherMatmul, MatmulReduceScatter
 from commfuse.ops.methods import method_spec
+from commfuse.ops.prefetch import Prefetcher
 
 
 def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], gather_dim: int,
                             group=None, *, return_A: bool = True, method: str = "commfuse",
                             sizes: Sequence[int] | None = None, save_gathered: bool = False,
                             uniform_b: bool = True, check: bool | None = None,
+                            prefetch: Prefetcher | None = None,
                             **opts) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """``A = all_gather(A_shard, gather_dim)``; returns ``(A or None, [A @ B for B in Bs])``.
 
@@ -45,8 +47,12 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     every rank's Bs have the same columns as this rank's (even column shards); pass False
     where they differ, so that ``auto`` and commfuse's default m decide on a shape every rank
     shares (`commfuse.ops.auto.resolve`). ``check``: checked mode (see the module docstring).
+    ``prefetch``: a `commfuse.ops.prefetch.Prefetcher` shared with the fused ops around this
+    one; the next fused op given it posts this op's backward gather ahead, from its own
+    backward (ignored under torch.compile and with ``save_gathered``).
     """
     checks.check_tensor("A_shard", A_shard)
+    _prefetcher(prefetch)
     _flag("save_gathered", save_gathered)
     if isinstance(Bs, torch.Tensor) or not isinstance(Bs, (list, tuple)) or not Bs:
         raise TypeError("Bs must be a non-empty list or tuple of 2-D tensors")
@@ -64,23 +70,27 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     if torch.compiler.is_compiling():  # one opaque custom op (it saves the gathered A)
         a, *ys = library.all_gather_matmul(A_shard, Bs, dim, sizes, group, spec)
     else:
-        a, *ys = AllGatherMatmul.apply(A_shard, dim, sizes, group, spec, save_gathered, *Bs)
+        a, *ys = AllGatherMatmul.apply(A_shard, dim, sizes, group, spec, save_gathered,
+                                       prefetch, *Bs)
     return (a if return_A else None), ys
 
 
 def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str,
                                 scatter_dim: int, group=None, *, method: str = "commfuse",
                                 sizes: Sequence[int] | None = None, uniform_b: bool = True,
-                                check: bool | None = None, **opts) -> torch.Tensor:
+                                check: bool | None = None, prefetch: Prefetcher | None = None,
+                                **opts) -> torch.Tensor:
     """``reduce_scatter(A @ B, scatter_dim)`` with ``reduce_op`` "sum" or "avg".
 
     ``scatter_dim`` is any dim of ``A`` but the last. Returns this rank's slice: ``sizes[rank]``
     rows, ``sizes`` defaulting to `commfuse.even_sizes` (10 rows over 4 ranks: 3, 3, 2, 2).
     ``uniform_b``: every rank's B has as many rows as this rank's (even row shards); pass False
     where they differ (see `fused_all_gather_matmul`). ``check``: checked mode (see the
-    module docstring).
+    module docstring). ``prefetch``: a `commfuse.ops.prefetch.Prefetcher`; this op's backward
+    posts ahead the gather of the AG->GEMM given it just before (ignored under torch.compile).
     """
     checks.check_tensor("A", A)
+    _prefetcher(prefetch)
     checks.check_matmul("A", A, "B", B)
     if reduce_op not in ("sum", "avg"):
         raise ValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
@@ -94,7 +104,7 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
                         group.size(), A, group, uniform=_flag("uniform_b", uniform_b))
     if torch.compiler.is_compiling():
         return library.matmul_reduce_scatter(A, B, dim, reduce_op == "avg", sizes, group, spec)
-    return MatmulReduceScatter.apply(A, B, dim, reduce_op == "avg", sizes, group, spec)
+    return MatmulReduceScatter.apply(A, B, dim, reduce_op == "avg", sizes, group, spec, prefetch)
 
 
 def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq_dim: int = 0,
@@ -153,6 +163,12 @@ def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     if torch.compiler.is_compiling():
         return library.all_to_all_matmul(A, B, dim, sizes, group, spec)
     return AllToAllMatmul.apply(A, B, dim, sizes, group, spec)
+
+
+def _prefetcher(value) -> None:
+    if value is not None and not isinstance(value, Prefetcher):
+        raise TypeError(f"prefetch must be a commfuse.ops.prefetch.Prefetcher or None, "
+                        f"got {value!r}")
 
 
 def _flag(name: str, value) -> bool:

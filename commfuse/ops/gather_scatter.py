@@ -29,40 +29,51 @@ class AllGatherMatmul(torch.autograd.Function):
     backward gathers A again with the same method and computes dB_i += A[slot]^T @ dY_i[slot]
     on each slot as it arrives (the weight-grad GEMMs hide that gather), then the
     reduce-scatter (its transfers hide behind the input-grad GEMMs). ``save_gathered=True``
-    saves the gathered A instead (no second gather; dB_i is one GEMM).
+    saves the gathered A instead (no second gather; dB_i is one GEMM). With a ``prefetcher``
+    (`commfuse.ops.prefetch`) the next fused op's backward may post that gather ahead; the
+    backward then only waits for it, slot by slot (same GEMMs, same order).
     Extra memory: forward, none beyond the outputs (receives land in A); between forward and
     backward, nothing beyond A_shard (A with ``save_gathered``); backward, one gathered A
     while the dB_i are computed, then the reduce-scatter's (GEMM -> RS).
     """
 
     @staticmethod
-    def forward(ctx, a_shard, dim, sizes, group, spec, save_gathered, *bs):
+    def forward(ctx, a_shard, dim, sizes, group, spec, save_gathered, prefetcher, *bs):
         a_SMK, ys = ag_matmul(a_shard.movedim(dim, 0), bs, sizes, group, spec)
         a_out = a_SMK.movedim(0, dim)
         ctx.save_for_backward(a_out if save_gathered else a_shard, *bs)
         ctx.dim, ctx.sizes, ctx.group, ctx.spec = dim, sizes, group, spec
         ctx.gathered = save_gathered
+        ctx.ticket = None  # the backward's gather, if a prefetcher may post it ahead
+        if prefetcher is not None and not save_gathered and any(ctx.needs_input_grad[7:]):
+            ctx.ticket = prefetcher.record(a_shard.movedim(dim, 0), sizes, group, spec)
         ctx.set_materialize_grads(False)  # unused outputs (A, with return_A=False): no zeros
         return (a_out, *(y.movedim(0, dim) for y in ys))
 
     @staticmethod
     def backward(ctx, ga, *gys):
         a, *bs = ctx.saved_tensors
+        posted = None
+        if ctx.ticket is not None:  # posted ahead by the next op's backward, or not
+            ticket, ctx.ticket = ctx.ticket, None
+            posted = ticket.take()
         ga_shard, gbs = ag_matmul_backward(
             a, bs, ga, gys, ctx.dim, ctx.sizes, ctx.group, ctx.spec, gathered=ctx.gathered,
-            need_a=ctx.needs_input_grad[0], need_bs=ctx.needs_input_grad[6:])
-        return (ga_shard, None, None, None, None, None, *gbs)
+            need_a=ctx.needs_input_grad[0], need_bs=ctx.needs_input_grad[7:], prefetched=posted)
+        return (ga_shard, None, None, None, None, None, None, *gbs)
 
 
 def ag_matmul_backward(a, bs, ga, gys, dim, sizes, group, spec, *, gathered: bool = False,
-                       need_a: bool = True, need_bs=None):
+                       need_a: bool = True, need_bs=None, prefetched=None):
     """Gradients of ``(A, [A @ B_i]) = ag_matmul(A_shard, Bs)``: ``(dA_shard, [dB_i])``.
 
     ``a``: A_shard, or the gathered A if ``gathered``; ``ga`` / ``gys``: the output grads
     (None: zero). Without ``gathered``, A is gathered again as a fused schedule under
     ``spec`` whose per-slot compute is dB_i += A[slot]^T @ dY_i[slot]; then dA_shard =
     reduce_scatter(dA + sum_i dY_i @ B_i^T) runs as the dual fused op. ``need_bs[i]`` False
-    (or ``need_a`` False) skips that gradient (None is returned for it).
+    (or ``need_a`` False) skips that gradient (None is returned for it). ``prefetched``: that
+    gather already posted (`commfuse.ops.ag_matmul.PostedGather`, `commfuse.ops.prefetch`):
+    its rest runs here with the same per-slot GEMMs, in the same slot order.
     """
     # which collectives run depends only on need_a / need_bs (requires_grad, the same on every
     # rank), never on which output grads are None here, so the ranks' schedules match
@@ -75,8 +86,13 @@ def ag_matmul_backward(a, bs, ga, gys, dim, sizes, group, spec, *, gathered: boo
         gbs = [None if g is None else a_XK.t() @ g.flatten(0, -2) for g in wanted]
     elif any(need_bs):  # gather A again; each arriving slot feeds the weight-grad GEMMs
         grads = SlotGEMMs(wanted, "lhs", a.shape[-1])
-        ag_matmul(a.movedim(dim, 0), [], sizes, group, spec, consume=grads)
+        if prefetched is not None:  # its transfers moved during the work since it was posted
+            prefetched.finish(grads)
+        else:
+            ag_matmul(a.movedim(dim, 0), [], sizes, group, spec, consume=grads)
         gbs = grads.result(a)
+    elif prefetched is not None:  # posted, but no weight needs a gradient after all
+        prefetched.abandon()
     for i, (need, gy) in enumerate(zip(need_bs, gys)):
         if need and gy is None:  # no grad reached Y_i: dB_i is zero
             gbs[i] = bs[i].new_zeros(bs[i].shape)
@@ -105,34 +121,43 @@ class MatmulReduceScatter(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, a, b, dim, avg, sizes, group, spec):
+    def forward(ctx, a, b, dim, avg, sizes, group, spec, prefetcher=None):
         c_sMN = matmul_rs([(a.movedim(dim, 0), b)], None, sizes, group, spec)
         if avg:
             c_sMN = c_sMN.div_(group.size())
         ctx.save_for_backward(a, b)
         ctx.dim, ctx.avg, ctx.sizes, ctx.group, ctx.spec = dim, avg, sizes, group, spec
+        # the AG->GEMM just before this op: its re-gather is posted by this op's backward
+        ctx.ticket = None if prefetcher is None else prefetcher.claim()
         return c_sMN.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, gc):
         a, b = ctx.saved_tensors
+        ticket, ctx.ticket = ctx.ticket, None
+        at = None if ticket is None else ticket.prefetcher.at
         ga, gb = matmul_rs_backward(a, b, gc, ctx.dim, ctx.avg, ctx.sizes, ctx.group, ctx.spec,
                                     need_a=ctx.needs_input_grad[0],
-                                    need_b=ctx.needs_input_grad[1])
-        return ga, gb, None, None, None, None, None
+                                    need_b=ctx.needs_input_grad[1],
+                                    after_posts=ticket.post if at == "posts" else None)
+        if at == "end":
+            ticket.post()
+        return ga, gb, None, None, None, None, None, None
 
 
 def matmul_rs_backward(a, b, gc, dim, avg, sizes, group, spec, *, need_a: bool = True,
-                       need_b: bool = True):
+                       need_b: bool = True, after_posts=None):
     """Gradients ``(dA, dB)`` of ``C = matmul_rs(A, B)``: one fused all-gather of dC under
     ``spec`` whose per-slot compute is dA[slot] = dC[slot] @ B^T and dB += A[slot]^T @ dC[slot]
-    (so both GEMMs hide its transfers). None for a gradient not needed."""
+    (so both GEMMs hide its transfers). None for a gradient not needed. ``after_posts()``
+    runs right after that gather's last post (where the previous AG->GEMM's re-gather is
+    posted ahead, `commfuse.ops.prefetch`)."""
     gc_sMN = gc.movedim(dim, 0)
     if avg:
         gc_sMN = gc_sMN / group.size()
     grads = SlotGEMMs([a.movedim(dim, 0) if need_b else None], "rhs", b.shape[1])
     _, ys = ag_matmul(gc_sMN, [b.t()] if need_a else [], sizes, group, spec,
-                      consume=grads if need_b else None)
+                      consume=grads if need_b else None, after_posts=after_posts)
     ga = ys[0].movedim(0, dim) if need_a else None
     return ga, grads.result(a)[0]
 

@@ -56,6 +56,10 @@ class ParallelDims:
     """With prefetch: each ZeRO-3 weight's gradient reduce-scatter is posted in its backward
     and finished during the next weight's (all by the end of the backward), so it overlaps
     the backward before it; False: the method's fused GEMM -> RS, finished in its own."""
+    regather_prefetch: int = 1
+    """TP: the backward posts each AG->GEMM's re-gather ahead, from the backward of the
+    GEMM->RS after it, so it moves during the attention / SwiGLU backward
+    (`commfuse.ops.prefetch`); at most this many posted ahead at once; 0: off."""
 
     def __post_init__(self):
         for name in ("tp", "up", "dp"):
@@ -69,6 +73,9 @@ class ParallelDims:
         if not isinstance(self.method_opts, dict):
             raise ValueError(f"ParallelDims.method_opts must be a dict, got {self.method_opts!r}")
         method_spec(self.method, self.method_opts)  # ValueError on bad method/options
+        p = self.regather_prefetch
+        if not isinstance(p, int) or isinstance(p, bool) or p < 0:
+            raise ValueError(f"ParallelDims.regather_prefetch must be an int >= 0, got {p!r}")
         if self.query_split and self.tp == 1:
             raise ValueError("query_split=True needs tp > 1: it is a TP attention schedule")
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) \

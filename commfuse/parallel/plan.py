@@ -34,11 +34,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from commfuse.ops.prefetch import Prefetcher as RegatherPrefetcher
 from commfuse.parallel.config import Mesh, ParallelDims, sharded_axes
 from commfuse.parallel.data import ShardedLinear, gather_rows, shard_linears, weight
 from commfuse.parallel.grad_sync import DEFAULT_BUCKET_MB, GradSync
 from commfuse.parallel.layout import SeqLayout
-from commfuse.parallel.prefetch import Prefetcher
+from commfuse.parallel.prefetch import Prefetcher as WeightPrefetcher
 from commfuse.parallel.tensor import TPAttention, TPMLP
 from commfuse.parallel.ulysses import UPAttention
 from commfuse.parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,
@@ -59,10 +60,14 @@ def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None,
     dims, kw, dp = mesh.dims, mesh.dims.op_kwargs, mesh.dp_group
     dims.check_model(model.cfg)
     layout = SeqLayout(mesh.seq_index, dims.seq)
+    # one chain for the whole model: each GEMM->RS's backward posts the AG->GEMM's before it
+    prefetch = RegatherPrefetcher(dims.regather_prefetch) if dims.tp > 1 and dims.regather_prefetch \
+        else None
     for i, layer in enumerate(model.layers):
         if dims.tp > 1:
-            layer.attn = TPAttention(layer.attn, mesh.seq_group, kw, dp, dims.query_split, layout)
-            layer.mlp = TPMLP(layer.mlp, mesh.seq_group, kw, dp, layout)
+            layer.attn = TPAttention(layer.attn, mesh.seq_group, kw, dp, dims.query_split, layout,
+                                     prefetch)
+            layer.mlp = TPMLP(layer.mlp, mesh.seq_group, kw, dp, layout, prefetch)
         elif dims.up > 1:
             layer.attn = UPAttention(layer.attn, mesh.seq_group, kw, dp, layout)
         if dp is not None:  # whatever Linear is left (UP's MLP, or all of them without TP/UP)
@@ -76,11 +81,11 @@ def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None,
         model.output = VocabParallelHead(head, mesh.seq_group, layout, kw, emb.start)
     elif dp is not None and not tied:
         model.output = ShardedLinear(model.output.weight, dp, kw, "output")
-    pmodel = ParallelLlama(model, mesh, bucket_mb)
+    pmodel = ParallelLlama(model, mesh, bucket_mb, prefetch)
     if dp is not None and dims.prefetch:  # ZeRO-3 prefetch: one unit per block, the head last
         units = [_sharded(layer) for layer in model.layers] + [_sharded(model.output)]
         mb = dims.prefetch_mb
-        pmodel.prefetcher = Prefetcher(units, dims.prefetch,
+        pmodel.prefetcher = WeightPrefetcher(units, dims.prefetch,
                                        None if mb is None else int(mb * 2 ** 20))
         # a gradient summed again over another axis (UP x DP's MLP) must be complete when
         # its bucket's hook fires: that weight's reduce-scatter ends in its own backward
@@ -100,9 +105,11 @@ class ParallelLlama(nn.Module):
     """A parallelized Llama: logits, a correctly scaled loss, gradient sync, full grads."""
 
     def __init__(self, model: nn.Module, mesh: Mesh | None,
-                 bucket_mb: float = DEFAULT_BUCKET_MB):
+                 bucket_mb: float = DEFAULT_BUCKET_MB,
+                 prefetch: RegatherPrefetcher | None = None):
         super().__init__()
         self.model, self.mesh = model, mesh
+        self.prefetch = prefetch  # the backward's re-gather prefetch (commfuse.ops.prefetch)
         self.grad_sync = None
         self.prefetcher = None  # ZeRO-3's weight prefetch (commfuse.parallel.prefetch), if on
         if mesh is not None:
@@ -113,6 +120,8 @@ class ParallelLlama(nn.Module):
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """Logits of this rank's batch. With TP/UP: this rank's vocabulary slice of the whole
         sequence, [B, S, V/seq] (`vocab_slice`); otherwise all of them, [B, S, V]."""
+        if self.prefetch is not None:  # a gather posted ahead in a backward that did not use it
+            self.prefetch.drain()  # is waited out here, where every rank is at the same point
         return self.model(tokens_BS)
 
     def vocab_slice(self) -> slice:
@@ -182,6 +191,8 @@ class ParallelLlama(nn.Module):
         (`commfuse.parallel.grad_sync`); this posts any bucket left, waits (CommFuseError past
         the group's timeout) and copies the sums into ``.grad``.
         """
+        if self.prefetch is not None:  # nothing posted ahead outlives the backward
+            self.prefetch.drain()
         if self.grad_sync is not None:
             self.grad_sync.finish()
 

@@ -15,7 +15,9 @@ Per block (docs/design.md, "Where each op goes in a model"):
 Rank r holds the head-group rows of wq / wk / wv (heads [r*H/T, (r+1)*H/T), kv heads likewise;
 GQA needs n_kv_heads divisible by T), the matching columns of wo, the rows r*F/T.. of w_gate /
 w_up and the matching columns of w_down. Their backward passes are the dual fused ops (the op
-contracts): no TP gradient needs another collective. The embedding and the output head are
+contracts): no TP gradient needs another collective. With a `commfuse.ops.prefetch.Prefetcher`
+(``ParallelDims.regather_prefetch``, on by default) each GEMM->RS's backward posts the re-gather
+of the AG->GEMM before it ahead, so it moves during the SDPA / SwiGLU backward. The embedding and the output head are
 vocabulary-parallel (`commfuse.parallel.vocab`, local gradients); the norms are replicated and
 their gradients summed over the TP group (`commfuse.parallel.grad_sync`).
 
@@ -64,9 +66,10 @@ class TPAttention(nn.Module):
     """Column-parallel q/k/v (one fused AG->GEMM) and row-parallel out-proj (GEMM->RS)."""
 
     def __init__(self, attn: Attention, tp_group, op_kwargs: dict, dp_group=None,
-                 query_split: bool = False, layout=None):
+                 query_split: bool = False, layout=None, prefetch=None):
         super().__init__()
         self.layout = layout  # the sequence split (commfuse.parallel.SeqLayout); None: even
+        self.prefetch = prefetch  # a commfuse.ops.prefetch.Prefetcher shared by the model
         T, r = tp_group.size(), tp_group.rank()
         self.query_split = query_split
         if attn.wk.weight.shape[0] % (T * attn.head_dim):
@@ -88,7 +91,8 @@ class TPAttention(nn.Module):
         # the gather of the next sequence slice hides behind the q|k|v GEMMs of this one
         _, (q, k, v) = fused_all_gather_matmul(x_BsD, [wq.t(), wk.t(), wv.t()], 1, self.group,
                                                sizes=getattr(self.layout, "sizes", None),
-                                               return_A=False, **self.op_kwargs)
+                                               return_A=False, prefetch=self.prefetch,
+                                               **self.op_kwargs)
         B, S, K = q.shape[0], q.shape[1], self.head_dim
         q, k, v = q.view(B, S, -1, K), k.view(B, S, -1, K), v.view(B, S, -1, K)
         if self.query_split:  # attention + out-proj per query slice, inside the RS ring
@@ -96,9 +100,10 @@ class TPAttention(nn.Module):
             return query_split_attention(q, k, v, wo.t(), self.group,
                                          **self.op_kwargs).transpose(0, 1)
         o_BShK = causal_attention(q, k, v, cos_SK, sin_SK)
-        # each partial out-proj's transfer hides behind the next slice's GEMM
+        # each partial out-proj's transfer hides behind the next slice's GEMM; in backward,
+        # q|k|v's re-gather is posted after its posts and hides behind the SDPA backward
         return fused_matmul_reduce_scatter(o_BShK.reshape(B, S, -1), wo.t(), "sum", 1,
-                                           self.group, **self.op_kwargs)
+                                           self.group, prefetch=self.prefetch, **self.op_kwargs)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Gradients of the unsharded wq/wk/wv/wo (collective over TP, and DP if sharded)."""
@@ -110,9 +115,10 @@ class TPAttention(nn.Module):
 class TPMLP(nn.Module):
     """Column-parallel gate|up (one fused AG->GEMM), SwiGLU, row-parallel down (GEMM->RS)."""
 
-    def __init__(self, mlp: MLP, tp_group, op_kwargs: dict, dp_group=None, layout=None):
+    def __init__(self, mlp: MLP, tp_group, op_kwargs: dict, dp_group=None, layout=None,
+                 prefetch=None):
         super().__init__()
-        self.layout = layout
+        self.layout, self.prefetch = layout, prefetch
         T, r = tp_group.size(), tp_group.rank()
         self.group, self.op_kwargs = tp_group, dict(op_kwargs)
         self.w_gate = weight(_rows(mlp.w_gate.weight, r, T), dp_group, op_kwargs, "w_gate", "seq")
@@ -126,9 +132,11 @@ class TPMLP(nn.Module):
     def _forward(self, x_BsD, w_gate, w_up, w_down):
         _, (g_BSf, u_BSf) = fused_all_gather_matmul(x_BsD, [w_gate.t(), w_up.t()], 1, self.group,
                                                     sizes=getattr(self.layout, "sizes", None),
-                                                    return_A=False, **self.op_kwargs)
+                                                    return_A=False, prefetch=self.prefetch,
+                                                    **self.op_kwargs)
+        # backward: gate|up's re-gather posted after down's posts, hidden by the SwiGLU bwd
         return fused_matmul_reduce_scatter(F.silu(g_BSf) * u_BSf, w_down.t(), "sum", 1,
-                                           self.group, **self.op_kwargs)
+                                           self.group, prefetch=self.prefetch, **self.op_kwargs)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         out = {n: gather_rows(getattr(self, n).full_grad(), self.group) for n in ("w_gate", "w_up")}

@@ -22,6 +22,7 @@ of a traced run.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Protocol
 
@@ -32,7 +33,7 @@ from commfuse.errors import CommFuseError
 from commfuse.runtime import modes
 from commfuse.runtime.transport import Done, Transport
 from commfuse.schedule import (Collective, Compute, Post, Reduce, Schedule, Transfer, Wait,
-                               WaitCollective)
+                               WaitCollective, last_post)
 from commfuse.trace import Tracer
 
 
@@ -52,50 +53,90 @@ def make_transport(group: dist.ProcessGroup, device: torch.device, timeout_s: fl
     return modes.transport_class(device)(group, device, timeout_s, collective)
 
 
-def run(schedule: Schedule, binding: Binding, transport: Transport) -> None:
-    """Execute ``schedule`` step by step; raise `CommFuseError` if a transfer fails or stalls."""
-    pending: dict[Any, Any] = {}  # transfer or ("collective", slot) -> work
-    posted_at: dict[Any, float] = {}
-    tracer = modes.tracer()
-    op = schedule.op
-    for index, step in enumerate(schedule.steps):
-        t0 = time.perf_counter()
-        if isinstance(step, Compute):
-            binding.compute(step.slot)
-            transport.produced(step.slot)
-        elif isinstance(step, Post):
-            try:
-                with transport.allocating():
-                    bufs = [(t, binding.buffer(t)) for t in step.transfers]
-                # empty slices (more ranks than rows) move nothing: both sides know the sizes,
-                # and a batch with nothing left is not posted (NCCL refuses an empty batch)
-                live = [(t, b) for t, b in bufs if b.numel()]
-                works = iter(transport.post(live) if live else ())
-                works = [next(works) if b.numel() else Done() for _, b in bufs]
-            except Exception as e:
-                raise _error(schedule, index, step.transfers[0], e) from e
-            handles: dict[int, _Handle] = {}  # a batch may share one work (NCCL): one handle
-            pending.update((t, handles.setdefault(id(w), _Handle(w)))
-                           for t, w in zip(step.transfers, works))
-            posted_at.update((t, t0) for t in step.transfers)
-        elif isinstance(step, Wait):
-            _wait(pending.pop(step.transfer), transport, schedule, index, step.transfer)
-        elif isinstance(step, Reduce):
-            binding.reduce(step.slot, step.peers)
-            transport.produced(step.slot)
-        elif isinstance(step, Collective):
-            try:
-                pending[("collective", step.slot)] = _Handle(binding.collective(step.slot, transport))
-            except Exception as e:
-                raise _error(schedule, index, None, e) from e
-            posted_at[("collective", step.slot)] = t0
-        elif isinstance(step, WaitCollective):
-            work = pending.pop(("collective", step.slot))
-            _wait(work, transport, schedule, index, None)
-            binding.collective_done(step.slot)
-        if tracer is not None:
-            _trace(tracer, op, step, t0, time.perf_counter(), posted_at)
-    assert not pending, f"schedule left transfers unwaited: {list(pending)}"
+def run(schedule: Schedule, binding: Binding, transport: Transport, after_posts=None) -> None:
+    """Execute ``schedule`` step by step; raise `CommFuseError` if a transfer fails or stalls.
+    ``after_posts()``, if given, runs once right after the schedule's last Post / Collective
+    (`commfuse.schedule.last_post`): the point where a following op's prefetch is posted
+    without queueing ahead of any of this op's own transfers."""
+    execution = Execution(schedule, binding, transport)
+    last = last_post(schedule)
+    if after_posts is None or last is None:
+        execution.run(range(len(schedule.steps)))
+    else:
+        execution.run(range(last + 1))
+        after_posts()
+        execution.run(range(last + 1, len(schedule.steps)))
+    execution.close()
+
+
+class Execution:
+    """One schedule being executed, possibly in parts (`run` on some of its step indices,
+    later on the rest): the works posted so far stay pending between the parts, each waited
+    once, with the transport's deadline (`commfuse.ops.prefetch` posts a gather's early steps
+    in one op's backward and runs the rest in the next)."""
+
+    def __init__(self, schedule: Schedule, binding: Binding, transport: Transport):
+        self.schedule, self.binding, self.transport = schedule, binding, transport
+        self.pending: dict[Any, _Handle] = {}  # transfer or ("collective", slot) -> work
+        self.posted_at: dict[Any, float] = {}
+
+    def run(self, indices) -> None:
+        """Run the steps at ``indices`` (in that order)."""
+        binding, transport, schedule = self.binding, self.transport, self.schedule
+        pending, posted_at = self.pending, self.posted_at
+        tracer = modes.tracer()
+        op = schedule.op
+        for index in indices:
+            step = schedule.steps[index]
+            t0 = time.perf_counter()
+            if isinstance(step, Compute):
+                binding.compute(step.slot)
+                transport.produced(step.slot)
+            elif isinstance(step, Post):
+                try:
+                    with transport.allocating():
+                        bufs = [(t, binding.buffer(t)) for t in step.transfers]
+                    # empty slices (more ranks than rows) move nothing: both sides know the
+                    # sizes, and a batch with nothing left is not posted (NCCL refuses it)
+                    live = [(t, b) for t, b in bufs if b.numel()]
+                    works = iter(transport.post(live) if live else ())
+                    works = [next(works) if b.numel() else Done() for _, b in bufs]
+                except Exception as e:
+                    raise _error(schedule, index, step.transfers[0], e) from e
+                handles: dict[int, _Handle] = {}  # a batch may share one work (NCCL): one handle
+                pending.update((t, handles.setdefault(id(w), _Handle(w)))
+                               for t, w in zip(step.transfers, works))
+                posted_at.update((t, t0) for t in step.transfers)
+            elif isinstance(step, Wait):
+                _wait(pending.pop(step.transfer), transport, schedule, index, step.transfer)
+            elif isinstance(step, Reduce):
+                binding.reduce(step.slot, step.peers)
+                transport.produced(step.slot)
+            elif isinstance(step, Collective):
+                try:
+                    pending[("collective", step.slot)] = _Handle(
+                        binding.collective(step.slot, transport))
+                except Exception as e:
+                    raise _error(schedule, index, None, e) from e
+                posted_at[("collective", step.slot)] = t0
+            elif isinstance(step, WaitCollective):
+                work = pending.pop(("collective", step.slot))
+                _wait(work, transport, schedule, index, None)
+                binding.collective_done(step.slot)
+            if tracer is not None:
+                _trace(tracer, op, step, t0, time.perf_counter(), posted_at)
+
+    def drain(self) -> None:
+        """Wait for every work still pending, in posting order (each once, with the deadline),
+        and drop them: an abandoned execution leaves nothing in flight."""
+        while self.pending:
+            key, handle = next(iter(self.pending.items()))
+            del self.pending[key]
+            _wait(handle, self.transport, self.schedule, -1,
+                  key if isinstance(key, Transfer) else None)
+
+    def close(self) -> None:
+        assert not self.pending, f"schedule left transfers unwaited: {list(self.pending)}"
 
 
 def _trace(tracer: Tracer, op: str, step, t0: float, t1: float, posted_at: dict) -> None:
@@ -113,6 +154,25 @@ def _trace(tracer: Tracer, op: str, step, t0: float, t1: float, posted_at: dict)
         tracer.add("collective", f"{op} chunk {step.slot}", posted_at.pop(("collective", step.slot)), t1)
         if t1 - t0 > 1e-5:
             tracer.add("wait", f"{op} wait chunk {step.slot}", t0, t1)
+
+
+class Retagged:
+    """A transport whose P2P tags (and collectives' tags) are moved by ``offset``: a gather
+    posted ahead (`commfuse.ops.prefetch`) then never shares a (peer, tag) with the ops that
+    run while it is in flight."""
+
+    def __init__(self, transport: Transport, offset: int):
+        self.inner, self.offset = transport, offset
+
+    def post(self, transfers):
+        return self.inner.post([(dataclasses.replace(t, tag=t.tag + self.offset), b)
+                                for t, b in transfers])
+
+    def launch(self, kind, out, inp, tag, **parts):
+        return self.inner.launch(kind, out, inp, tag + self.offset, **parts)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 class _Handle:

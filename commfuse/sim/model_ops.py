@@ -89,6 +89,10 @@ class StepModel:
     """AG->GEMM backward: "regather" (fused AG with the weight grad) or "save" (local dW)."""
     rs_backward: str = "stream"
     """GEMM->RS backward: "stream" (dW fused into the dx gather) or "after" (local dW)."""
+    regather_prefetch: bool = True
+    """TP, "regather": each AG->GEMM's re-gather is posted ahead by the backward of the
+    GEMM->RS after it (`commfuse.ops.prefetch`), so its transfers overlap the local compute
+    between the two (`commfuse.sim.step.prefetch_credit`); it runs before its dx RS."""
 
     def __post_init__(self):
         for name, allowed in (("grad_sync", ("bucketed", "end")),
@@ -104,7 +108,7 @@ class StepModel:
     def previous(cls) -> "StepModel":
         """The step before issue #12: sync at the end, replicated head and embedding, A saved
         for AG->GEMM's backward, GEMM->RS's dW after the gather."""
-        return cls("end", 25.0, False, "save", "after")
+        return cls("end", 25.0, False, "save", "after", False)
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
@@ -150,7 +154,11 @@ def _ag_backward(name, n, k, o, axis, sm: StepModel):
     the saved x ("save") or on x gathered again slice by slice ("regather")."""
     dw = StepOp(f"{name} dW", "ag_matmul", axis, (n, k, o)) if sm.ag_backward == "regather" \
         else StepOp(f"{name} dW", "gemm", "local", (k, n, o))
-    return [StepOp(f"{name} dx", "matmul_rs", axis, (n, o, k)), dw]
+    dx = StepOp(f"{name} dx", "matmul_rs", axis, (n, o, k))
+    if sm.ag_backward == "regather" and sm.regather_prefetch and axis == "tp" \
+            and name != "output":  # the code's order: the (prefetched) gather, then dx
+        return [dw, dx]
+    return [dx, dw]
 
 
 def _rs_backward(name, n, k, o, axis, sm: StepModel):

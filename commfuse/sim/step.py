@@ -164,6 +164,8 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     sync = grad_sync_ops(cfg, tp, up, dp, dtype_bytes, sm) if backward else []
     n_mb = batch // (dp * mb)
     times, breakdown, wire = {}, {}, {}
+    credit = prefetch_credit(bwd) if sm.regather_prefetch and getattr(
+        parallel, "regather_prefetch", 1) else {}
     total = compute = backward_s = 0.0
     bucketed = sm.grad_sync == "bucketed"
     for op, reps in per_mb + [(op, 1 / n_mb) for op in sync]:
@@ -171,6 +173,8 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
         if op not in times:
             times[op] = timer.time(op, parallel.method, parallel.method_opts, w, h)
         t, c, _ = times[op]
+        if op in credit:  # prefetched: its transfers overlapped the compute before it
+            t = max(c, t - sum(times[g][1] * g.count for g in credit[op]))
         k = reps * n_mb * op.count
         wire[repr(h)] = wire.get(repr(h), 0.0) + k * wire_bytes(op, w, dtype_bytes) / h.link_bandwidth
         if op in sync and bucketed:
@@ -193,6 +197,24 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     limit = max([compute, *wire.values()])
     return StepResult(total, compute, total - compute, limit, sum(wire.values()), sync_exposed,
                       n_mb, batch * seq, mfu, breakdown, rows, spans, timer.simulations - before)
+
+
+def prefetch_credit(bwd: list[StepOp]) -> dict[StepOp, list[StepOp]]:
+    """The TP re-gathers (``ag_matmul`` "... dW" ops) posted ahead (`commfuse.ops.prefetch`)
+    and the local ops whose compute their transfers overlap: those between the GEMM->RS
+    backward that posts them and them (the attention backward before q|k|v's; nothing
+    modelled before gate|up's, whose SwiGLU backward is elementwise). A prefetched op takes
+    max(compute alone, its time less that compute)."""
+    out = {}
+    for i, op in enumerate(bwd):
+        if op.kind == "ag_matmul" and op.axis == "tp" and op.name.endswith(" dW"):
+            j, hide = i - 1, []
+            while j >= 0 and bwd[j].kind == "gemm":
+                hide.append(bwd[j])
+                j -= 1
+            if j >= 0 and bwd[j].kind == "ag_matmul":  # a GEMM->RS's backward posted it
+                out[op] = hide
+    return out
 
 
 def _buckets(op: StepOp, group, bucket_mb: float) -> list[float]:

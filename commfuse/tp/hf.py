@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from commfuse.ops.prefetch import Prefetcher
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, FusedRowwiseParallel,
                                ReplicateParallel, SeqSplit, SequenceParallelNorm, ShardSequence)
@@ -88,7 +89,7 @@ def check(model: nn.Module, T: int) -> int:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
-                save_gathered: bool = False, **opts) -> nn.Module:
+                save_gathered: bool = False, prefetch: bool = True, **opts) -> nn.Module:
     """Shard ``model`` (a transformers Llama-style causal LM, the same on every rank) for
     commfuse TPSP over ``mesh`` (1-D, or the "tp" dim of a larger one), in place; returns it.
 
@@ -100,26 +101,33 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     ``save_gathered=True``: the column-parallel projections keep their gathered input for
     backward, as DTensor's tensor parallelism does (more activation memory, one all-gather per
     projection fewer in backward); by default they keep only the sequence shard.
+    ``prefetch``: each o_proj / down_proj backward posts the re-gather of the fused
+    projections before it ahead, so it moves during the attention / MLP backward
+    (`commfuse.ops.prefetch`; False: each gathers in its own backward; nothing to prefetch
+    with ``save_gathered``).
     """
     mesh = tp_mesh(mesh)
     T = mesh.size()
     k = check(model, T)
     duplex(mesh.get_group())
-    split = SeqSplit()
+    split, chain = SeqSplit(), Prefetcher(1 if prefetch else 0)
     kw = dict(method=method, split=split, **opts)
     ag = dict(kw, save_gathered=save_gathered)  # the all-gather -> GEMM styles
-    col, row, norm = FusedColwiseParallel(**ag), FusedRowwiseParallel(**kw), SequenceParallelNorm()
+    col, row, norm = FusedColwiseParallel(**ag), FusedRowwiseParallel(prefetch=chain, **kw), \
+        SequenceParallelNorm()
     kv = FusedColwiseParallel(replicas=k, **ag)
-    plan = {"model.embed_tokens": ReplicateParallel(), "model.layers.0": ShardSequence(split),
+    plan = {"model.embed_tokens": ReplicateParallel(),
+            "model.layers.0": ShardSequence(split, prefetch=chain),
             "model.norm": norm, "lm_head": FusedColwiseParallel(gather_output=True, **ag)}
     H, G = model.config.num_attention_heads, model.config.num_key_value_heads
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         plan.update({p + "input_layernorm": norm, p + "post_attention_layernorm": norm,
-                     p + "self_attn": FusedProjections(("q_proj", "k_proj", "v_proj"), **ag),
+                     p + "self_attn": FusedProjections(("q_proj", "k_proj", "v_proj"),
+                                                       prefetch=chain, **ag),
                      p + "self_attn.q_proj": col, p + "self_attn.k_proj": kv,
                      p + "self_attn.v_proj": kv, p + "self_attn.o_proj": row,
-                     p + "mlp": FusedProjections(("gate_proj", "up_proj"), **ag),
+                     p + "mlp": FusedProjections(("gate_proj", "up_proj"), prefetch=chain, **ag),
                      p + "mlp.gate_proj": col, p + "mlp.up_proj": col, p + "mlp.down_proj": row})
         attn = layer.self_attn
         for name in ("q_norm", "k_norm"):

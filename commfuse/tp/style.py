@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from commfuse.ops.binding import even_sizes
 from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scatter
 from commfuse.ops.methods import method_spec
+from commfuse.ops.prefetch import Prefetcher
 from commfuse.tp.functional import chunk_sizes, gather_cols, shard_seq, sum_grad
 
 
@@ -63,12 +64,15 @@ def _even(module: nn.Module, dim: int, group) -> bool:
 
 
 class _Fused(ParallelStyle):
-    """What the fused styles share: the method and its options, the sequence dim and split."""
+    """What the fused styles share: the method and its options, the sequence dim and split,
+    and ``prefetch``, a `commfuse.ops.prefetch.Prefetcher` shared by the model's styles (each
+    row-parallel linear's backward posts the re-gather of the projections before it ahead)."""
 
     def __init__(self, *, method: str = "auto", sequence_dim: int = 1, split: SeqSplit | None = None,
-                 **opts):
+                 prefetch: Prefetcher | None = None, **opts):
         method_spec(method, opts)  # a bad method or option fails here, before any forward
         self.op_kwargs, self.dim, self.split = {"method": method, **opts}, sequence_dim, split
+        self.prefetch = prefetch
 
     @property
     def sizes(self):
@@ -213,7 +217,7 @@ class FusedProjections(_Fused):
                 bs.append(b)
             a, ys = fused_all_gather_matmul(x, ws, self.dim, group, return_A=True,
                                             sizes=self.sizes, uniform_b=uniform,
-                                            **self.op_kwargs)
+                                            prefetch=self.prefetch, **self.op_kwargs)
             shared.input = a
             shared.outs = {id(c): y if b is None else y + b for (_, c), y, b in zip(children, ys, bs)}
             if args:
@@ -246,8 +250,10 @@ class FusedRowwiseParallel(_Fused):
 
     def _forward(self, module: nn.Module, group, x: torch.Tensor) -> torch.Tensor:
         w = module.weight.to_local()
+        # backward: posts the re-gather of the projections before it (prefetch) ahead
         y = fused_matmul_reduce_scatter(x, w.t(), "sum", self.dim, group, sizes=self.sizes,
-                                        uniform_b=_even(module, 1, group), **self.op_kwargs)
+                                        uniform_b=_even(module, 1, group),
+                                        prefetch=self.prefetch, **self.op_kwargs)
         return y if module.bias is None else y + sum_grad(module.bias.to_local(), group)
 
 
@@ -298,12 +304,13 @@ class ShardSequence(ParallelStyle):
     replicated on every rank, to this rank's sequence shard: `commfuse.even_sizes` of its
     length along ``sequence_dim`` (any length: 10 over 4 ranks is 3, 3, 2, 2), recorded in
     ``split``. The backward all-gathers the shards' gradients (the module before it ran the
-    same on every rank)."""
+    same on every rank). With ``prefetch`` (the fused styles' `Prefetcher`), a gather posted
+    ahead in a backward that did not use it is waited out here, as the model's forward begins."""
 
     def __init__(self, split: SeqSplit | None = None, *, sequence_dim: int = 1,
-                 input_kwarg: str = "hidden_states"):
+                 input_kwarg: str = "hidden_states", prefetch: Prefetcher | None = None):
         self.split = SeqSplit() if split is None else split
-        self.dim, self.input_kwarg = sequence_dim, input_kwarg
+        self.dim, self.input_kwarg, self.prefetch = sequence_dim, input_kwarg, prefetch
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = _mesh_group(device_mesh)
@@ -312,6 +319,8 @@ class ShardSequence(ParallelStyle):
             x = args[0] if args else kwargs.get(self.input_kwarg)
             if not isinstance(x, torch.Tensor):
                 raise ValueError(f"ShardSequence: {type(mod).__name__} got no tensor input")
+            if self.prefetch is not None:
+                self.prefetch.drain()
             self.split.sizes = even_sizes(x.shape[self.dim], group.size())
             x = shard_seq(x, self.dim, self.split.sizes, group)
             return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, self.input_kwarg: x})

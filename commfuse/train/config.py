@@ -109,6 +109,10 @@ class TrainConfig:
     bucket_mb: float = field(default=25.0, metadata={"metavar": "MB"})
     """Size of the gradient-sync buckets of replicated parameters, each all-reduced as soon as
     the backward has filled it (`commfuse.parallel.grad_sync`)."""
+    no_regather_prefetch: bool = False
+    """With tp > 1: the backward does not post the AG->GEMM re-gathers ahead (by default each
+    is posted from the backward of the GEMM->RS after it, so it moves during the attention /
+    SwiGLU backward; `commfuse.ops.prefetch`)."""
     timeout: float = field(default=60.0, metadata={"metavar": "S"})
     """Seconds a rank waits for a peer (every op's timeout and the process group's) before
     the run fails with an error naming the op, step and peer."""

@@ -139,7 +139,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     dims = ParallelDims(cfg.tp, cfg.up, cfg.dp, cfg.method, cfg.method_opts(),
                         query_split=cfg.query_split, world_size=world,
                         prefetch=cfg.prefetch, prefetch_mb=cfg.prefetch_mb,
-                        defer_reduce=not cfg.reduce_in_op)
+                        defer_reduce=not cfg.reduce_in_op,
+                        regather_prefetch=0 if cfg.no_regather_prefetch else 1)
     mcfg = LlamaConfig.preset(cfg.preset, **{"max_seq_len": max(cfg.seq_len, 1), **cfg.model})
     dims.check_model(mcfg, cfg.seq_len, cfg.batch_size)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
