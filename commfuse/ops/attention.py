@@ -110,7 +110,8 @@ def _runs(pos: list[int]) -> list[tuple[int, int, int]]:
 
 
 def _bhsd(t_SBHd: torch.Tensor) -> torch.Tensor:
-    return t_SBHd.permute(1, 2, 0, 3)
+    """[B, H, S, d], contiguous: the blocks read k, v once per run (strided reads cost ~15 %)."""
+    return t_SBHd.permute(1, 2, 0, 3).contiguous()
 
 
 def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, order: str, sizes, group, spec):
@@ -180,7 +181,7 @@ def query_split_backward(q, k, v, wo, o_BHSd, lse_BHS, g_sBD, causal: bool, orde
         if modes.current() == "comm_only" or g_RBD.shape[0] == 0:
             return
         runs = _runs(view(pos_S).reshape(-1).tolist())
-        go_BHRd = _bhsd(modes.gemm(g_RBD, wo_DX).view(-1, B, H, d))
+        go_BHRd = _bhsd(modes.gemm(g_RBD, wo_DX).view(-1, B, H, d))  # [B, H, rows, d]
         o_RBX = torch.cat([o_BHSd[:, :, a:a + n] for _, a, n in runs], 2) \
             .permute(2, 0, 1, 3).reshape(-1, H * d)
         part = o_RBX.t() @ g_RBD.reshape(-1, g_RBD.shape[-1])
