@@ -224,13 +224,14 @@ def query_split_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             wo: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                             g_sBD: torch.Tensor, causal: bool, order: str, sizes: list[int],
                             group: str, spec: str) -> list[torch.Tensor]:
-    return list(query_split_backward(q, k, v, wo, o, lse, g_sBD, causal, order, tuple(sizes),
-                                     library.group_of(group), library.parse_spec(spec)))
+    grads = query_split_backward(q, k, v, wo, o, lse, g_sBD, causal, order, tuple(sizes),
+                                 library.group_of(group), library.parse_spec(spec))
+    return [t.contiguous() for t in grads]  # the strides the fake kernel promises
 
 
 @query_split_backward_op.register_fake
 def _(q, k, v, wo, o, lse, g_sBD, causal, order, sizes, group, spec):
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(wo)]
+    return [t.new_empty(t.shape) for t in (q, k, v, wo)]
 
 
 def _setup(ctx, inputs, output):
