@@ -9,7 +9,7 @@ one forward (and backward) pass. Shapes (batch folded into the sequence S, width
 - ``a2a_matmul``  A [S, D/W] -> all-to-all -> @ [D, D]         (Ulysses out-proj)
 - ``mlp``         TPSP MLP: AG -> FC1 -> GELU -> FC2 -> RS
 - ``attn_row``    TP attention: AG -> QKV, causal attention on my heads, out-proj Flash-RS
-- ``attn_qsplit`` the same with query-split attention (forward only)
+- ``attn_qsplit`` the same with query-split attention (balanced order; its backward fused too)
 - ``ulysses``     QKV -> a2a, attention on the full sequence for my heads, a2a -> out-proj
 """
 
@@ -26,7 +26,7 @@ from commfuse.ops.attention import query_split_attention
 from commfuse.schedule import OPS
 
 LAYERS = ("mlp", "attn_row", "attn_qsplit", "ulysses")
-FORWARD_ONLY = ("attn_qsplit",)
+FORWARD_ONLY: tuple[str, ...] = ()  # workloads with no backward (none now)
 HEAD_DIM = 64
 
 Step = Callable[[str, dict, bool], None]

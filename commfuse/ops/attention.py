@@ -7,56 +7,95 @@ runs the whole attention (QK^T, softmax, SV) *and* the out-projection partial pe
 inside the Flash-RS schedule, so each step's transfer hides behind far more compute; this
 rank's own query slice last. Exact: every query row sees the same keys, in the same order.
 
+Balanced order (``order="balanced"``, the default): under causal attention a late query row
+sees more keys than an early one, so contiguous slots cost unequal amounts and at each ring
+step the ranks compute slices of different cost (one waits for the other). Balanced slots pair
+an early and a late chunk, as zigzag ring attention does for context parallelism: the sequence
+is cut into 2W chunks (`even_sizes`) and rank p's slot is chunk p followed by chunk 2W-1-p
+(`balanced_split`), so every slot, and every step, costs the same. The output is then rank
+p's rows of those positions, in that order.
+
+Each run of consecutive query rows is computed as two fused SDPA blocks, the key prefix and
+the causal diagonal, merged by their log-sum-exp (`commfuse.ops.attn_blocks`): no mask is
+built, and the slots together cost one causal attention.
+
 Legend: S sequence (first), B batch, H this rank's heads, d head dim, D model dim,
 s = S/W one rank's slice, X = H*d.
 
-Differentiable: the backward gathers dOut fused with its GEMM by W_o^T (the dual all-gather ->
-GEMM, same method), recomputes the attention of the whole sequence for this rank's heads
-(like activation checkpointing: Q, K, V are saved, not the attention output) and backpropagates
-through it. The forward is where the overlap is; the backward overlaps the gather only.
+Differentiable, with the backward fused the same way: dOut is all-gathered (the dual
+all-gather, same method) and, as each slot's rows arrive, dO = dOut[slot] @ W_o^T and the
+attention backward of that slot's query rows run (from the forward's saved output and
+log-sum-exp: nothing is recomputed), so the gather hides behind the whole attention backward.
 """
-
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
+from commfuse.ops import attn_blocks as blocks
 from commfuse.ops import auto, checks, library
-from commfuse.ops import gather_scatter as gs
+from commfuse.ops.ag_matmul import ag_matmul
+from commfuse.ops.binding import even_sizes
 from commfuse.ops.matmul_rs import reduce_scatter_of
 from commfuse.ops.methods import method_spec
 from commfuse.runtime import modes
 
 
+ORDERS = ("balanced", "contiguous")
+
+
+def balanced_split(total: int, world: int) -> tuple[tuple[int, ...], list[int]]:
+    """(rows per rank, the sequence positions of the slots in rank order) of the balanced
+    order: ``total`` rows cut into 2W chunks (`even_sizes`), rank p's slot is chunk p then
+    chunk 2W-1-p (16 rows over 2 ranks: positions 0-3, 12-15 | 4-7, 8-11)."""
+    chunks = even_sizes(total, 2 * world)
+    starts = [sum(chunks[:i]) for i in range(2 * world)]
+    pos: list[int] = []
+    sizes = []
+    for p in range(world):
+        for c in (p, 2 * world - 1 - p):
+            pos += range(starts[c], starts[c] + chunks[c])
+        sizes.append(chunks[p] + chunks[2 * world - 1 - p])
+    return tuple(sizes), pos
+
+
 def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal: bool = True,
-                          method: str = "commfuse", sizes=None, **opts) -> torch.Tensor:
+                          order: str = "balanced", method: str = "commfuse", sizes=None,
+                          **opts) -> torch.Tensor:
     """``reduce_scatter(attn(q, k, v) @ wo, dim 0)`` -> ``[sizes[rank], B, D]``, run per query
-    slice; ``sizes`` (rows of the sequence each rank keeps) defaults to `even_sizes`."""
+    slice. ``order="contiguous"``: rank p keeps rows ``sum(sizes[:p])..`` (``sizes`` defaults
+    to `even_sizes`); ``"balanced"``: rank p keeps the rows of ``balanced_split(S, W)``'s
+    positions for p, in that order (``sizes``, if given, must be that split's)."""
     for name, t in (("q", q_SBHd), ("k", k_SBHd), ("v", v_SBHd)):
         checks.check_tensor(name, t, 4)
     if not (q_SBHd.shape == k_SBHd.shape == v_SBHd.shape):
         raise ValueError(f"q, k, v must have one shape [S, B, H, d], got {tuple(q_SBHd.shape)}, "
                          f"{tuple(k_SBHd.shape)}, {tuple(v_SBHd.shape)}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     S, B, H, d = q_SBHd.shape
     checks.check_matmul("q (flattened heads)", q_SBHd.new_empty(0, H * d), "wo", wo_HdD)
     spec = method_spec(method, opts)
     group = checks.resolve_group(group)
+    if order == "balanced":
+        split = balanced_split(S, group.size())[0]
+        if sizes is not None and tuple(sizes) != split:
+            raise ValueError(f"order='balanced' keeps the rows {split} per rank; got sizes="
+                             f"{tuple(sizes)} (use order='contiguous' for another split)")
+        sizes = split
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), total=S)
     spec = auto.resolve(spec, "matmul_rs", (S * B, H * d, wo_HdD.shape[1]), group.size(),
                         q_SBHd)  # costed as its out-projection's GEMM -> RS
     if torch.compiler.is_compiling():  # one opaque custom op in the graph
-        return query_split_op(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, list(sizes),
-                              group.group_name, library.spec_str(spec))
-    return QuerySplitAttention.apply(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, sizes, group, spec)
+        return query_split_op(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, order, list(sizes),
+                              group.group_name, library.spec_str(spec))[0]
+    return QuerySplitAttention.apply(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, order, sizes,
+                                     group, spec)
 
 
-def _attention(q_SBHd, k_SBHd, v_SBHd, causal: bool) -> torch.Tensor:
-    """Plain attention of the whole sequence -> ``o_SBX`` (the reference, and the backward)."""
-    S, B, H, d = q_SBHd.shape
-    o_BHSd = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q_SBHd, k_SBHd, v_SBHd)),
-                                            is_causal=causal)
-    return o_BHSd.permute(2, 0, 1, 3).reshape(S, B, H * d)
+def _positions(order: str, sizes, world: int) -> torch.Tensor:
+    """The sequence position of each row of the slots, in slot order (on the host)."""
+    S = sum(sizes)
+    return torch.tensor(balanced_split(S, world)[1]) if order == "balanced" else torch.arange(S)
 
 
 def _runs(pos: list[int]) -> list[tuple[int, int, int]]:
@@ -70,100 +109,142 @@ def _runs(pos: list[int]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def _rows_attention(q_BHRd, k_BHSd, v_BHSd, pos: list[int], causal: bool) -> torch.Tensor:
-    """Attention of the query rows at sequence positions ``pos`` (host integers, so no
-    device sync) over the whole sequence, one SDPA call per run of consecutive rows. A run
-    from position a of n rows sees keys 0..a+n-1, the last n of them causally: SDPA's
-    lower-right causal bias (``is_causal`` when a = 0), which its fused kernels take; no
-    boolean mask is built."""
-    outs = [q_BHRd[:, :, :0]]  # no rows (a slice of 0 rows: S < ranks): an empty output
-    for i, a, n in _runs(pos):
-        q = q_BHRd[:, :, i:i + n]
-        if not causal:
-            outs.append(F.scaled_dot_product_attention(q, k_BHSd, v_BHSd))
-            continue
-        k, v = k_BHSd[:, :, :a + n], v_BHSd[:, :, :a + n]  # later keys are masked out anyway
-        outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True) if a == 0 else
-                    F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, a + n)))
-    return outs[-1] if len(outs) <= 2 else torch.cat(outs[1:], dim=2)
+def _bhsd(t_SBHd: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, d], contiguous: the blocks read k, v once per run (strided reads cost ~15 %)."""
+    return t_SBHd.permute(1, 2, 0, 3).contiguous()
 
 
-def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, sizes, group, spec) -> torch.Tensor:
+def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, order: str, sizes, group, spec):
+    """(out [sizes[rank], B, D], o [B, H, S, d], lse [B, H, S]): the result, and the attention
+    output and log-sum-exp of every row (natural order) that the backward reads."""
     S, B, H, d = q_SBHd.shape
-    k_BHSd, v_BHSd = k_SBHd.permute(1, 2, 0, 3), v_SBHd.permute(1, 2, 0, 3)
-    pos_S = torch.arange(S)  # on the host: the rows' positions are known from the sizes
+    q_BHSd, k_BHSd, v_BHSd = _bhsd(q_SBHd), _bhsd(k_SBHd), _bhsd(v_SBHd)
+    o_BHSd = q_BHSd.new_empty((B, H, S, d))
+    lse_BHS = q_BHSd.new_empty((B, H, S), dtype=blocks.lse_dtype(q_SBHd.dtype))
+    pos_S = _positions(order, sizes, group.size())
 
     def partial(view) -> torch.Tensor:
-        q_rows = view(q_SBHd)  # [s, B, H, d] (a slot or uneven chunk) or [W, n, B, H, d] (chunk)
-        lead = q_rows.shape[:-3]
+        pos = view(pos_S)  # [s] (a slot or uneven chunk) or [W, n] (an even chunk)
         if modes.current() == "comm_only":
-            return q_rows.new_empty((*lead, B, wo_XD.shape[1]))
-        q_BHRd = q_rows.reshape(-1, B, H, d).permute(1, 2, 0, 3)
-        o_BHRd = _rows_attention(q_BHRd, k_BHSd, v_BHSd, view(pos_S).reshape(-1).tolist(), causal)
-        o_RBX = o_BHRd.permute(2, 0, 1, 3).reshape(-1, B, H * d)
-        return modes.gemm(o_RBX, wo_XD).reshape(*lead, B, wo_XD.shape[1])
+            return q_SBHd.new_empty((*pos.shape, B, wo_XD.shape[1]))
+        outs = []
+        for _, a, n in _runs(pos.reshape(-1).tolist()):  # each run: prefix + diagonal block
+            o, lse = blocks.run_forward(q_BHSd[:, :, a:a + n], k_BHSd, v_BHSd, a, causal)
+            o_BHSd[:, :, a:a + n], lse_BHS[:, :, a:a + n] = o, lse
+            outs.append(o)
+        if not outs:  # a slot of no rows (S < ranks)
+            outs = [q_BHSd[:, :, :0]]
+        o_RBX = torch.cat(outs, 2).permute(2, 0, 1, 3).reshape(-1, B, H * d)
+        return modes.gemm(o_RBX, wo_XD).reshape(*pos.shape, B, wo_XD.shape[1])
 
-    return reduce_scatter_of(partial, sizes, (B, wo_XD.shape[1]), q_SBHd, group, spec)
+    out = reduce_scatter_of(partial, sizes, (B, wo_XD.shape[1]), q_SBHd, group, spec)
+    return out, o_BHSd, lse_BHS
 
 
 class QuerySplitAttention(torch.autograd.Function):
     """``out = reduce_scatter(attention(q, k, v) @ wo, 0)``, the ring run over query slices.
 
     Shapes: q, k, v [S, B, H, d] (the full sequence, this rank's heads; GQA already expanded),
-    wo [H*d, D] (this rank's rows); returns [sizes[rank], B, D] (S/W rows when even).
-    Grads: dO = all_gather(dOut) @ wo^T (dual fused op), dq, dk, dv through a recomputed
-    attention, dwo = O^T @ all_gather(dOut). Extra memory: the forward's reduce-scatter
-    partials (as GEMM -> RS); the backward holds O and the gathered dOut.
+    wo [H*d, D] (this rank's rows); returns [sizes[rank], B, D] (this rank's rows of the
+    order). Grads, per slot as dOut's gather brings it: dO = dOut[slot] @ wo^T, dq, dk, dv of
+    the slot's query rows (flash-attention backward from the saved o, lse), dwo += O[slot]^T
+    @ dOut[slot]. Saved: q, k, v, wo, o [S, B, H*d] and lse [B, H, S] (what SDPA's backward
+    keeps too). Extra memory: the forward's reduce-scatter partials (as GEMM -> RS); the
+    backward the gathered dOut and dk, dv accumulators.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, wo, causal, sizes, group, spec):
-        ctx.save_for_backward(q, k, v, wo)
-        ctx.causal, ctx.sizes, ctx.group, ctx.spec = causal, sizes, group, spec
-        return _forward(q, k, v, wo, causal, sizes, group, spec)
+    def forward(ctx, q, k, v, wo, causal, order, sizes, group, spec):
+        out, o, lse = _forward(q, k, v, wo, causal, order, sizes, group, spec)
+        ctx.save_for_backward(q, k, v, wo, o, lse)
+        ctx.args = causal, order, sizes, group, spec
+        return out
 
     @staticmethod
     def backward(ctx, g_sBD):
-        grads = query_split_backward(*ctx.saved_tensors, g_sBD, ctx.causal, ctx.sizes, ctx.group,
-                                     ctx.spec)
-        return (*grads, None, None, None, None)
+        return (*query_split_backward(*ctx.saved_tensors, g_sBD, *ctx.args),
+                None, None, None, None, None)
 
 
-def query_split_backward(q, k, v, wo, g_sBD, causal: bool, sizes, group, spec,
-                         kernels=gs.KERNELS):
-    """(dq, dk, dv, dwo) of `QuerySplitAttention`: dOut gathered fused with its GEMM by wo^T,
-    the attention recomputed and backpropagated (a vjp), dwo = O^T @ all_gather(dOut)."""
-    g_SBD, (go_SBX,) = kernels.ag_matmul(g_sBD.contiguous(), [wo.t()], sizes, group, spec)
-    o_SBX, vjp = torch.func.vjp(lambda q, k, v: _attention(q, k, v, causal), q, k, v)
-    gq, gk, gv = vjp(go_SBX)
-    return gq, gk, gv, o_SBX.flatten(0, -2).t() @ g_SBD.flatten(0, -2)
+def query_split_backward(q, k, v, wo, o_BHSd, lse_BHS, g_sBD, causal: bool, order: str, sizes,
+                         group, spec):
+    """(dq, dk, dv, dwo) of `QuerySplitAttention`, fused with the all-gather of dOut: each
+    arriving slot's rows feed dO = dOut[slot] @ wo^T, the attention backward of those query
+    rows and dwo += O[slot]^T dOut[slot] (slots summed in this rank's gather order)."""
+    S, B, H, d = q.shape
+    q_BHSd, k_BHSd, v_BHSd = _bhsd(q), _bhsd(k), _bhsd(v)
+    dq_BHSd = torch.zeros_like(q_BHSd)
+    dk_BHSd, dv_BHSd = torch.zeros_like(k_BHSd), torch.zeros_like(v_BHSd)
+    dwo = []
+    pos_S = _positions(order, sizes, group.size())
+    wo_DX = wo.t()
+
+    def consume(view, g_RBD) -> None:
+        if modes.current() == "comm_only" or g_RBD.shape[0] == 0:
+            return
+        runs = _runs(view(pos_S).reshape(-1).tolist())
+        go_BHRd = _bhsd(modes.gemm(g_RBD, wo_DX).view(-1, B, H, d))  # [B, H, rows, d]
+        o_RBX = torch.cat([o_BHSd[:, :, a:a + n] for _, a, n in runs], 2) \
+            .permute(2, 0, 1, 3).reshape(-1, H * d)
+        part = o_RBX.t() @ g_RBD.reshape(-1, g_RBD.shape[-1])
+        if dwo:
+            dwo[0].add_(part)
+        else:
+            dwo.append(part)
+        for i, a, n in runs:
+            dq_BHSd[:, :, a:a + n] = blocks.run_backward(
+                go_BHRd[:, :, i:i + n], q_BHSd[:, :, a:a + n], k_BHSd, v_BHSd,
+                o_BHSd[:, :, a:a + n], lse_BHS[:, :, a:a + n], a, causal, dk_BHSd, dv_BHSd)
+
+    ag_matmul(g_sBD.contiguous(), [], sizes, group, spec, consume=consume)
+    unbhsd = lambda t: t.permute(2, 0, 1, 3)
+    return (unbhsd(dq_BHSd), unbhsd(dk_BHSd), unbhsd(dv_BHSd),
+            dwo[0] if dwo else torch.zeros_like(wo))
 
 
-# --- torch.compile: the op as a custom op (see commfuse.ops.library) -------------------------
+# --- torch.compile: the op as custom ops (see commfuse.ops.library) ------------------------
 
 @torch.library.custom_op("commfuse::query_split_attention", mutates_args=())
 def query_split_op(q_SBHd: torch.Tensor, k_SBHd: torch.Tensor, v_SBHd: torch.Tensor,
-                   wo_XD: torch.Tensor, causal: bool, sizes: list[int], group: str,
-                   spec: str) -> torch.Tensor:
-    return _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal, tuple(sizes), library.group_of(group),
-                    library.parse_spec(spec))
+                   wo_XD: torch.Tensor, causal: bool, order: str, sizes: list[int], group: str,
+                   spec: str) -> list[torch.Tensor]:
+    """[out, o, lse] (o and lse are saved for the backward)."""
+    return list(_forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal, order, tuple(sizes),
+                         library.group_of(group), library.parse_spec(spec)))
 
 
 @query_split_op.register_fake
-def _(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal, sizes, group, spec):
-    return q_SBHd.new_empty((sizes[library.rank_of(group)], q_SBHd.shape[1], wo_XD.shape[1]))
+def _(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal, order, sizes, group, spec):
+    S, B, H, d = q_SBHd.shape
+    return [q_SBHd.new_empty((sizes[library.rank_of(group)], B, wo_XD.shape[1])),
+            q_SBHd.new_empty((B, H, S, d)),
+            q_SBHd.new_empty((B, H, S), dtype=blocks.lse_dtype(q_SBHd.dtype))]
+
+
+@torch.library.custom_op("commfuse::query_split_attention_backward", mutates_args=())
+def query_split_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            wo: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                            g_sBD: torch.Tensor, causal: bool, order: str, sizes: list[int],
+                            group: str, spec: str) -> list[torch.Tensor]:
+    grads = query_split_backward(q, k, v, wo, o, lse, g_sBD, causal, order, tuple(sizes),
+                                 library.group_of(group), library.parse_spec(spec))
+    return [t.contiguous() for t in grads]  # the strides the fake kernel promises
+
+
+@query_split_backward_op.register_fake
+def _(q, k, v, wo, o, lse, g_sBD, causal, order, sizes, group, spec):
+    return [t.new_empty(t.shape) for t in (q, k, v, wo)]
 
 
 def _setup(ctx, inputs, output):
-    *qkvw, causal, sizes, group, spec = inputs
-    ctx.save_for_backward(*qkvw)
-    ctx.causal, ctx.sizes, ctx.group, ctx.spec = causal, tuple(sizes), group, spec
+    *qkvw, causal, order, sizes, group, spec = inputs
+    ctx.save_for_backward(*qkvw, output[1], output[2])
+    ctx.args = causal, order, list(sizes), group, spec
 
 
-def _backward(ctx, g_sBD):
-    grads = query_split_backward(*ctx.saved_tensors, g_sBD, ctx.causal, ctx.sizes, ctx.group,
-                                 ctx.spec, library.KERNELS)
-    return (*grads, None, None, None, None)
+def _backward(ctx, grads):
+    return (*query_split_backward_op(*ctx.saved_tensors, grads[0], *ctx.args),
+            None, None, None, None, None)
 
 
 query_split_op.register_autograd(_backward, setup_context=_setup)

@@ -97,7 +97,8 @@ class TPAttention(nn.Module):
         q, k, v = q.view(B, S, -1, K), k.view(B, S, -1, K), v.view(B, S, -1, K)
         if self.query_split:  # attention + out-proj per query slice, inside the RS ring
             q, k, v = (t.transpose(0, 1) for t in rope_and_expand(q, k, v, cos_SK, sin_SK))
-            return query_split_attention(q, k, v, wo.t(), self.group,
+            return query_split_attention(q, k, v, wo.t(), self.group, order="contiguous",
+                                         sizes=getattr(self.layout, "sizes", None),
                                          **self.op_kwargs).transpose(0, 1)
         o_BShK = causal_attention(q, k, v, cos_SK, sin_SK)
         # each partial out-proj's transfer hides behind the next slice's GEMM; in backward,

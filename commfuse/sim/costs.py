@@ -18,6 +18,9 @@ class OpSpec:
     topology: str = "ring"
     chunks: int = 4
     splits: int = 1
+    attention: tuple = ()
+    """(head_dim, order, factor): every Compute slot also runs causal attention of its query
+    rows, ``factor`` times the forward's (query-split, `commfuse.sim.attention`); () none."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from commfuse import schedule as S
+from commfuse.sim import attention
 from commfuse.sim.costs import op_costs
 from commfuse.sim.hardware import Hardware
 
@@ -30,6 +31,10 @@ def compile_programs(hw: Hardware, world: int, specs, dtype_bytes: float, comm: 
     coll_time: dict = {}
     for job, spec in enumerate(specs):
         for r in range(ranks):
+            if spec.op == "attention":  # local work, no schedule (commfuse.sim.attention)
+                progs[r].append(("work", attention.local_attention_s(hw, spec, r), "compute",
+                                 f"{job}:attention"))
+                continue
             sched = schedule(spec.op, spec.method, world, r, spec.topology, spec.chunks,
                              spec.splits)
             _compile(progs[r], coll_time, hw, world, job, spec, sched, dtype_bytes, comm,
@@ -60,7 +65,10 @@ def _compile(prog, coll_time, hw, world, job, spec, sched, d, comm, symmetric) -
 
     for st in sched.steps:
         if isinstance(st, S.Compute):
-            prog.append(("work", gemm, "compute", f"{job}:{spec.op} slot {st.slot}"))
+            attn = attention.slot_attention_s(hw, spec, world, st.slot, sched.chunks if
+                                              sched.method in ("none", "sliced") else 0, r) \
+                if spec.attention else 0.0
+            prog.append(("work", gemm + attn, "compute", f"{job}:{spec.op} slot {st.slot}"))
         elif isinstance(st, S.Reduce):
             prog.append(("work", add * (len(st.peers) - 1), "reduce",
                          f"{job}:{spec.op} add slot {st.slot}"))

@@ -1,0 +1,42 @@
+"""The table of docs/benchmarks/2026-12-01-query-split.md: measured TP attention (row-parallel
+Flash-RS vs query-split) from `commfuse bench layer` JSON files, with the simulator's
+prediction (`commfuse.sim.attention`, hardware preset cpu-testbed) beside each.
+
+    python scripts/qsplit_table.py docs/benchmarks/2026-12-01-query-split/*/layer-2r.json
+"""
+
+import json
+import sys
+
+from commfuse.sim import simulate_ops
+from commfuse.sim.attention import layer_specs
+
+
+def main(paths):
+    rows = {}
+    for path in paths:
+        for r in json.load(open(path))["results"]:
+            key = (r["d_model"], r["seq"], r["pass"])
+            for m in r["methods"]:
+                rows.setdefault(key, {})[(r["workload"], m["method"])] = m
+    print("| D | seq | pass | none (row) ms | row Flash-RS ms | query-split ms | compute qs / row "
+          "| qs / row Flash-RS | qs / none | predicted: row, qs ms | predicted qs / row, / none |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (d, seq, pas), ms in sorted(rows.items()):
+        bw = pas != "forward"
+        sim = {wl: {m: simulate_ops(layer_specs(wl, m, 2, seq, d, bw), 2, 4, "cpu-testbed",
+                                    timeline=False).total_s * 1e3 for m in ("none", "commfuse")}
+               for wl in ("attn_row", "attn_qsplit")}
+        none, row, qs = (ms[("attn_row", "none")], ms[("attn_row", "commfuse")],
+                         ms[("attn_qsplit", "commfuse")])
+        prow, pqs, pnone = sim["attn_row"]["commfuse"], sim["attn_qsplit"]["commfuse"], \
+            sim["attn_row"]["none"]
+        print(f"| {d} | {seq} | {pas} | {none['median_ms']:.1f} | {row['median_ms']:.1f} | "
+              f"{qs['median_ms']:.1f} | {qs['compute_ms'] / row['compute_ms']:.3f} | "
+              f"**{qs['median_ms'] / row['median_ms']:.3f}** | "
+              f"**{qs['median_ms'] / none['median_ms']:.3f}** | {prow:.1f}, {pqs:.1f} | "
+              f"{pqs / prow:.3f}, {pqs / pnone:.3f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
