@@ -1,6 +1,6 @@
 """The backward's cross-op prefetch of AG->GEMM re-gathers (`commfuse.ops.prefetch`).
 
-Pure: the plan (`commfuse.schedule.prefetch_plan`) posts ahead only what needs this rank's own
+Pure: the plan (`commfuse.schedule.prefetch.prefetch_plan`) posts ahead only what needs this rank's own
 slice, and every step runs once. On 2, 3 and 4 gloo ranks, every method: the TP model with the
 prefetch gives bit-identical logits, loss and gradients to the same model without it (the same
 GEMMs in the same slot order), both within tolerance of the unsharded model, and the
@@ -21,6 +21,7 @@ from commfuse.models.llama import Llama, LlamaConfig
 from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scatter
 from commfuse.ops.prefetch import Prefetcher
 from commfuse.parallel import ParallelDims, parallelize
+from commfuse.schedule.prefetch import early_steps, prefetch_plan
 from commfuse.testbed.spawn import run_local
 
 # --- the plan, no processes --------------------------------------------------------------------
@@ -36,7 +37,7 @@ def test_plan_posts_only_own_data_ahead_and_runs_every_step_once(method, topolog
                                                                   world, rank):
     g = schedule.build("ag_matmul", method, world, rank, topology=topology, chunks=3,
                        splits=splits)
-    plan = schedule.prefetch_plan(g)
+    plan = prefetch_plan(g)
     assert sorted(plan.early + plan.late) == list(range(len(g.steps)))
     assert list(plan.early) == sorted(plan.early) and list(plan.late) == sorted(plan.late)
     m = g.chunks // world
@@ -59,7 +60,7 @@ def test_plan_posts_only_own_data_ahead_and_runs_every_step_once(method, topolog
 
 def test_plan_is_posted_after_the_producers_last_post_and_says_so():
     producer = schedule.build("ag_matmul", "commfuse", 3, 0, topology="ring")
-    plan = schedule.prefetch_plan(schedule.build("ag_matmul", "commfuse", 3, 0,
+    plan = prefetch_plan(schedule.build("ag_matmul", "commfuse", 3, 0,
                                                  topology="direct"), producer)
     assert plan.at == max(i for i, s in enumerate(producer.steps)
                           if isinstance(s, schedule.Post))
@@ -68,7 +69,7 @@ def test_plan_is_posted_after_the_producers_last_post_and_says_so():
     assert first_prefetch == plan.at + 1
     assert sum("prefetch" in line for line in lines) == len(plan.early)
     with pytest.raises(ValueError, match="gather-side"):
-        schedule.early_steps(schedule.build("matmul_rs", "commfuse", 2, 0))
+        early_steps(schedule.build("matmul_rs", "commfuse", 2, 0))
 
 
 def test_prefetcher_rejects_bad_depth():

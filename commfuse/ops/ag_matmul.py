@@ -13,10 +13,10 @@ import dataclasses
 
 import torch
 
-from commfuse import schedule
 from commfuse.ops.binding import Binding, build, execute
 from commfuse.runtime import executor, modes
 from commfuse.schedule import Transfer
+from commfuse.schedule.prefetch import prefetch_plan
 
 
 class _GatherBinding(Binding):
@@ -88,8 +88,8 @@ def ag_matmul(a_sMK: torch.Tensor, bs_KN, sizes, group, spec, consume=None,
 
 
 class PostedGather:
-    """``all_gather(a_sMK, 0)`` posted ahead (`commfuse.schedule.prefetch_plan`): the schedule's
-    early steps (every transfer that needs only this rank's slice) run now, the rest in
+    """``all_gather(a_sMK, 0)`` posted ahead (`commfuse.schedule.prefetch.prefetch_plan`): the
+    schedule's early steps (every transfer that needs only this rank's slice) run now, the rest in
     `finish`, with the ``consume`` of the op that uses it; `abandon` waits out what was posted
     instead. P2P methods gather over the direct topology (every transfer early: the ring's
     forwards would wait for their arrival); the slots are computed in the same order either
@@ -100,7 +100,7 @@ class PostedGather:
             spec = dataclasses.replace(spec, topology="direct")
         self.binding = _GatherBinding(a_sMK.contiguous(), [], sizes, group.size(), group.rank(),
                                       spec)
-        self.plan = schedule.prefetch_plan(build("ag_matmul", spec, group, self.binding))
+        self.plan = prefetch_plan(build("ag_matmul", spec, group, self.binding))
         transport = executor.make_transport(group, a_sMK.device, spec.timeout, spec.collective)
         self.execution = executor.Execution(self.plan.gather, self.binding,
                                             executor.Retagged(transport, tag_offset))

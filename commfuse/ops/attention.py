@@ -34,28 +34,13 @@ import torch
 from commfuse.ops import attn_blocks as blocks
 from commfuse.ops import auto, checks, library
 from commfuse.ops.ag_matmul import ag_matmul
-from commfuse.ops.binding import even_sizes
+from commfuse.schedule import balanced_split
 from commfuse.ops.matmul_rs import reduce_scatter_of
 from commfuse.ops.methods import method_spec
 from commfuse.runtime import modes
 
 
 ORDERS = ("balanced", "contiguous")
-
-
-def balanced_split(total: int, world: int) -> tuple[tuple[int, ...], list[int]]:
-    """(rows per rank, the sequence positions of the slots in rank order) of the balanced
-    order: ``total`` rows cut into 2W chunks (`even_sizes`), rank p's slot is chunk p then
-    chunk 2W-1-p (16 rows over 2 ranks: positions 0-3, 12-15 | 4-7, 8-11)."""
-    chunks = even_sizes(total, 2 * world)
-    starts = [sum(chunks[:i]) for i in range(2 * world)]
-    pos: list[int] = []
-    sizes = []
-    for p in range(world):
-        for c in (p, 2 * world - 1 - p):
-            pos += range(starts[c], starts[c] + chunks[c])
-        sizes.append(chunks[p] + chunks[2 * world - 1 - p])
-    return tuple(sizes), pos
 
 
 def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal: bool = True,

@@ -10,11 +10,7 @@ from commfuse import schedule
 from commfuse.ops.methods import MethodSpec
 from commfuse.runtime import executor
 
-
-def even_sizes(total: int, world: int) -> tuple[int, ...]:
-    """Rows per rank of ``total`` rows over ``world`` ranks, as even as possible, the first
-    ranks one longer (10 over 4: 3, 3, 2, 2): the split every op assumes by default."""
-    return tuple(n for _, n in split(total, world))
+even_sizes = schedule.even_sizes  # the ops' default split (commfuse.even_sizes)
 
 
 class Binding:

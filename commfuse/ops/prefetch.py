@@ -15,10 +15,11 @@ the ops computes, the link carries it (TPSP block, backward order):
 A `Prefetcher` links the ops of one model. In the forward each AG->GEMM that will need its
 re-gather records a `Ticket` (`record`); the next fused op given the same prefetcher (the
 GEMM->RS after it) claims that ticket (`claim`). In the backward, that op posts the ticket's
-gather right after its own last post (`commfuse.schedule.last_post`), so the prefetch never
+gather right after its own last post (`commfuse.schedule.prefetch.last_post`), so the prefetch never
 queues ahead of its transfers; the AG->GEMM's backward then runs the rest of the gather
 (`take`), computing the weight gradients per slot in the same slot order as without prefetch
-(bit-identical gradients). The plan of what is posted when is `commfuse.schedule.PrefetchPlan`.
+(bit-identical gradients). The plan of what is posted when is
+`commfuse.schedule.prefetch.PrefetchPlan`.
 
 Every rank decides the same: what is recorded, claimed and posted follows the forward and the
 autograd graph (requires_grad, the op order), the same on every rank, never timing or local

@@ -33,7 +33,8 @@ from commfuse.errors import CommFuseError
 from commfuse.runtime import modes
 from commfuse.runtime.transport import Done, Transport
 from commfuse.schedule import (Collective, Compute, Post, Reduce, Schedule, Transfer, Wait,
-                               WaitCollective, last_post)
+                               WaitCollective)
+from commfuse.schedule.prefetch import last_post
 from commfuse.trace import Tracer
 
 
@@ -56,7 +57,7 @@ def make_transport(group: dist.ProcessGroup, device: torch.device, timeout_s: fl
 def run(schedule: Schedule, binding: Binding, transport: Transport, after_posts=None) -> None:
     """Execute ``schedule`` step by step; raise `CommFuseError` if a transfer fails or stalls.
     ``after_posts()``, if given, runs once right after the schedule's last Post / Collective
-    (`commfuse.schedule.last_post`): the point where a following op's prefetch is posted
+    (`commfuse.schedule.prefetch.last_post`): the point where a following op's prefetch is posted
     without queueing ahead of any of this op's own transfers."""
     execution = Execution(schedule, binding, transport)
     last = last_post(schedule)
@@ -151,7 +152,8 @@ def _trace(tracer: Tracer, op: str, step, t0: float, t1: float, posted_at: dict)
         if t1 - t0 > 1e-5:
             tracer.add("wait", f"{op} wait {t.kind} {t.slot}", t0, t1)
     elif isinstance(step, WaitCollective):
-        tracer.add("collective", f"{op} chunk {step.slot}", posted_at.pop(("collective", step.slot)), t1)
+        tracer.add("collective", f"{op} chunk {step.slot}",
+                   posted_at.pop(("collective", step.slot)), t1)
         if t1 - t0 > 1e-5:
             tracer.add("wait", f"{op} wait chunk {step.slot}", t0, t1)
 

@@ -4,7 +4,7 @@
 Query-split is a GEMM -> RS (out-projection) whose every slot also computes the causal
 attention of its query rows (``OpSpec.attention``): a slot's cost depends on which rows it
 holds, so contiguous slots cost unequal amounts at each ring step and balanced ones
-(`commfuse.ops.attention.balanced_split`) the same. Its backward is the dual AG -> GEMM whose
+(`commfuse.schedule.balanced_split`) the same. Its backward is the dual AG -> GEMM whose
 slots run dO = dOut @ W_o^T, dW_o and the attention backward of the arriving rows.
 
 Attention of n query rows that see K keys in all, per head of dim d: the two GEMMs QK^T and
@@ -14,7 +14,7 @@ attention's backward: recomputed scores, dV, dP, dQ, dK).
 
 from __future__ import annotations
 
-from commfuse.ops.binding import even_sizes
+from commfuse.schedule import balanced_split, even_sizes
 from commfuse.sim.costs import OpSpec
 
 BWD_FACTOR = 2.5
@@ -35,7 +35,6 @@ def slot_positions(spec: OpSpec, world: int, slot: int, pieces: int) -> list[int
     """The query rows of ``slot`` (a P2P slot p*m+j; chunk ``slot`` of every slice when the
     schedule cuts ``pieces`` > 0 chunks: none / sliced) for a spec with ``attention =
     (head_dim, order, factor)``."""
-    from commfuse.ops.attention import balanced_split  # (commfuse.ops imports the simulator)
 
     S, order = int(spec.shape[0]), spec.attention[1]
     if order == "balanced":
