@@ -195,7 +195,8 @@ class InferenceLlama(nn.Module):
             if self.query_split and self.group is not None:  # attention inside the RS ring
                 o_SBD = query_split_attention(*(t.transpose(0, 1) for t in (q, k, v)),
                                               blk.wo.t(), self.group, sizes=sizes,
-                                              method=self.method, **self.opts)
+                                              order="contiguous", method=self.method,
+                                              **self.opts)
                 return o_SBD.transpose(0, 1)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                v.transpose(1, 2), is_causal=True)
