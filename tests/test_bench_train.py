@@ -121,3 +121,15 @@ def test_prediction_of_a_configuration():
     step, limit = training.predict(Config("tiny", 2, 1, 1, "commfuse"), args)
     assert 0 < limit <= step
     assert training.predict(Config("tiny", 3, 1, 1, "none"), args) == (None, None)  # 4 heads
+
+
+def test_each_layouts_methods_rotate_between_repeats():
+    from commfuse.bench.train_table import rotated
+    cs = configs(["tiny"], ["tp2", "dp2"], ["none", "commfuse", "auto"])
+    first = [(c.layout, c.method) for c in rotated(cs, 0)]
+    assert first == [(c.layout, c.method) for c in cs]
+    second = [(c.layout, c.method) for c in rotated(cs, 1)]
+    assert second == [("tp2", "commfuse"), ("tp2", "auto"), ("tp2", "none"),
+                      ("dp2", "commfuse"), ("dp2", "auto"), ("dp2", "none")]
+    assert sorted(map(str, rotated(cs, 2))) == sorted(map(str, cs))
+    assert [c.method for c in rotated(cs, 3)][:3] == ["none", "commfuse", "auto"]

@@ -70,6 +70,23 @@ class Config:
         return flags + ([] if self.regather else ["--no-regather-prefetch"])
 
 
+def rotated(cfgs: list[Config], turn: int) -> list[Config]:
+    """``cfgs`` with each run of consecutive configurations of one preset, layout and
+    ``--prefetch`` value (its methods) rotated left by ``turn``: over repeats every method
+    takes every place in the order."""
+    out: list[Config] = []
+    i = 0
+    while i < len(cfgs):
+        group = (cfgs[i].preset, cfgs[i].layout)
+        j = i
+        while j < len(cfgs) and (cfgs[j].preset, cfgs[j].layout) == group:
+            j += 1
+        k = turn % (j - i)
+        out += cfgs[i + k:j] + cfgs[i:i + k]
+        i = j
+    return out
+
+
 def parse_layout(text: str) -> tuple[int, int, int]:
     """``tp2`` -> (2, 1, 1); ``tp2xdp2`` -> (2, 1, 2). ValueError on anything else."""
     m = LAYOUT_RE.match(text.strip())

@@ -67,7 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--dtype", choices=("float32", "bfloat16"), default="float32")
     a("--repeats", type=int, default=1,
       help="runs per configuration, the methods interleaved (all configurations once, then "
-           "again); the table shows medians over repeats (default 1)")
+           "again, each layout's methods in an order that rotates every repeat: a method's "
+           "place in the order moves its step by several percent on a shared machine); the "
+           "table shows medians over repeats (default 1)")
     a("--hw", default="cpu-testbed", help="the simulator's hardware preset for the predicted "
                                           "step and limit (default cpu-testbed)")
     a("--out", default="bench-out/train",
@@ -122,7 +124,7 @@ def run(args) -> int:
     say(f"[bench train] {total} runs ({len(cfgs)} configurations x {args.repeats}), "
         f"{meta['run']}; per-run JSON and logs in {out}, document {doc}")
     for rep in range(args.repeats):
-        for i, c in enumerate(cfgs):
+        for i, c in enumerate(train_table.rotated(cfgs, rep)):
             n = rep * len(cfgs) + i + 1
             path = out / f"{c.key}-r{rep + 1}.json"
             label = f"{c.preset} {c.layout} {c.label}"
