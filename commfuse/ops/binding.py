@@ -120,8 +120,7 @@ def execute(op: str, spec: MethodSpec, group: dist.ProcessGroup, binding,
 
 def split(size: int, parts: int) -> list[tuple[int, int]]:
     """(offset, length) of ``parts`` near-equal pieces of ``size`` (the first ones longer)."""
-    base, extra = size // parts, size % parts  # not divmod: Dynamo's symbolic sizes lack it
-    return _runs([base + 1 if i < extra else base for i in range(parts)])
+    return _runs(even_sizes(size, parts))
 
 
 def _runs(lengths) -> list[tuple[int, int]]:

@@ -278,7 +278,7 @@ def _slot(p: int, j: int, m: int) -> int:
 def even_sizes(total: int, world: int) -> tuple[int, ...]:
     """Rows per rank of ``total`` rows over ``world`` ranks, as even as possible, the first
     ranks one longer (10 over 4: 3, 3, 2, 2): the split every op assumes by default."""
-    base, extra = total // world, total % world
+    base, extra = total // world, total % world  # not divmod: Dynamo's symbolic sizes lack it
     return tuple(base + 1 if i < extra else base for i in range(world))
 
 
