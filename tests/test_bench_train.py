@@ -32,6 +32,13 @@ def test_layouts_and_configs():
         configs(["tiny"], ["tp2"], ["fast"])
     with pytest.raises(ValueError, match="unknown method"):
         configs(["tiny"], ["tp2"], ["none-torch"])  # train has no collective flag
+    with pytest.raises(ValueError, match="unknown method"):
+        configs(["tiny"], ["tp2"], ["fast-qs"])
+    # query-split forced on / off: TP layouts only
+    cs = configs(["tiny"], ["tp2", "dp2"], ["commfuse-qs", "auto-noqs", "auto"])
+    assert [c.key for c in cs] == ["tiny-tp2-commfuse-qs", "tiny-tp2-auto-noqs", "tiny-tp2-auto",
+                                   "tiny-dp2-auto"]
+    assert [c.query_split for c in cs] == [True, False, None, None]
 
 
 def test_train_flags_are_commfuse_train_flags():
@@ -45,6 +52,10 @@ def test_train_flags_are_commfuse_train_flags():
     assert (cfg.preset, cfg.up, cfg.splits) == ("small", 2, None)  # the cost model picks m
     cfg = config_from_args(p.parse_args(Config("tiny", 1, 1, 2, "sliced").train_flags()))
     assert (cfg.dp, cfg.method, cfg.chunks) == (2, "sliced", 4)
+    for qs, want in ((True, (True, False)), (False, (False, True)), (None, (False, False))):
+        cfg = config_from_args(p.parse_args(Config("tiny", 2, 1, 1, "auto",
+                                                   query_split=qs).train_flags()))
+        assert (cfg.query_split, cfg.no_query_split) == want
 
 
 def test_aggregate_medians_ratios_and_loss_check():

@@ -114,6 +114,9 @@ CFGS = {2: BASE, 3: {**BASE, "dim": 48, "n_heads": 6, "n_kv_heads": 3, "ffn_hidd
 METHODS = (("none", {}), ("sliced", {"chunks": 2}), ("decompose", {}),
            ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"}),
            ("commfuse", {"splits": 2}), ("auto", {}))
+# query-split attention: its backward posts q|k|v's re-gather (True: on for the method)
+QUERY_SPLIT = (("none", {}), ("commfuse", {"topology": "ring"}), ("commfuse", {"splits": 2}),
+               ("auto", {}))
 BATCH, SEQ = 2, 15  # 15 tokens: uneven sequence shards on 2 and 4 ranks
 
 
@@ -141,11 +144,11 @@ def _model_cases(rank: int, world: int) -> dict[str, list[str]]:
     grads_ref = {n: p.grad for n, p in ref.named_parameters()}
     mesh = ParallelDims(tp=world).build_mesh()
     out = {}
-    for method, opts in METHODS:
+    for method, opts, qs in [(*c, None) for c in METHODS] + [(*c, True) for c in QUERY_SPLIT]:
         runs = {}
         for depth in (1, 0):
             dims = ParallelDims(tp=world, method=method, method_opts=dict(opts),
-                                regather_prefetch=depth)
+                                regather_prefetch=depth, query_split=qs)
             pmodel = parallelize(copy.deepcopy(model0), dataclasses.replace(mesh, dims=dims))
             loss = _step(pmodel, tokens, targets)
             posts = pmodel.prefetch.posts if pmodel.prefetch else 0
@@ -162,7 +165,7 @@ def _model_cases(rank: int, world: int) -> dict[str, list[str]]:
             problems.append(f"loss {l1} vs reference {loss_ref.item()}")
         problems += [f"grad {n} rel {_rel(g1[n], grads_ref[n]):.1e}" for n in grads_ref
                      if _rel(g1[n], grads_ref[n]) > 1e-5]
-        out[f"{method}-{opts}"] = problems
+        out[f"{method}-{opts}{'-qs' if qs else ''}"] = problems
     out["unconsumed"] = _unconsumed(mesh, model0, tokens, targets)
     out["ops"] = _ops_unconsumed(mesh.seq_group)
     return out
@@ -240,7 +243,8 @@ def results(world: int) -> list[dict]:
     return run_local(_model_cases, world, timeout=600, pg_timeout_s=60)
 
 
-CASES = [f"{m}-{o}" for m, o in METHODS] + ["unconsumed", "ops"]
+CASES = [f"{m}-{o}" for m, o in METHODS] + [f"{m}-{o}-qs" for m, o in QUERY_SPLIT] + [
+    "unconsumed", "ops"]
 
 
 @pytest.mark.parametrize("world", (2, 3, 4))

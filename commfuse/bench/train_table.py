@@ -35,6 +35,10 @@ class Config:
     ``--reduce-in-op``; None: the default, not passed."""
     regather: bool = True
     """The backward posts AG->GEMM re-gathers ahead (`commfuse.ops.prefetch`; TP only)."""
+    query_split: bool | None = None
+    """TP attention and its out-projection per query slice: True ``commfuse train
+    --query-split`` (label suffix "-qs"), False ``--no-query-split`` ("-noqs"), None the
+    default (auto's cost model chooses; row-parallel for the other methods)."""
 
     @property
     def world(self) -> int:
@@ -53,8 +57,10 @@ class Config:
 
     @property
     def label(self) -> str:
-        """The method, and "-noprefetch" without the backward prefetch."""
-        return self.method + ("" if self.regather else "-noprefetch")
+        """The method, "-qs" / "-noqs" with query-split attention forced on / off,
+        "-noprefetch" without the backward prefetch."""
+        return (self.method + {None: "", True: "-qs", False: "-noqs"}[self.query_split]
+                + ("" if self.regather else "-noprefetch"))
 
     def train_flags(self) -> list[str]:
         """``commfuse train`` flags of this configuration (the method's options included)."""
@@ -67,7 +73,8 @@ class Config:
         for k, v in opts.items():
             if k != "collective":
                 flags += ["--" + k, str(v)]
-        return flags + ([] if self.regather else ["--no-regather-prefetch"])
+        return (flags + {None: [], True: ["--query-split"], False: ["--no-query-split"]}[
+            self.query_split] + ([] if self.regather else ["--no-regather-prefetch"]))
 
 
 def rotated(cfgs: list[Config], turn: int) -> list[Config]:
@@ -103,18 +110,32 @@ def parse_layout(text: str) -> tuple[int, int, int]:
 def configs(presets, layouts, methods, prefetch=(None,), regather=(True,)) -> list[Config]:
     """Every preset x layout x prefetch x method x regather setting, methods (then regather)
     innermost (each layout's methods together); ``prefetch``: the ``--prefetch`` values
-    (None: not passed); ``regather``: with and/or without the backward's re-gather prefetch."""
-    bad = [m for m in methods if m not in VARIANTS or VARIANTS[m][1].get("collective")]
+    (None: not passed); ``regather``: with and/or without the backward's re-gather prefetch.
+    A method label may end in "-qs" / "-noqs" (query-split attention on / off; TP layouts
+    only, skipped in the others)."""
+    parsed = [split_query_split(m) for m in methods]
+    bad = [m for m, (v, _) in zip(methods, parsed)
+           if v not in VARIANTS or VARIANTS[v][1].get("collective")]
     if bad:
         raise ValueError(f"unknown method(s) {bad}; choose from "
-                         f"{[v for v in VARIANTS if not VARIANTS[v][1].get('collective')]}")
+                         f"{[v for v in VARIANTS if not VARIANTS[v][1].get('collective')]}, "
+                         f"each optionally with -qs or -noqs")
     out = []
     for preset in presets:
         for layout in layouts:
             tp, up, dp = parse_layout(layout)
-            out += [Config(preset, tp, up, dp, m, pf, r) for pf in prefetch for m in methods
-                    for r in regather]
+            out += [Config(preset, tp, up, dp, m, pf, r, q) for pf in prefetch
+                    for m, q in parsed if q is None or tp > 1 for r in regather]
     return out
+
+
+def split_query_split(label: str) -> tuple[str, bool | None]:
+    """``"commfuse-qs"`` -> ("commfuse", True); ``"auto-noqs"`` -> ("auto", False);
+    ``"auto"`` -> ("auto", None)."""
+    for suffix, value in (("-noqs", False), ("-qs", True)):
+        if label.endswith(suffix):
+            return label[:-len(suffix)], value
+    return label, None
 
 
 def run_row(metrics: dict) -> dict:
@@ -146,8 +167,8 @@ def aggregate(runs: dict, predictions: dict | None = None, loss_tol: float = 1e-
                      "exposed_s": med("exposed_s"), "losses": per[0]["losses"],
                      "predicted_s": predictions.get(cfg, (None, None))[0],
                      "limit_s": predictions.get(cfg, (None, None))[1]})
-    nones = sorted((r for r in rows if r["config"].method == "none"),
-                   key=lambda r: not r["config"].regather)  # no prefetch last: it wins
+    nones = sorted((r for r in rows if r["config"].method == "none"),  # the plain one wins
+                   key=lambda r: (r["config"].query_split is not None, not r["config"].regather))
     base = {(r["config"].preset, r["config"].layout): r for r in nones}
     for r in rows:
         b = base.get((r["config"].preset, r["config"].layout))

@@ -50,7 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
            "runs on tp*up*dp ranks (default tp2,up2,dp2)")
     a("--methods", default="none,sliced,commfuse,auto",
       help="comma-separated method labels (none, sliced, decompose, commfuse, commfuse-m2, "
-           "commfuse-m4, commfuse-direct, auto); none is the baseline of the ratios "
+           "commfuse-m4, commfuse-direct, auto), each optionally ending in -qs or -noqs: "
+           "query-split TP attention forced on (commfuse train --query-split) or off "
+           "(--no-query-split; by default auto's cost model chooses, the other methods run "
+           "row-parallel); TP layouts only. none is the baseline of the ratios "
            "(default none,sliced,commfuse,auto)")
     a("--prefetch", default=None,
       help="comma-separated commfuse train --prefetch values, each run as its own layout "
@@ -197,7 +200,8 @@ def predict(c: Config, args) -> tuple[float | None, float | None]:
     try:
         model = LlamaConfig.preset(c.preset, max_seq_len=args.seq_len)
         dims = ParallelDims(c.tp, c.up, c.dp, method, opts, world_size=c.world,
-                            regather_prefetch=1 if c.regather else 0)
+                            regather_prefetch=1 if c.regather else 0,
+                            query_split=c.query_split)
         dtype_bytes = 4 if args.dtype == "float32" else 2
         r = simulate_step(model, dims, args.hw, seq=args.seq_len, batch=args.batch_size,
                           micro_batch=args.batch_size // c.dp, dtype_bytes=dtype_bytes,

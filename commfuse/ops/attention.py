@@ -37,6 +37,7 @@ from commfuse.ops.ag_matmul import ag_matmul
 from commfuse.schedule import balanced_split
 from commfuse.ops.matmul_rs import reduce_scatter_of
 from commfuse.ops.methods import method_spec
+from commfuse.ops.prefetch import Prefetcher
 from commfuse.runtime import modes
 
 
@@ -45,11 +46,15 @@ ORDERS = ("balanced", "contiguous")
 
 def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal: bool = True,
                           order: str = "balanced", method: str = "commfuse", sizes=None,
-                          **opts) -> torch.Tensor:
+                          prefetch=None, **opts) -> torch.Tensor:
     """``reduce_scatter(attn(q, k, v) @ wo, dim 0)`` -> ``[sizes[rank], B, D]``, run per query
     slice. ``order="contiguous"``: rank p keeps rows ``sum(sizes[:p])..`` (``sizes`` defaults
     to `even_sizes`); ``"balanced"``: rank p keeps the rows of ``balanced_split(S, W)``'s
-    positions for p, in that order (``sizes``, if given, must be that split's)."""
+    positions for p, in that order (``sizes``, if given, must be that split's).
+    ``prefetch``: a `commfuse.ops.prefetch.Prefetcher` shared with the fused ops around this
+    one; the backward posts the re-gather of the AG->GEMM before it (q|k|v's) right after its
+    own last post, so that gather moves during the rest of the attention backward (eager only,
+    as for GEMM -> RS)."""
     for name, t in (("q", q_SBHd), ("k", k_SBHd), ("v", v_SBHd)):
         checks.check_tensor(name, t, 4)
     if not (q_SBHd.shape == k_SBHd.shape == v_SBHd.shape):
@@ -60,6 +65,9 @@ def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal:
     S, B, H, d = q_SBHd.shape
     checks.check_matmul("q (flattened heads)", q_SBHd.new_empty(0, H * d), "wo", wo_HdD)
     spec = method_spec(method, opts)
+    if prefetch is not None and not isinstance(prefetch, Prefetcher):
+        raise TypeError(f"prefetch must be a commfuse.ops.prefetch.Prefetcher or None, "
+                        f"got {type(prefetch).__name__}")
     group = checks.resolve_group(group)
     if order == "balanced":
         split = balanced_split(S, group.size())[0]
@@ -74,7 +82,7 @@ def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal:
         return query_split_op(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, order, list(sizes),
                               group.group_name, library.spec_str(spec))[0]
     return QuerySplitAttention.apply(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, order, sizes,
-                                     group, spec)
+                                     group, spec, prefetch)
 
 
 def _positions(order: str, sizes, world: int) -> torch.Tensor:
@@ -139,23 +147,31 @@ class QuerySplitAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, wo, causal, order, sizes, group, spec):
+    def forward(ctx, q, k, v, wo, causal, order, sizes, group, spec, prefetcher=None):
         out, o, lse = _forward(q, k, v, wo, causal, order, sizes, group, spec)
         ctx.save_for_backward(q, k, v, wo, o, lse)
         ctx.args = causal, order, sizes, group, spec
+        # the AG->GEMM just before this op (q|k|v): its re-gather is posted by this backward
+        ctx.ticket = None if prefetcher is None else prefetcher.claim()
         return out
 
     @staticmethod
     def backward(ctx, g_sBD):
-        return (*query_split_backward(*ctx.saved_tensors, g_sBD, *ctx.args),
-                None, None, None, None, None)
+        ticket, ctx.ticket = ctx.ticket, None
+        at = None if ticket is None else ticket.prefetcher.at
+        grads = query_split_backward(*ctx.saved_tensors, g_sBD, *ctx.args,
+                                     after_posts=ticket.post if at == "posts" else None)
+        if at == "end":
+            ticket.post()
+        return (*grads, None, None, None, None, None, None)
 
 
 def query_split_backward(q, k, v, wo, o_BHSd, lse_BHS, g_sBD, causal: bool, order: str, sizes,
-                         group, spec):
+                         group, spec, after_posts=None):
     """(dq, dk, dv, dwo) of `QuerySplitAttention`, fused with the all-gather of dOut: each
     arriving slot's rows feed dO = dOut[slot] @ wo^T, the attention backward of those query
-    rows and dwo += O[slot]^T dOut[slot] (slots summed in this rank's gather order)."""
+    rows and dwo += O[slot]^T dOut[slot] (slots summed in this rank's gather order).
+    ``after_posts()`` runs right after that gather's last post (`commfuse.ops.prefetch`)."""
     S, B, H, d = q.shape
     q_BHSd, k_BHSd, v_BHSd = _bhsd(q), _bhsd(k), _bhsd(v)
     dq_BHSd = torch.zeros_like(q_BHSd)
@@ -181,7 +197,8 @@ def query_split_backward(q, k, v, wo, o_BHSd, lse_BHS, g_sBD, causal: bool, orde
                 go_BHRd[:, :, i:i + n], q_BHSd[:, :, a:a + n], k_BHSd, v_BHSd,
                 o_BHSd[:, :, a:a + n], lse_BHS[:, :, a:a + n], a, causal, dk_BHSd, dv_BHSd)
 
-    ag_matmul(g_sBD.contiguous(), [], sizes, group, spec, consume=consume)
+    ag_matmul(g_sBD.contiguous(), [], sizes, group, spec, consume=consume,
+              after_posts=after_posts)
     unbhsd = lambda t: t.permute(2, 0, 1, 3)
     return (unbhsd(dq_BHSd), unbhsd(dk_BHSd), unbhsd(dv_BHSd),
             dwo[0] if dwo else torch.zeros_like(wo))

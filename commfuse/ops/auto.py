@@ -36,6 +36,7 @@ from commfuse.sim.hardware import resolve as resolve_hw
 _HARDWARE: dict[str, Hardware] = {}  # device type -> hardware model
 _CHOICES: dict[tuple, tuple[str, dict]] = {}  # auto's choices
 _SPLITS: dict[tuple, int] = {}  # commfuse's m per shape
+_QUERY_SPLIT: dict[tuple, bool] = {}  # TP attention: query-split or row-parallel, per shape
 log = logging.getLogger("commfuse.auto")
 
 
@@ -46,6 +47,7 @@ def set_hardware(hw, device_type: str = "cpu") -> None:
         raise TypeError(f"hw must be a commfuse.sim.Hardware or a preset name, got {hw!r}")
     _CHOICES.clear()  # (not _AGREED: whether a call exchanges must not differ between ranks)
     _SPLITS.clear()
+    _QUERY_SPLIT.clear()
 
 
 def _hardware(device_type: str) -> Hardware:
@@ -182,3 +184,37 @@ def agree(group, op: str, shape: tuple, like: torch.Tensor, choice: tuple[str, d
             f"choices (this rank: {choice[0]} {choice[1]}); call "
             "commfuse.ops.auto.set_hardware with the same model on every rank")
     done.add(key)
+
+
+def choose_query_split(seq: int, batch: int, heads: int, kv_heads: int, head_dim: int,
+                       dim: int, world: int, like: torch.Tensor,
+                       regather_prefetch: bool = True) -> bool:
+    """Whether TP attention under method "auto" runs query-split (`commfuse.ops.attention`)
+    rather than row-parallel attention + out-projection: ``batch`` sequences of ``seq``
+    tokens, ``heads`` / ``kv_heads`` heads in all of ``head_dim``, model dim ``dim``, on
+    ``world`` ranks. The simulator times both, forward and backward, each op with auto's own
+    method, with q|k|v's re-gather after them (posted ahead with ``regather_prefetch``)
+    (`commfuse.sim.step.query_split_wins`). Every rank has these global shapes, so every rank
+    decides the same (given the same hardware model, as for every choice here). Only where
+    query-split's attention blocks run fused kernels (CPU, `attn_blocks.fused_kernels`): on
+    other devices they are plain torch formulas, which the model does not time."""
+    from types import SimpleNamespace
+
+    from commfuse.ops.attn_blocks import fused_kernels
+    from commfuse.sim.step import OpTimer, query_split_wins
+
+    if not fused_kernels(like):
+        return False
+
+    device_type = like.device.type
+    hw = _hardware(device_type)
+    key = (seq, batch, heads, kv_heads, head_dim, dim, world, like.element_size(), device_type,
+           id(hw), regather_prefetch)
+    if key not in _QUERY_SPLIT:
+        cfg = SimpleNamespace(n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, dim=dim)
+        timer = OpTimer(like.element_size(), STEP_OVERHEAD_S.get(device_type, 50e-6))
+        _QUERY_SPLIT[key] = world > 1 and query_split_wins(cfg, world, seq, batch, "auto", {},
+                                                           hw, timer, regather_prefetch)
+        log.info("auto: TP attention of %d x %d tokens, %d heads on %d ranks -> %s", batch, seq,
+                 heads, world, "query-split" if _QUERY_SPLIT[key] else "row-parallel")
+    return _QUERY_SPLIT[key]

@@ -39,9 +39,11 @@ class ParallelDims:
     """The fused-op method used by every op: "none", "sliced", "decompose" or "commfuse"."""
     method_opts: dict = field(default_factory=dict)
     """Options of that method, passed to every op: topology ("ring" | "direct"), chunks, timeout."""
-    query_split: bool = False
+    query_split: bool | None = None
     """Query-split TP attention: attention and the out-projection partial run per query slice
-    inside the reduce-scatter ring (`commfuse.ops.attention`); needs tp > 1."""
+    inside the reduce-scatter ring (`commfuse.ops.attention`); needs tp > 1. None (default):
+    under method "auto" the cost model decides per sequence shape
+    (`commfuse.ops.auto.choose_query_split`), otherwise row-parallel; False: never."""
     world_size: int | None = None
     """Ranks in the job. None: torch.distributed's world size if initialised, else tp*up*dp."""
     prefetch: int = 1
@@ -76,6 +78,9 @@ class ParallelDims:
         p = self.regather_prefetch
         if not isinstance(p, int) or isinstance(p, bool) or p < 0:
             raise ValueError(f"ParallelDims.regather_prefetch must be an int >= 0, got {p!r}")
+        if self.query_split not in (None, True, False):
+            raise ValueError(f"ParallelDims.query_split must be None, True or False, got "
+                             f"{self.query_split!r}")
         if self.query_split and self.tp == 1:
             raise ValueError("query_split=True needs tp > 1: it is a TP attention schedule")
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) \

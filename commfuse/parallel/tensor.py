@@ -33,6 +33,7 @@ from torch import nn
 
 from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scatter
 from commfuse.models.llama import Attention, MLP, apply_rope
+from commfuse.ops import auto
 from commfuse.ops.attention import query_split_attention
 from commfuse.parallel.data import gather_rows, regathered, weight
 
@@ -66,7 +67,7 @@ class TPAttention(nn.Module):
     """Column-parallel q/k/v (one fused AG->GEMM) and row-parallel out-proj (GEMM->RS)."""
 
     def __init__(self, attn: Attention, tp_group, op_kwargs: dict, dp_group=None,
-                 query_split: bool = False, layout=None, prefetch=None):
+                 query_split: bool | None = None, layout=None, prefetch=None):
         super().__init__()
         self.layout = layout  # the sequence split (commfuse.parallel.SeqLayout); None: even
         self.prefetch = prefetch  # a commfuse.ops.prefetch.Prefetcher shared by the model
@@ -95,16 +96,30 @@ class TPAttention(nn.Module):
                                                **self.op_kwargs)
         B, S, K = q.shape[0], q.shape[1], self.head_dim
         q, k, v = q.view(B, S, -1, K), k.view(B, S, -1, K), v.view(B, S, -1, K)
-        if self.query_split:  # attention + out-proj per query slice, inside the RS ring
+        if self._query_split(q, k, wo):  # attention + out-proj per query slice, in the RS ring
             q, k, v = (t.transpose(0, 1) for t in rope_and_expand(q, k, v, cos_SK, sin_SK))
             return query_split_attention(q, k, v, wo.t(), self.group, order="contiguous",
                                          sizes=getattr(self.layout, "sizes", None),
+                                         prefetch=self.prefetch,
                                          **self.op_kwargs).transpose(0, 1)
         o_BShK = causal_attention(q, k, v, cos_SK, sin_SK)
         # each partial out-proj's transfer hides behind the next slice's GEMM; in backward,
         # q|k|v's re-gather is posted after its posts and hides behind the SDPA backward
         return fused_matmul_reduce_scatter(o_BShK.reshape(B, S, -1), wo.t(), "sum", 1,
                                            self.group, prefetch=self.prefetch, **self.op_kwargs)
+
+    def _query_split(self, q_BShK: torch.Tensor, k_BSgK: torch.Tensor,
+                     wo_DX: torch.Tensor) -> bool:
+        """``query_split``, or where it is None: under method "auto" the cost model's choice
+        for this shape (`commfuse.ops.auto.choose_query_split`), else row-parallel."""
+        if self.query_split is not None:
+            return self.query_split
+        if self.op_kwargs.get("method") != "auto":
+            return False
+        B, S, h, K = q_BShK.shape
+        T = self.group.size()
+        return auto.choose_query_split(S, B, h * T, k_BSgK.shape[2] * T, K, wo_DX.shape[0], T,
+                                       q_BShK, self.prefetch is not None)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Gradients of the unsharded wq/wk/wv/wo (collective over TP, and DP if sharded)."""

@@ -7,9 +7,10 @@ holds, so contiguous slots cost unequal amounts at each ring step and balanced o
 (`commfuse.schedule.balanced_split`) the same. Its backward is the dual AG -> GEMM whose
 slots run dO = dOut @ W_o^T, dW_o and the attention backward of the arriving rows.
 
-Attention of n query rows that see K keys in all, per head of dim d: the two GEMMs QK^T and
-PV, each `Hardware.gemm_time(n, d, K / n)`; the backward ``BWD_FACTOR`` times that (flash
-attention's backward: recomputed scores, dV, dP, dQ, dK).
+Attention of n query rows that see K keys in all, per head of dim d: 4 d K FLOPs (QK^T and
+PV) at the preset's fused-attention efficiency (`Hardware.attention_time`), or where it has
+none the two GEMMs, each `Hardware.gemm_time(n, d, K / n)`; the backward ``BWD_FACTOR`` times
+that (flash attention's backward: recomputed scores, dV, dP, dQ, dK).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def attention_s(hw, positions, heads: float, head_dim: int, factor: float = 1.0,
     if not n:
         return 0.0
     keys = sum(positions) + n  # row p sees p + 1 keys
+    if hw.attention_efficiency[0]:  # a fused kernel: QK^T and PV, 2 FLOPs a multiply-add
+        return hw.attention_time(4 * factor * heads * head_dim * keys, keys / n,
+                                 backward=factor > 1, rank=rank)
     return 2 * factor * heads * hw.gemm_time(n, head_dim, keys / n, rank=rank)
 
 
@@ -36,7 +40,7 @@ def slot_positions(spec: OpSpec, world: int, slot: int, pieces: int) -> list[int
     schedule cuts ``pieces`` > 0 chunks: none / sliced) for a spec with ``attention =
     (head_dim, order, factor)``."""
 
-    S, order = int(spec.shape[0]), spec.attention[1]
+    S, order = int(spec.shape[0]) // _batch(spec), spec.attention[1]
     if order == "balanced":
         sizes, pos = balanced_split(S, world)
     else:
@@ -59,10 +63,15 @@ def slot_attention_s(hw, spec: OpSpec, world: int, slot: int, pieces: int, rank:
     """The attention one Compute step of ``spec`` adds (0 without ``spec.attention``)."""
     if not spec.attention:
         return 0.0
-    head_dim, _, factor = spec.attention
+    head_dim, _, factor = spec.attention[:3]
     width = spec.shape[1] if spec.op == "matmul_rs" else spec.shape[2] / 2  # X (dO | dW_o)
-    return attention_s(hw, slot_positions(spec, world, slot, pieces), width / head_dim,
-                       head_dim, factor, rank)
+    return attention_s(hw, slot_positions(spec, world, slot, pieces),
+                       _batch(spec) * width / head_dim, head_dim, factor, rank)
+
+
+def _batch(spec: OpSpec) -> int:
+    """The sequences of an attention spec (its rows M are batch x sequence)."""
+    return int(spec.attention[3]) if len(spec.attention) > 3 else 1
 
 
 def layer_specs(workload: str, method: str, world: int, seq: int, d: int, backward: bool,

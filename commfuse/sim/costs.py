@@ -19,8 +19,9 @@ class OpSpec:
     chunks: int = 4
     splits: int = 1
     attention: tuple = ()
-    """(head_dim, order, factor): every Compute slot also runs causal attention of its query
-    rows, ``factor`` times the forward's (query-split, `commfuse.sim.attention`); () none."""
+    """(head_dim, order, factor[, batch]): every Compute slot also runs causal attention of its
+    query rows, ``factor`` times the forward's, for each of ``batch`` sequences (default 1;
+    M = batch x sequence) (query-split, `commfuse.sim.attention`); () none."""
 
 
 @dataclass(frozen=True)

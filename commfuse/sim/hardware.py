@@ -67,6 +67,10 @@ class Hardware:
     attention_efficiency: tuple = (0.0, 0.0)
     """Fraction of ``gemm_flops`` a fused attention kernel reaches (forward, backward), causal
     FLOPs counted; (0, 0): time attention as GEMMs (``gemm_time``)."""
+    attention_k0: float = 0.0
+    """Mean keys per query row at which a fused attention kernel reaches half of
+    ``attention_efficiency`` (short sequences run below it, as small GEMMs do); 0: the same
+    efficiency at every length."""
     memory_gib: float = 0.0
     """Device memory a process can allocate (GiB); 0: unknown (every plan fits)."""
     tdp_w: float = 0.0
@@ -120,6 +124,16 @@ class Hardware:
         t = 2.0 * m * k * n / (self.gemm_flops * self.clock_factor()
                                * self.gemm_efficiency(m, k, n))
         return t * self.compute_straggler.get(rank, 1.0)
+
+    def attention_time(self, flops: float, keys_per_row: float, backward: bool = False,
+                       rank: int = 0) -> float:
+        """Seconds of a fused attention kernel of ``flops`` (causal FLOPs) whose query rows see
+        ``keys_per_row`` keys on average, at ``attention_efficiency`` (needs it set)."""
+        e = self.attention_efficiency[1 if backward else 0]
+        if self.attention_k0:
+            e *= keys_per_row / (keys_per_row + self.attention_k0)
+        return flops / (self.gemm_flops * self.clock_factor() * e) \
+            * self.compute_straggler.get(rank, 1.0)
 
     def add_time(self, nbytes: float, rank: int = 0) -> float:
         """Seconds to add two tensors of ``nbytes`` each into a third on ``rank``."""
@@ -221,12 +235,16 @@ PRESETS: dict[str, Hardware] = {
     # --calibrate` to docs/benchmarks/2026-11-29-duplex/op-forward (150.1 GFLOP/s; 1.238
     # Gbit/s, which with duplex efficiency 0.75 is 0.93 Gbit/s each way; 3.0 ms of host time
     # per collective launch, 2.9 ms per P2P post: fits, which also absorb the CPU that a
-    # launch's transfers take from the GEMM): see docs/sim-vs-measured.md.
+    # launch's transfers take from the GEMM): see docs/sim-vs-measured.md. Attention: ATen's
+    # CPU flash kernel on one thread of this VM reached 0.25 / 0.43 / 0.48 of gemm_flops
+    # forward at S = 512 / 2048 / 4096 (0.24 / 0.42 / 0.46 backward, 2.5x the FLOPs):
+    # 0.55 (0.52) x K/(K + 300) for K mean keys per row (docs/sim-vs-measured.md).
     "cpu-testbed": Hardware(gemm_flops=150.1e9, link_bandwidth=1.238e9 / 8, link_latency=50e-6,
                             mem_bandwidth=5e9, gemm_max_efficiency=1.0, m0=8.0, n0=8.0,
                             k0=32.0, interference=0.3, duplex_efficiency=0.75,
                             collective_efficiency=0.75, host_collective_s=3.0e-3,
-                            host_p2p_s=2.9e-3),
+                            host_p2p_s=2.9e-3, attention_efficiency=(0.55, 0.52),
+                            attention_k0=300.0),
 }
 
 

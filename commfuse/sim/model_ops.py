@@ -129,6 +129,11 @@ class StepOp:
     axis: str
     shape: tuple
     count: float = 1.0
+    attention: tuple = ()
+    """A fused op whose slots also run causal attention (`commfuse.sim.costs.OpSpec`'s
+    ``attention``: query-split TP attention); on a "gemm", (head_dim, order, factor): causal
+    attention of one sequence's ``shape[0]`` rows, timed as a fused kernel where the hardware
+    has an attention efficiency (else as the GEMM ``shape``)."""
 
 
 def _linear_local(name, n, i, o, backward, sm=None):
@@ -172,8 +177,10 @@ def _rs_backward(name, n, k, o, axis, sm: StepModel):
 
 def block_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, seq: int, mb: int,
               backward: bool = True, dtype_bytes: float = 2,
-              sm: StepModel = CURRENT) -> tuple[list, list]:
-    """(forward ops, backward ops in backward order) of one transformer block."""
+              sm: StepModel = CURRENT, query_split: bool = False) -> tuple[list, list]:
+    """(forward ops, backward ops in backward order) of one transformer block.
+    ``query_split`` (tp > 1): the attention runs inside the out-projection's GEMM->RS
+    (`tp_attention_ops`)."""
     D, hd, H, G, F = cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden
     qkv, o_in, n, inner = (H + 2 * G) * hd, H * hd, mb * seq, tp * up
     nl = n // inner
@@ -188,9 +195,9 @@ def block_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, seq: int, mb: int,
                 "w_down": F // t * D}
         gathers = [StepOp(f"gather {k}", "all_gather", "dp", (v * dtype_bytes,))
                    for k, v in mats.items()] if dp > 1 else []
+        attn_f, attn_bwd = tp_attention_ops(cfg, t, seq, mb, query_split, sm)
         fwd += gathers[:4] + [
-            StepOp("q|k|v", "ag_matmul", "tp", (n, D, qkv // t)), attn,
-            StepOp("out-proj", "matmul_rs", "tp", (n, o_in // t, D))] + gathers[4:] + [
+            StepOp("q|k|v", "ag_matmul", "tp", (n, D, qkv // t))] + attn_f + gathers[4:] + [
             StepOp("gate|up", "ag_matmul", "tp", (n, D, 2 * F // t)),
             StepOp("down", "matmul_rs", "tp", (n, F // t, D))]
         if backward:  # the DP-gathered weights are gathered again (regather) or were kept
@@ -198,8 +205,7 @@ def block_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, seq: int, mb: int,
                                 g.shape) for g in gathers] if sm.ag_backward == "regather" else []
             bwd += (regathers[4:] + _rs_backward("down", n, F // t, D, "tp", sm)
                     + _ag_backward("gate|up", n, D, 2 * F // t, "tp", sm) + regathers[:4]
-                    + _rs_backward("out-proj", n, o_in // t, D, "tp", sm) + [attn_b]
-                    + _ag_backward("q|k|v", n, D, qkv // t, "tp", sm))
+                    + attn_bwd + _ag_backward("q|k|v", n, D, qkv // t, "tp", sm))
             bwd += [StepOp(g.name.replace("gather", "grad RS"), "reduce_scatter", "dp", g.shape)
                     for g in gathers]
         return fwd, bwd
@@ -229,6 +235,30 @@ def block_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, seq: int, mb: int,
         f, b = lin(name, nl, i, o, backward, sm)
         fwd, bwd = fwd + f, b + bwd
     return fwd, bwd
+
+
+def tp_attention_ops(cfg: LlamaConfig, tp: int, seq: int, mb: int, query_split: bool,
+                     sm: StepModel = CURRENT) -> tuple[list, list]:
+    """(forward, backward) ops of TP attention and its out-projection on ``tp`` ranks.
+    Row-parallel: local causal attention, then the out-projection's GEMM->RS; backward its
+    dual and the attention backward. Query-split (`commfuse.ops.attention`, the contiguous
+    order the TP plan runs): one GEMM->RS whose slots each also run the attention of their
+    query rows; backward one AG->GEMM whose slots run dO, dW_o and the attention backward of
+    the arriving rows (2x the forward's attention, as ``attention bwd`` here)."""
+    hd, n, o_in = cfg.head_dim, mb * seq, cfg.n_heads * cfg.head_dim
+    if query_split:
+        return ([StepOp("attention+out-proj", "matmul_rs", "tp", (n, o_in // tp, cfg.dim),
+                        attention=(hd, "contiguous", 1.0, mb))],
+                [StepOp("out-proj+attention bwd", "ag_matmul", "tp", (n, cfg.dim, 2 * o_in // tp),
+                        attention=(hd, "contiguous", 2.5, mb))])
+    local = mb * cfg.n_heads / tp  # per (sequence, head); the backward counts two of those,
+    # so its fused kernel is half its 2.5x (`commfuse.sim.attention.BWD_FACTOR`) per count
+    return ([StepOp("attention", "gemm", "local", (seq, hd, seq), local,
+                    attention=(hd, "contiguous", 1.0)),
+             StepOp("out-proj", "matmul_rs", "tp", (n, o_in // tp, cfg.dim))],
+            _rs_backward("out-proj", n, o_in // tp, cfg.dim, "tp", sm)
+            + [StepOp("attention bwd", "gemm", "local", (seq, hd, seq), 2 * local,
+                      attention=(hd, "contiguous", 1.25))])
 
 
 def _seq_axis(tp: int, up: int) -> str:

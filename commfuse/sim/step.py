@@ -37,11 +37,13 @@ from dataclasses import dataclass
 import math
 
 from commfuse.sim.choose import best_splits, fastest
+from commfuse.sim.attention import attention_s
 from commfuse.sim.costs import OpSpec
 from commfuse.sim.hardware import Hardware
 from commfuse.sim.hardware import resolve as resolve_hw
 from commfuse.sim.model_ops import (CURRENT, FUSED, StepModel, StepOp, block_ops, embed_ops,
-                                    grad_sync_ops, head_ops, model_config, wire_bytes)
+                                    grad_sync_ops, head_ops, model_config, tp_attention_ops,
+                                    wire_bytes)
 from commfuse.sim.ops import simulate_ops
 from commfuse.trace import Span, write_trace
 
@@ -61,9 +63,14 @@ class OpTimer:
     def time(self, op: StepOp, method: str, opts: dict, world: int, hw: Hardware):
         """(total s, compute-alone s, label) of one ``op`` on a group of ``world`` ranks."""
         if op.kind == "gemm":
-            t = hw.gemm_time(*op.shape)
+            if op.attention and hw.attention_efficiency[0]:
+                head_dim, _, factor = op.attention[:3]
+                t = attention_s(hw, range(op.shape[0]), 1, head_dim, factor)
+            else:
+                t = hw.gemm_time(*op.shape)
             return t, t, ""
-        key = (op.kind, op.shape, method, tuple(sorted(opts.items())), world, repr(hw))
+        key = (op.kind, op.shape, op.attention, method, tuple(sorted(opts.items())), world,
+               repr(hw))
         if key not in self.cache:
             self.cache[key] = self._time(op, method, opts, world, hw)
         return self.cache[key]
@@ -85,10 +92,43 @@ class OpTimer:
             opts = {**opts, "splits": best_splits(op.kind, op.shape, world, self.dtype_bytes, hw,
                                                   self.auto_step_s, topology)}
         sym = not (hw.compute_straggler or hw.link_straggler)
-        spec = OpSpec(op.kind, method, op.shape, **_spec_opts(opts))
+        spec = OpSpec(op.kind, method, op.shape, attention=op.attention, **_spec_opts(opts))
         r = simulate_ops([spec], world, self.dtype_bytes, hw, timeline=False, symmetric=sym)
         self.simulations += 1
         return r.total_s, r.compute_s, " ".join([method] + [f"{k}={v}" for k, v in opts.items()])
+
+
+def query_split_wins(cfg, tp: int, seq: int, mb: int, method: str, opts: dict, hw,
+                     timer: OpTimer, regather_prefetch: bool = True) -> bool:
+    """Whether query-split TP attention is predicted faster than row-parallel attention +
+    out-projection for ``mb`` sequences of ``seq`` tokens on ``tp`` ranks: their forward and
+    backward (`commfuse.sim.model_ops.tp_attention_ops`) and q|k|v's re-gather after them,
+    which the backward before it posts ahead (``regather_prefetch``; `prefetch_credit`) as the
+    step does."""
+    n, qkv = mb * seq, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    regather = StepOp("q|k|v dW", "ag_matmul", "tp", (n, cfg.dim, qkv // tp))
+
+    def time(op: StepOp, part: int = 0) -> float:
+        return timer.time(op, method, opts, 1 if op.axis == "local" else tp, hw)[part] * op.count
+
+    def total(query_split: bool) -> float:
+        f, b = tp_attention_ops(cfg, tp, seq, mb, query_split)
+        hide = prefetch_credit(b + [regather], tp).get(regather, []) if regather_prefetch \
+            else []
+        return sum(time(op) for op in f + b) + max(
+            time(regather, 1), time(regather) - sum(time(g, 1) for g in hide))
+    return total(True) < total(False)
+
+
+def resolve_query_split(parallel, cfg, seq: int, mb: int, dtype_bytes: float, hw,
+                        timer: OpTimer) -> bool:
+    """``parallel.query_split``, or where it is None (the plan's default) what the TP plan
+    runs: query-split under method "auto" where `query_split_wins`, else row-parallel."""
+    if parallel.query_split is not None:
+        return bool(parallel.query_split)
+    return parallel.method == "auto" and query_split_wins(
+        cfg, parallel.tp, seq, mb, parallel.method, parallel.method_opts, hw, timer,
+        bool(getattr(parallel, "regather_prefetch", 1)))
 
 
 def _spec_opts(opts: dict) -> dict:
@@ -137,8 +177,6 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
 
     cfg, hw = model_config(model), resolve_hw(hw)
     tp, up, dp = parallel.tp, parallel.up, parallel.dp
-    if parallel.query_split:
-        raise ValueError("query-split attention is not modelled by simulate_step")
     batch = dp * micro_batch if batch is None else batch
     parallel.check_model(cfg, seq, batch)
     if micro_batch < 1 or batch % (dp * micro_batch):
@@ -156,7 +194,9 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
         if span > node_size:
             group[axis] = (group[axis][0], hw.with_links_of(inter))
     sm, mb = step_model, micro_batch
-    fwd, bwd = block_ops(cfg, tp, up, dp, seq, mb, backward, dtype_bytes, sm)
+    fwd, bwd = block_ops(cfg, tp, up, dp, seq, mb, backward, dtype_bytes, sm,
+                         query_split=tp > 1 and resolve_query_split(parallel, cfg, seq, mb,
+                                                                    dtype_bytes, hw, timer))
     hf, hb = head_ops(cfg, tp, up, dp, seq, mb, backward, dtype_bytes, sm)
     ef, eb = embed_ops(cfg, tp, up, seq, mb, backward, dtype_bytes, sm)
     hf, hb = ef + hf, hb + eb  # embedding first in the forward, last in the backward
@@ -164,7 +204,7 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     sync = grad_sync_ops(cfg, tp, up, dp, dtype_bytes, sm) if backward else []
     n_mb = batch // (dp * mb)
     times, breakdown, wire = {}, {}, {}
-    credit = prefetch_credit(bwd) if sm.regather_prefetch and getattr(
+    credit = prefetch_credit(bwd, tp) if sm.regather_prefetch and getattr(
         parallel, "regather_prefetch", 1) else {}
     total = compute = backward_s = 0.0
     bucketed = sm.grad_sync == "bucketed"
@@ -174,7 +214,8 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
             times[op] = timer.time(op, parallel.method, parallel.method_opts, w, h)
         t, c, _ = times[op]
         if op in credit:  # prefetched: its transfers overlapped the compute before it
-            t = max(c, t - sum(times[g][1] * g.count for g in credit[op]))
+            t = max(c, t - sum(timer.time(g, parallel.method, parallel.method_opts, 1, h)[1]
+                               * g.count for g in credit[op]))
         k = reps * n_mb * op.count
         wire[repr(h)] = wire.get(repr(h), 0.0) + k * wire_bytes(op, w, dtype_bytes) / h.link_bandwidth
         if op in sync and bucketed:
@@ -199,12 +240,14 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
                       n_mb, batch * seq, mfu, breakdown, rows, spans, timer.simulations - before)
 
 
-def prefetch_credit(bwd: list[StepOp]) -> dict[StepOp, list[StepOp]]:
+def prefetch_credit(bwd: list[StepOp], world: int = 2) -> dict[StepOp, list[StepOp]]:
     """The TP re-gathers (``ag_matmul`` "... dW" ops) posted ahead (`commfuse.ops.prefetch`)
     and the local ops whose compute their transfers overlap: those between the GEMM->RS
     backward that posts them and them (the attention backward before q|k|v's; nothing
-    modelled before gate|up's, whose SwiGLU backward is elementwise). A prefetched op takes
-    max(compute alone, its time less that compute)."""
+    modelled before gate|up's, whose SwiGLU backward is elementwise). Query-split's backward
+    posts q|k|v's from inside, after its last post: what follows of its attention backward
+    is counted as its last of ``world`` ring steps. A prefetched op takes max(compute alone,
+    its time less that compute)."""
     out = {}
     for i, op in enumerate(bwd):
         if op.kind == "ag_matmul" and op.axis == "tp" and op.name.endswith(" dW"):
@@ -213,8 +256,21 @@ def prefetch_credit(bwd: list[StepOp]) -> dict[StepOp, list[StepOp]]:
                 hide.append(bwd[j])
                 j -= 1
             if j >= 0 and bwd[j].kind == "ag_matmul":  # a GEMM->RS's backward posted it
-                out[op] = hide
+                out[op] = hide + _attention_tail(bwd[j], world)
     return out
+
+
+def _attention_tail(op: StepOp, world: int) -> list[StepOp]:
+    """The attention backward in the last of ``world`` ring steps of a query-split backward
+    ``op`` (none for other ops), as a local op of the step."""
+    if not op.attention:
+        return []
+    head_dim, order, factor, mb = op.attention
+    heads = op.shape[2] / 2 / head_dim  # dO | dW_o columns: X = heads x head_dim
+    seq = op.shape[0] // mb
+    # counted as the step's "attention bwd" is: two GEMMs per (sequence, head), half each
+    return [StepOp(f"{op.name} (after its posts)", "gemm", "local", (seq, head_dim, seq),
+                   2 * mb * heads / world, attention=(head_dim, order, factor / 2))]
 
 
 def _buckets(op: StepOp, group, bucket_mb: float) -> list[float]:

@@ -151,9 +151,9 @@ def attention_times(hw, cfg, seq: int, mb: int, T: int) -> tuple[float, float]:
     ef, eb = hw.attention_efficiency
     if not (ef and eb):
         return None
-    flops = attention_flops(cfg, seq, mb, T)
-    peak = hw.gemm_flops * hw.clock_factor()
-    return flops / (peak * ef), ATTN_BWD_FLOPS * flops / (peak * eb)
+    flops, keys = attention_flops(cfg, seq, mb, T), (seq + 1) / 2
+    return (hw.attention_time(flops, keys),
+            hw.attention_time(ATTN_BWD_FLOPS * flops, keys, backward=True))
 
 
 def mem_time(hw, nbytes: float) -> float:

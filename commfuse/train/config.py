@@ -43,7 +43,10 @@ class TrainConfig:
     """sliced: chunks per op."""
     query_split: bool = False
     """With tp > 1: attention and the out-projection partial run per query slice, inside the
-    reduce-scatter ring."""
+    reduce-scatter ring (by default only method auto does, where the cost model picks it)."""
+    no_query_split: bool = False
+    """With tp > 1 and method auto: never query-split attention (by default the cost model
+    chooses between it and row-parallel attention per sequence shape)."""
     splits: int | None = None
     """decompose / commfuse: sub-slices per rank's slice (m; 1 is the paper's). Not given
     (None): decompose runs 1, commfuse picks m per op shape on the simulator's cost model of
@@ -123,6 +126,8 @@ class TrainConfig:
                              f"{self.prefetch!r} / {self.prefetch_mb!r}")
         if not self.bucket_mb > 0:
             raise ValueError(f"TrainConfig.bucket_mb must be positive, got {self.bucket_mb!r}")
+        if self.query_split and self.no_query_split:
+            raise ValueError("--query-split and --no-query-split contradict each other")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:

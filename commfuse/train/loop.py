@@ -137,7 +137,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     from commfuse.parallel.plan import parallelize
 
     dims = ParallelDims(cfg.tp, cfg.up, cfg.dp, cfg.method, cfg.method_opts(),
-                        query_split=cfg.query_split, world_size=world,
+                        query_split=cfg.query_split or (False if cfg.no_query_split else None),
+                        world_size=world,
                         prefetch=cfg.prefetch, prefetch_mb=cfg.prefetch_mb,
                         defer_reduce=not cfg.reduce_in_op,
                         regather_prefetch=0 if cfg.no_regather_prefetch else 1)
