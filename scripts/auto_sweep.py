@@ -39,7 +39,7 @@ SHORT = {"commfuse-m1": "m1", "commfuse-m2": "m2", "commfuse-m4": "m4", "commfus
 def run(a) -> None:
     for k in a.k:
         for n in a.n:
-            out = Path(a.out) / f"k{k}-n{n}"
+            out = Path(a.out) / f"k{k}-n{n}{a.tag}"
             if (out / "op-2r.json").exists() and not a.again:
                 print(f"[auto_sweep] {out} done, skipped", flush=True)
                 continue
@@ -91,34 +91,44 @@ def cells(paths, hw) -> list[dict]:
                          "spread": {m: (v["p10_ms"], v["p90_ms"]) for m, v in med.items()},
                          "predicted": pred, "best": best,
                          "ratio": med["auto"]["median_ms"] / med[best]["median_ms"],
+                         "pick_ratio": (med[_name(*pick[:2])]["median_ms"] / med[best]["median_ms"]
+                                        if _name(*pick[:2]) in med else None),
                          "auto_of_limit": med["auto"].get("of_limit") or 0.0,
                          "best_of_limit": max(lim),
                          "worst_err": max(abs(pred[m] / med[m]["median_ms"] - 1) for m in med)})
     return sorted(rows, key=lambda c: (c["op"], c["S"], c["K"], c["N"], c["file"]))
 
 
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def markdown(rows: list[dict]) -> str:
     out = ["| op | S | K | N | comm / GEMM | auto ran | auto ms | best fixed | best ms | "
-           "auto / best | of limit: auto, best fixed | sim worst error |",
-           "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|"]
+           "auto / best | its pick, fixed / best | of limit: auto, best fixed | sim worst error |",
+           "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|"]
     for c in rows:
         ok = c["ratio"] <= 1.05 and (c["auto_of_limit"] >= 0.9 or c["best_of_limit"] < 0.9)
         out.append(f"| {c['op']} | {c['S']} | {c['K']} | {c['N']} | "
                    f"{c['comm_ms'] / c['compute_ms']:.2f} | {c['pick']} | "
                    f"{c['measured']['auto']:.1f} | {c['best']} | "
                    f"{c['measured'][c['best']]:.1f} | {'' if ok else '**'}{c['ratio']:.3f}"
-                   f"{'' if ok else '**'} | {c['auto_of_limit']:.2f}, {c['best_of_limit']:.2f} | "
+                   f"{'' if ok else '**'} | {_ratio(c['pick_ratio'])} | "
+                   f"{c['auto_of_limit']:.2f}, {c['best_of_limit']:.2f} | "
                    f"{100 * c['worst_err']:.0f} % |")
     n = len(rows)
     within = sum(c["ratio"] <= 1.05 for c in rows)
     need = [c for c in rows if c["best_of_limit"] >= 0.9]
     lim_ok = sum(c["auto_of_limit"] >= 0.9 for c in need)
     sim_ok = sum(c["worst_err"] <= 0.15 for c in rows)
+    picks = [c["pick_ratio"] for c in rows if c["pick_ratio"] is not None]
     out.append(f"\nauto within 5 % of the best fixed method in {within} of {n} cells (worst "
                f"{max(c['ratio'] for c in rows):.3f}); at >= 0.90 of the testbed limit in "
                f"{lim_ok} of the {len(need)} cells where a fixed method reaches 0.90; simulator "
                f"within 15 % for every method in {sim_ok} of {n} cells (worst "
-               f"{100 * max(c['worst_err'] for c in rows):.0f} %).\n")
+               f"{100 * max(c['worst_err'] for c in rows):.0f} %). auto's pick, measured as "
+               f"the same fixed method, within 5 % of the best in {sum(x <= 1.05 for x in picks)}"
+               f" of {len(picks)} (worst {max(picks, default=float('nan')):.3f}).\n")
     methods = [m for m in METHODS if all(m in c["measured"] for c in rows)]
     out.append("Measured median (predicted) ms per method; auto's prediction is its pick's:\n")
     out.append("| op | S | K | N | " + " | ".join(SHORT.get(m, m) for m in methods) + " |")
@@ -126,6 +136,25 @@ def markdown(rows: list[dict]) -> str:
     for c in rows:
         out.append(f"| {c['op']} | {c['S']} | {c['K']} | {c['N']} | " + " | ".join(
             f"{c['measured'][m]:.0f} ({c['predicted'][m]:.0f})" for m in methods) + " |")
+    return "\n".join(out)
+
+
+def fair_share(paths, hw) -> str:
+    """The AG->GEMM cells predicted with and without ``fifo_per_peer`` (else the same
+    hardware): errors of splits 2, 4, 8, each model's pick and that pick's measured time over
+    the best fixed method's ("-" where the pick was not measured)."""
+    fifo, fair = cells(paths, hw.with_(fifo_per_peer=True)), cells(paths, hw.with_(
+        fifo_per_peer=False))
+    out = ["| S | K | N | fifo: m2, m4, m8 error | fifo pick | fair share: m2, m4, m8 error | "
+           "fair pick | its / best |", "|---:|---:|---:|---|---|---|---|---:|"]
+    err = lambda c: ", ".join(f"{100 * (c['predicted'][m] / c['measured'][m] - 1):+.0f} %"
+                              for m in ("commfuse-m2", "commfuse-m4", "commfuse-m8"))
+    for a, b in zip(fifo, fair):
+        if a["op"] == "ag_matmul":
+            t = b["measured"].get(b["pick"])
+            ratio = f"{t / b['measured'][b['best']]:.3f}" if t else "-"
+            out.append(f"| {a['S']} | {a['K']} | {a['N']} | {err(a)} | {a['pick']} | {err(b)} "
+                       f"| {b['pick']} | {ratio} |")
     return "\n".join(out)
 
 
@@ -143,13 +172,18 @@ def main(argv=None) -> None:
     r.add_argument("--timeout", type=int, default=1500, help="seconds per bench op")
     r.add_argument("--wrap", default="", help="command prefix, e.g. /work/bin/cpu-bench")
     r.add_argument("--again", action="store_true", help="rerun cells already measured")
+    r.add_argument("--tag", default="", help="suffix of the cell folders (a second seq list)")
     t = sub.add_parser("table", help="markdown tables from the JSON files")
     t.add_argument("paths", nargs="+")
     t.add_argument("--hw", default="cpu-testbed", help="hardware preset of the predictions")
     t.add_argument("--json", help="also write the rows here")
+    t.add_argument("--fair-share", action="store_true", help="instead: the AG->GEMM cells "
+                   "predicted with and without Hardware.fifo_per_peer")
     a = p.parse_args(argv)
     if a.cmd == "run":
         return run(a)
+    if a.fair_share:
+        return print(fair_share(a.paths, preset(a.hw)))
     rows = cells(a.paths, preset(a.hw))
     print(markdown(rows))
     if a.json:
