@@ -172,7 +172,8 @@ def main(argv=None) -> None:
     r.add_argument("--timeout", type=int, default=1500, help="seconds per bench op")
     r.add_argument("--wrap", default="", help="command prefix, e.g. /work/bin/cpu-bench")
     r.add_argument("--again", action="store_true", help="rerun cells already measured")
-    r.add_argument("--tag", default="", help="suffix of the cell folders (a second seq list)")
+    r.add_argument("--tag", default="", help="suffix of the cell folders, e.g. --tag=-s4096 "
+                   "(a second run of cells already measured)")
     t = sub.add_parser("table", help="markdown tables from the JSON files")
     t.add_argument("paths", nargs="+")
     t.add_argument("--hw", default="cpu-testbed", help="hardware preset of the predictions")
