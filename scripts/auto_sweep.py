@@ -178,6 +178,7 @@ def main(argv=None) -> None:
     t.add_argument("paths", nargs="+")
     t.add_argument("--hw", default="cpu-testbed", help="hardware preset of the predictions")
     t.add_argument("--json", help="also write the rows here")
+    t.add_argument("--seq", type=ints, help="only these S")
     t.add_argument("--fair-share", action="store_true", help="instead: the AG->GEMM cells "
                    "predicted with and without Hardware.fifo_per_peer")
     a = p.parse_args(argv)
@@ -185,7 +186,7 @@ def main(argv=None) -> None:
         return run(a)
     if a.fair_share:
         return print(fair_share(a.paths, preset(a.hw)))
-    rows = cells(a.paths, preset(a.hw))
+    rows = [c for c in cells(a.paths, preset(a.hw)) if not a.seq or c["S"] in a.seq]
     print(markdown(rows))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
