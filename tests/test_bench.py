@@ -69,3 +69,29 @@ def _query_split(rank, world, method, opts):
 def test_query_split_attention_is_exact_with_gradients(world, method, opts):
     errs = run_local(_query_split, world, method, opts, timeout=120)
     assert max(errs) < 1e-12
+
+
+def test_ffn_sets_the_mlp_width_of_the_pair():
+    """``--ffn F``: AG->GEMM is [S, D] @ [D, F/W] and GEMM->RS [S, F/W] @ [F/W, D]; the
+    default stays 4D, and the simulator reads the same shapes back from a result."""
+    from commfuse.ops import registry
+    from commfuse.sim.calibrate import op_shape
+
+    assert registry.layer_shapes("ag_matmul", 2, 64, 16, 24) == ((32, 16), (16, 12))
+    assert registry.layer_shapes("matmul_rs", 2, 64, 16, 24) == ((64, 12), (12, 16))
+    assert registry.layer_shapes("ag_matmul", 2, 64, 16) == ((32, 16), (16, 32))
+    r = {"seq": 64, "d_model": 16, "world": 2, "workload": "matmul_rs", "ffn": 24}
+    assert op_shape(r) == (64, 12, 16)
+    assert op_shape({**r, "ffn": None}) == (64, 32, 16)
+
+
+def test_measure_with_ffn(tmp_path):
+    r = run_local(_measure_ffn, 2, timeout=300)[0]
+    assert r["ffn"] == 96 and r["d_model"] == 128
+    assert "ffn 96" in report.table(r)
+
+
+def _measure_ffn(rank, world):
+    return measure.measure("ag_matmul", 32, 128, torch.float32, False, iters=1, warmup=0,
+                           variants=["none", "commfuse-m2"], trace=False, say=lambda m: None,
+                           ffn=96)

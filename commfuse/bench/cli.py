@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
                    help="sequence length(s), comma-separated for a sweep (batch folded in); "
                         "divisible by --nproc (default 2048)")
     p.add_argument("--d-model", type=int, default=1024, help="model width (default 1024)")
+    p.add_argument("--ffn", type=int, default=None,
+                   help="MLP hidden width F (default 4 x --d-model): ag_matmul is [S, D] @ "
+                        "[D, F/W], matmul_rs [S, F/W] @ [F/W, D], and the mlp layer; divisible "
+                        "by --nproc")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--pass", dest="passes", choices=["forward", "backward", "both"], default="both",
                    help="forward, forward+backward, or both (default both)")
@@ -64,6 +68,9 @@ def run(args) -> int:
         else list(workloads.OPS if args.kind == "op" else workloads.LAYERS)
     _list(args.methods, VARIANTS, "method")
     seqs = [int(s) for s in args.seq.split(",")]
+    if args.ffn is not None and (args.ffn <= 0 or args.ffn % args.nproc):
+        raise SystemExit(f"commfuse bench: --ffn must be > 0 and divisible by --nproc "
+                         f"({args.nproc}), got {args.ffn}")
     if any(s % args.nproc for s in seqs):
         raise SystemExit(f"commfuse bench: every --seq must be divisible by --nproc ({args.nproc})")
     if "RANK" in os.environ:  # a rank: launched by us, by `commfuse launch` or by torchrun
@@ -105,7 +112,8 @@ def _worker(args, names: list[str], seqs: list[int]) -> int:
                 say(f"[bench] {name} seq {seq} {'forward+backward' if backward else 'forward'} "
                     f"({len(results) + 1} of about {len(names) * len(seqs) * len(passes)})")
                 r = measure.measure(name, seq, args.d_model, dtype, backward, args.iters,
-                                    args.warmup, args.methods.split(","), args.trace, say)
+                                    args.warmup, args.methods.split(","), args.trace, say,
+                                    args.ffn)
                 if r is not None:
                     say(report.table(r) + "\n")
                     results.append(r)

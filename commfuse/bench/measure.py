@@ -51,10 +51,12 @@ def _limit_fn(step, backward: bool):
 
 
 def measure(name: str, seq: int, d: int, dtype: torch.dtype, backward: bool, iters: int,
-            warmup: int, variants: list[str], trace: bool, say=print) -> dict | None:
-    """Run on every rank; returns the results on rank 0 (None elsewhere)."""
+            warmup: int, variants: list[str], trace: bool, say=print,
+            ffn: int | None = None) -> dict | None:
+    """Run on every rank; returns the results on rank 0 (None elsewhere). ``ffn``: the MLP
+    hidden width (`workloads.build`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    step = workloads.build(name, world, rank, seq, d, dtype)
+    step = workloads.build(name, world, rank, seq, d, dtype, ffn)
     comm_alone, limit = _limit_fn(step, backward)
     fns = {}
     for label in variants:
@@ -82,7 +84,7 @@ def measure(name: str, seq: int, d: int, dtype: torch.dtype, backward: bool, ite
     dist.all_gather_object(gathered, (times, spans))
     if rank != 0:
         return None
-    return _summarise(name, seq, d, dtype, backward, variants, gathered)
+    return _summarise(name, seq, d, dtype, backward, variants, gathered, ffn or 4 * d)
 
 
 def _compute_only(step, method, opts, backward):
@@ -112,7 +114,7 @@ def _stats(xs: list[float]) -> dict:
             "p99_ms": 1e3 * q(0.99)}
 
 
-def _summarise(name, seq, d, dtype, backward, variants, gathered) -> dict:
+def _summarise(name, seq, d, dtype, backward, variants, gathered, ffn) -> dict:
     per_rank = [t for t, _ in gathered]
     slowest = {k: [max(r[k][i] for r in per_rank) for i in range(len(per_rank[0][k]))]
                for k in per_rank[0]}
@@ -129,7 +131,7 @@ def _summarise(name, seq, d, dtype, backward, variants, gathered) -> dict:
             row["hidden"] = _frac(t_none - t, t_none - c)
             row["of_limit"] = _frac(t_none - t, t_none - lim)
         rows.append(row)
-    return {"workload": name, "seq": seq, "d_model": d, "dtype": str(dtype)[6:],
+    return {"workload": name, "seq": seq, "d_model": d, "ffn": ffn, "dtype": str(dtype)[6:],
             "pass": "forward+backward" if backward else "forward", "world": len(gathered),
             "comm_alone_ms": comm, "limit_ms": lim, "methods": rows,
             "spans": [s for _, spans in gathered for s in spans]}

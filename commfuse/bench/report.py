@@ -9,9 +9,14 @@ from dataclasses import replace
 from commfuse.trace import Panel, write_gantt, write_trace
 
 
+def _ffn(r: dict) -> str:
+    """`` ffn F`` where a result's MLP width is not the default 4 x d_model."""
+    return f" ffn {r['ffn']}" if r.get("ffn") not in (None, 4 * r["d_model"]) else ""
+
+
 def table(result: dict) -> str:
     r = result
-    head = (f"{r['workload']}  seq {r['seq']}  d_model {r['d_model']}  {r['dtype']}  {r['pass']}  "
+    head = (f"{r['workload']}  seq {r['seq']}  d_model {r['d_model']}{_ffn(r)}  {r['dtype']}  {r['pass']}  "
             f"{r['world']} ranks   comm alone {r['comm_alone_ms']:.2f} ms   "
             f"testbed limit {r['limit_ms']:.2f} ms")
     cols = f"{'method':<16}{'median ms':>10}{'p10-p90':>16}{'compute':>9}{'exposed':>9}" \
@@ -115,7 +120,7 @@ def markdown(results: list[dict]) -> str:
     pct = lambda x: "-" if x is None else f"{100 * x:.0f} %"
     out = []
     for r in results:
-        out.append(f"**{r['workload']}**, seq {r['seq']}, d_model {r['d_model']}, {r['dtype']}, "
+        out.append(f"**{r['workload']}**, seq {r['seq']}, d_model {r['d_model']}{_ffn(r)}, {r['dtype']}, "
                    f"{r['pass']}, {r['world']} ranks: communication alone {r['comm_alone_ms']:.1f} ms, "
                    f"testbed limit {r['limit_ms']:.1f} ms\n")
         out.append("| method | median ms | p10-p90 ms | compute alone ms | exposed ms | hidden "

@@ -3,8 +3,8 @@
 Each workload is built once per rank and returns ``step(method, opts, backward)``, which runs
 one forward (and backward) pass. Shapes (batch folded into the sequence S, width D, W ranks):
 
-- ``ag_matmul``   A [S/W, D] -> all-gather -> @ [D, 4D/W]     (TPSP FC1)
-- ``matmul_rs``   A [S, 4D/W] @ [4D/W, D] -> reduce-scatter   (TPSP FC2)
+- ``ag_matmul``   A [S/W, D] -> all-gather -> @ [D, F/W]      (TPSP FC1; F = 4D unless --ffn)
+- ``matmul_rs``   A [S, F/W] @ [F/W, D] -> reduce-scatter     (TPSP FC2)
 - ``matmul_a2a``  A [S/W, D] @ [D, 3D] -> all-to-all           (Ulysses QKV)
 - ``a2a_matmul``  A [S, D/W] -> all-to-all -> @ [D, D]         (Ulysses out-proj)
 - ``mlp``         TPSP MLP: AG -> FC1 -> GELU -> FC2 -> RS
@@ -32,18 +32,22 @@ HEAD_DIM = 64
 Step = Callable[[str, dict, bool], None]
 
 
-def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype) -> Step:
+def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype,
+          ffn: int | None = None) -> Step:
+    """Workload ``name`` of width ``d`` over ``seq`` tokens; ``ffn``: the MLP's hidden width
+    (the ops ag_matmul / matmul_rs and the mlp layer; default 4d)."""
     if name not in OPS + LAYERS:
         raise ValueError(f"unknown workload {name!r}; choose from {OPS + LAYERS}")
     g = torch.Generator().manual_seed(rank)
     rnd = lambda *shape: (torch.randn(*shape, generator=g) / shape[0] ** 0.5).to(dtype).requires_grad_()
     s = seq // world
     if name in OPS:  # the op alone, at its shapes in its layer
-        a, b = (rnd(*shape) for shape in registry.layer_shapes(name, world, seq, d))
+        a, b = (rnd(*shape) for shape in registry.layer_shapes(name, world, seq, d, ffn))
         return _grad_step(lambda m, o: registry.call(name, a, b, m, o))
     x = rnd(s, d)
     if name == "mlp":
-        w1, w2 = rnd(d, 4 * d // world), rnd(4 * d // world, d)
+        h = (ffn or 4 * d) // world
+        w1, w2 = rnd(d, h), rnd(h, d)
 
         def mlp(m, o):
             _, (h,) = commfuse.fused_all_gather_matmul(x, [w1], 0, return_A=False, method=m, **o)

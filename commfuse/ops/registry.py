@@ -94,10 +94,12 @@ def b_shape(name: str, world: int, k: int, n: int) -> tuple[int, int]:
     return (k, world * n) if name == "matmul_a2a" else (world * k, n)
 
 
-def layer_shapes(name: str, world: int, seq: int, d: int) -> tuple[tuple[int, ...], ...]:
+def layer_shapes(name: str, world: int, seq: int, d: int,
+                 ffn: int | None = None) -> tuple[tuple[int, ...], ...]:
     """(A, B) of op ``name`` in its layer (the table's last column) of a model of width ``d``
-    over ``seq`` tokens (batch folded in) on ``world`` ranks: MLP hidden width 4d, QKV 3d."""
-    s, h = seq // world, 4 * d // world
+    over ``seq`` tokens (batch folded in) on ``world`` ranks: MLP hidden width ``ffn``
+    (default 4d; the AG->GEMM and GEMM->RS ops), QKV 3d."""
+    s, h = seq // world, (ffn or 4 * d) // world
     shapes = {"ag_matmul": ((s, d), (d, h)), "matmul_rs": ((seq, h), (h, d)),
               "matmul_a2a": ((s, d), (d, 3 * d)), "a2a_matmul": ((seq, d // world), (d, d))}
     return shapes[get(name).name]

@@ -48,6 +48,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "commfuse-m1": ("commfuse", {"topology": "ring", "splits": 1}),  # the paper's schedule
     "commfuse-m2": ("commfuse", {"topology": "ring", "splits": 2}),  # 2 sub-slices per rank
     "commfuse-m4": ("commfuse", {"topology": "ring", "splits": 4}),  # 4 sub-slices per rank
+    "commfuse-m8": ("commfuse", {"topology": "ring", "splits": 8}),  # 8 sub-slices per rank
     "commfuse-direct": ("commfuse", {"topology": "direct"}),
     "auto": ("auto", {}),  # commfuse.ops.auto's choice on the simulator's cost model
 }

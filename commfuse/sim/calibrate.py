@@ -41,7 +41,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def op_shape(r: dict) -> tuple[int, int, int]:
     """The (M, K, N) of a bench op result, in the simulator's conventions (`op_costs`)."""
     S, D, W = r["seq"], r["d_model"], r["world"]
-    return {"ag_matmul": (S, D, 4 * D // W), "matmul_rs": (S, 4 * D // W, D),
+    F = r.get("ffn") or 4 * D  # the MLP's hidden width (results before --ffn: 4D)
+    return {"ag_matmul": (S, D, F // W), "matmul_rs": (S, F // W, D),
             "matmul_a2a": (S, D, 3 * D), "a2a_matmul": (S, D, D)}[r["workload"]]
 
 
@@ -75,7 +76,8 @@ def calibrate(results: list[dict], base: str | Hardware = "cpu-testbed", rounds:
 
 
 COLLECTIVE_LABELS = ("sliced",)  # the bench variants that fit each host cost
-P2P_LABELS = ("decompose", "commfuse", "commfuse-m1", "commfuse-m2", "commfuse-m4", "commfuse-direct")
+P2P_LABELS = ("decompose", "commfuse", "commfuse-m1", "commfuse-m2", "commfuse-m4", "commfuse-m8",
+              "commfuse-direct")
 
 
 def _fit_host(hw: Hardware, ops: list[dict], field: str, labels, iters: int = 24) -> Hardware:

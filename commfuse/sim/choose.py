@@ -21,7 +21,8 @@ from commfuse.sim.program import schedule
 # in order of preference where the model predicts a tie (commfuse's schedules first: at equal
 # predicted time they post earlier and wait later than decompose)
 CANDIDATES = tuple(VARIANTS[label] for label in (
-    "none", "commfuse", "commfuse-m2", "commfuse-m4", "commfuse-direct", "decompose", "sliced"))
+    "none", "commfuse", "commfuse-m2", "commfuse-m4", "commfuse-m8", "commfuse-direct",
+    "decompose", "sliced"))
 # host time per schedule step (Python dispatch, posting a transfer), which the simulator does
 # not model: it is what keeps small GEMMs on "none", where a few microseconds of GEMM cannot
 # pay for a pipeline of steps

@@ -13,7 +13,9 @@ stream, as NCCL/HCCL/gloo run them); ``WaitCollective`` blocks until it is done.
 Transfers are a fluid model: a transfer drains its bytes at a fair share of its source's
 egress and its destination's ingress (each split evenly among the transfers using it,
 ``duplex_efficiency`` applied when a rank sends and receives at once), rates recomputed at
-every event, then pays ``link_latency``. With ``Hardware.serial_p2p`` (NCCL: every P2P batch of a
+every event, then pays ``link_latency``. With ``Hardware.fifo_per_peer`` (gloo: one sender
+thread and connection per peer) a rank's transfers to one peer drain one at a time, in the
+order they become ready, the next starting when the one before has drained. With ``Hardware.serial_p2p`` (NCCL: every P2P batch of a
 group runs on the group's one stream) a rank's ``Post`` batches run one after another: a
 batch's transfers are posted on that rank only once all of its earlier batches are done. Compute runs at 1/(1+interference) speed while a
 transfer or collective is in flight on its rank. Collectives do not share links with P2P
@@ -41,10 +43,11 @@ from commfuse.trace import Span
 
 class _Flow:
     __slots__ = ("key", "src", "dst", "left", "rate", "t", "ver", "start", "posted", "done",
-                 "waiters", "label")
+                 "waiters", "label", "channel")
 
-    def __init__(self, key, src, dst, nbytes, label):
+    def __init__(self, key, src, dst, nbytes, label, channel):
         self.key, self.src, self.dst, self.left, self.label = key, src, dst, nbytes, label
+        self.channel = channel
         self.rate = self.t = self.start = 0.0
         self.ver = self.posted = 0
         self.done, self.waiters = False, []
@@ -83,6 +86,8 @@ class Engine:
         self.colls: dict = {}  # key -> [arrived, done, waiters, start]
         self.coll_queue: list = []  # ready collectives; the first one is running
         self.dirty: set = set()  # ranks whose flows' rates are stale (see _reflow)
+        # fifo_per_peer: channel -> its ready flows, the first one draining
+        self.lanes: dict = {} if self.hw.fifo_per_peer else None
         # serial_p2p: each rank's posted batches, in post order; the first one is running
         self.queue = [deque() for _ in range(w)] if self.hw.serial_p2p else None
         for r in range(w):
@@ -133,11 +138,12 @@ class Engine:
                 return
             if kind == "post":
                 batch = []
-                for key, is_send, nbytes in ins[1]:
+                for key, is_send, nbytes, channel in ins[1]:
                     f = self.flows.get(key)
                     if f is None:
                         f = self.flows[key] = _Flow(key, key[1], key[2], nbytes,
-                                                    f"{key[0]}:tag {key[3]} {key[1]}->{key[2]}")
+                                                    f"{key[0]}:tag {key[3]} {key[1]}->{key[2]}",
+                                                    channel)
                     batch.append(f)
                 if self.queue is None:
                     self._activate(batch)
@@ -246,6 +252,16 @@ class Engine:
 
     def _start_flow(self, f: _Flow) -> None:
         f.start = f.t = self.now
+        if self.lanes is not None and f.left > 0:  # fifo_per_peer: behind the channel's others
+            lane = self.lanes.setdefault(f.channel, deque())
+            lane.append(f)
+            if len(lane) > 1:
+                return
+        self._drain(f)
+
+    def _drain(self, f: _Flow) -> None:
+        """``f`` starts moving its bytes (at once, or once its channel is free)."""
+        f.t = self.now
         if f.left <= 0:
             self._push(self.now + (self.hw.link_latency if self.comm else 0.0), 2, f)
             return
@@ -258,6 +274,11 @@ class Engine:
         del self.out[f.src][f], self.inn[f.dst][f]
         f.left, f.ver = 0.0, f.ver + 1
         self._reflow(f.src, f.dst)
+        if self.lanes is not None:  # the channel's next flow goes on the wire
+            lane = self.lanes[f.channel]
+            lane.popleft()
+            if lane:
+                self._drain(lane[0])
         self._push(self.now + self.hw.link_latency, 2, f)
 
     def _flow_done(self, f: _Flow) -> None:

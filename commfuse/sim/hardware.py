@@ -57,6 +57,12 @@ class Hardware:
     """A rank's P2P batches (a schedule's ``Post`` steps) run one after another, in post
     order, each once the previous one is done: NCCL runs every P2P batch of a process group
     on that group's one internal stream (the GPU presets); gloo runs them concurrently."""
+    fifo_per_peer: bool = False
+    """A rank's transfers to one peer run one at a time, each at the link's whole rate, in
+    the order they become ready (both sides posted): gloo on the CPU testbed sends through
+    one thread and one connection per peer and direction (`commfuse.runtime.gloo`), so back
+    to back messages follow each other on the wire. False: a rank's transfers in flight
+    share its link fairly, and pieces posted together all arrive at the end."""
     compute_straggler: dict = field(default_factory=dict)
     """rank -> factor >= 1: that rank's compute (GEMMs, adds) takes factor times longer."""
     link_straggler: dict = field(default_factory=dict)
@@ -138,6 +144,11 @@ class Hardware:
     def add_time(self, nbytes: float, rank: int = 0) -> float:
         """Seconds to add two tensors of ``nbytes`` each into a third on ``rank``."""
         return 3.0 * nbytes / self.mem_bandwidth * self.compute_straggler.get(rank, 1.0)
+
+    def copy_time(self, nbytes: float, rank: int = 0) -> float:
+        """Seconds to copy ``nbytes`` into a freshly allocated buffer on ``rank`` (2 x bytes
+        moved; on the CPU testbed the page faults of the new buffer are part of the rate)."""
+        return 2.0 * nbytes / self.mem_bandwidth * self.compute_straggler.get(rank, 1.0)
 
     def bandwidth(self, rank: int) -> float:
         """``rank``'s link bandwidth each direction, straggler included (bytes/s)."""
@@ -232,19 +243,22 @@ PRESETS: dict[str, Hardware] = {
     # 0.45-0.9 Gbit/s each way when both directions run at once (duplex and collective
     # efficiency ~0.75). Transfers cost CPU on the rank's own core (interference, rough).
     # gemm_flops, link_bandwidth and the host costs are then the fit of `commfuse simulate
-    # --calibrate` to docs/benchmarks/2026-11-29-duplex/op-forward (150.1 GFLOP/s; 1.238
-    # Gbit/s, which with duplex efficiency 0.75 is 0.93 Gbit/s each way; 3.0 ms of host time
-    # per collective launch, 2.9 ms per P2P post: fits, which also absorb the CPU that a
-    # launch's transfers take from the GEMM): see docs/sim-vs-measured.md. Attention: ATen's
-    # CPU flash kernel on one thread of this VM reached 0.25 / 0.43 / 0.48 of gemm_flops
-    # forward at S = 512 / 2048 / 4096 (0.24 / 0.42 / 0.46 backward, 2.5x the FLOPs):
-    # 0.55 (0.52) x K/(K + 300) for K mean keys per row (docs/sim-vs-measured.md).
-    "cpu-testbed": Hardware(gemm_flops=150.1e9, link_bandwidth=1.238e9 / 8, link_latency=50e-6,
+    # --calibrate` to docs/benchmarks/2026-12-01-auto-sweep/fit (S=2048, D=1024, the four ops,
+    # splits 1-8; 2026-12-01): 92.6 GFLOP/s (the VM's cores ran at 85-96 GFLOP/s that day,
+    # against 150 when the model was first fitted on 2026-11-29), 1.204 Gbit/s (0.90 each way
+    # with duplex 0.75), 0.65 ms of host time per collective launch, none per P2P post (the
+    # traces show ~0.3 ms; the earlier fit's 2.9 ms was mostly AG's copy of its own rows, now
+    # `copy_time`). gloo sends a rank's messages to one peer one after another
+    # (fifo_per_peer). See docs/sim-vs-measured.md. Attention: ATen's CPU flash kernel on one
+    # thread of this VM (same day, causal, head dim 64) ran at 38 / 64 / 74 GFLOP/s forward at
+    # S = 512 / 2048 / 4096 and 37 / 64 / 68 backward (counting 2.5x the forward's FLOPs):
+    # 0.90 (0.87) x K/(K + 300) of gemm_flops for K mean keys per query row.
+    "cpu-testbed": Hardware(gemm_flops=92.6e9, link_bandwidth=1.204e9 / 8, link_latency=50e-6,
                             mem_bandwidth=5e9, gemm_max_efficiency=1.0, m0=8.0, n0=8.0,
                             k0=32.0, interference=0.3, duplex_efficiency=0.75,
-                            collective_efficiency=0.75, host_collective_s=3.0e-3,
-                            host_p2p_s=2.9e-3, attention_efficiency=(0.55, 0.52),
-                            attention_k0=300.0),
+                            collective_efficiency=0.75, host_collective_s=0.65e-3,
+                            host_p2p_s=0.0, fifo_per_peer=True,
+                            attention_efficiency=(0.90, 0.87), attention_k0=300.0),
 }
 
 

@@ -2,7 +2,9 @@
 into timed instructions, with the costs of `op_costs` on a `Hardware`.
 
 Instructions: ``("work", seconds, kind, label)`` runs on the rank (a GEMM, an add, host
-time); ``("post", ((flow key, is_send, bytes), ...))`` registers transfers; ``("wait", flow
+time); ``("post", ((flow key, is_send, bytes, channel), ...))`` registers transfers (the
+channel, (sender, receiver) or under symmetry (0, the receiver's offset from the sender),
+is the connection a transfer shares with the sender's other ones to that peer); ``("wait", flow
 key)``; ``("coll", key)`` / ``("wcoll", key)`` launch / wait for a collective, whose
 (duration, label) is in the returned table. A flow key is (job, src, dst, tag); under
 symmetry (see `commfuse.sim.engine`) it is (job, 0, 0, tag): rank 0's send and receive of a
@@ -63,6 +65,15 @@ def _compile(prog, coll_time, hw, world, job, spec, sched, d, comm, symmetric) -
             return (job, 0, 0, t.tag)
         return (job, r, t.peer, t.tag) if t.kind == "send" else (job, t.peer, r, t.tag)
 
+    def channel(t: S.Transfer) -> tuple:
+        src, dst = (r, t.peer) if t.kind == "send" else (t.peer, r)
+        return (0, (dst - src) % world) if symmetric else (src, dst)
+
+    if spec.op == "ag_matmul" and sched.method not in ("none", "sliced"):
+        # the P2P binding first copies its own rows into the gathered buffer (ops/ag_matmul.py;
+        # a collective writes them itself): work on the rank, before the first post
+        own = hw.copy_time(spec.shape[0] / world * spec.shape[1] * d, rank=r)
+        prog.append(("work", own, "compute", f"{job}:{spec.op} copy own rows"))
     for st in sched.steps:
         if isinstance(st, S.Compute):
             attn = attention.slot_attention_s(hw, spec, world, st.slot, sched.chunks if
@@ -75,7 +86,8 @@ def _compile(prog, coll_time, hw, world, job, spec, sched, d, comm, symmetric) -
         elif isinstance(st, S.Post):
             if host_p:
                 prog.append(("work", host_p, "host", f"{job}:{spec.op} post"))
-            prog.append(("post", tuple((key(t), t.kind == "send", xb) for t in st.transfers)))
+            prog.append(("post", tuple((key(t), t.kind == "send", xb, channel(t))
+                                       for t in st.transfers)))
         elif isinstance(st, S.Wait):
             prog.append(("wait", key(st.transfer)))
         elif isinstance(st, S.Collective):

@@ -1,0 +1,196 @@
+"""`method="auto"` across GEMM shapes: the K x N sweep of docs/sim-vs-measured.md.
+
+Both ops of the TPSP MLP pair on 2 emulated ranks (1 Gbit/s, fp32, forward), for every K of ``--k``,
+N of ``--n`` and S of ``--seq``: AG->GEMM gathers A [S/2, K] to [S, K] and multiplies by
+B [K, N]; GEMM->RS multiplies [S, N] @ [N, K] and reduce-scatters the [S, K] product (so K is
+the width that moves, N the other GEMM dim; ``commfuse bench op --d-model K --ffn 2N``).
+
+``run`` benchmarks the cells (one ``commfuse bench op`` per (K, N), both seqs and ops in it,
+each wrapped in ``--wrap``, e.g. the CPU lock); ``table`` reads the JSON back and prints, per
+cell: every method's measured median beside the simulator's prediction on the
+``cpu-testbed`` preset, the method auto ran (the same deterministic choice `commfuse.ops.auto`
+makes, recomputed here), auto against the best fixed method, the fraction of the testbed limit
+reached, and the simulator's worst error.
+
+    python scripts/auto_sweep.py run --out docs/benchmarks/2026-12-01-auto-sweep \\
+        --wrap /work/bin/cpu-bench
+    python scripts/auto_sweep.py table docs/benchmarks/2026-12-01-auto-sweep/*/op-2r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from commfuse.schedule import VARIANTS
+from commfuse.sim import choose
+from commfuse.sim.calibrate import DTYPE_BYTES, op_shape
+from commfuse.sim.hardware import preset
+from commfuse.sim.ops import simulate_op
+
+METHODS = ("none", "sliced", "commfuse-m1", "commfuse-m2", "commfuse-m4", "commfuse-m8", "auto")
+SHORT = {"commfuse-m1": "m1", "commfuse-m2": "m2", "commfuse-m4": "m4", "commfuse-m8": "m8"}
+
+
+def run(a) -> None:
+    for k in a.k:
+        for n in a.n:
+            out = Path(a.out) / f"k{k}-n{n}{a.tag}"
+            if (out / "op-2r.json").exists() and not a.again:
+                print(f"[auto_sweep] {out} done, skipped", flush=True)
+                continue
+            cmd = [*shlex.split(a.wrap), "timeout", str(a.timeout), sys.executable, "-m",
+                   "commfuse.cli", "bench", "op", "--workloads", "ag_matmul,matmul_rs",
+                   "--seq", ",".join(map(str, a.seq)), "--d-model", str(k), "--ffn", str(2 * n),
+                   "--pass", "forward", "--methods", ",".join(METHODS), "--iters", str(a.iters),
+                   "--warmup", str(a.warmup), "--nproc", "2", "--link", "1gbit", "--no-trace",
+                   "--out", str(out)]
+            print("[auto_sweep] " + " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+
+
+def _name(method: str, opts: dict) -> str:
+    """The bench label of auto's (method, options), or its own name where no label matches."""
+    opts = {"topology": "ring", **opts} if method in ("commfuse", "decompose") else opts
+    if method == "commfuse":
+        opts = {"splits": 1, **opts}
+    for label, (m, o) in VARIANTS.items():
+        o = {"splits": 1, **o} if m == "commfuse" else o
+        if label not in ("commfuse", "auto") and (m, o) == (method, opts):
+            return label
+    return " ".join([method] + [f"{k}={v}" for k, v in sorted(opts.items())])
+
+
+def cells(paths, hw) -> list[dict]:
+    """One row per (file, op, S, K, N): measured and predicted ms per method, auto's choice."""
+    rows = []
+    for path in paths:
+        for r in json.load(open(path))["results"]:
+            shape = op_shape(r)
+            K, N = (shape[1], shape[2]) if r["workload"] == "ag_matmul" else (shape[2], shape[1])
+            med = {m["method"]: m for m in r["methods"]}
+            pick = choose.fastest(r["workload"], shape, r["world"], DTYPE_BYTES[r["dtype"]], hw,
+                                  choose.STEP_OVERHEAD_S["cpu"])
+            pred = {}
+            for label in med:
+                method, opts = pick[:2] if label == "auto" else VARIANTS[label]
+                pred[label] = 1e3 * simulate_op(r["workload"], method, r["world"], shape,
+                                                DTYPE_BYTES[r["dtype"]], hw, timeline=False,
+                                                **opts).total_s
+            fixed = [m for m in med if m != "auto"]
+            best = min(fixed, key=lambda m: med[m]["median_ms"])
+            lim = [med[m].get("of_limit") or 0.0 for m in fixed]
+            rows.append({"file": str(path), "op": r["workload"], "S": r["seq"], "K": K, "N": N,
+                         "comm_ms": r["comm_alone_ms"], "compute_ms": med["none"]["compute_ms"],
+                         "limit_ms": r["limit_ms"], "pick": _name(*pick[:2]),
+                         "measured": {m: v["median_ms"] for m, v in med.items()},
+                         "spread": {m: (v["p10_ms"], v["p90_ms"]) for m, v in med.items()},
+                         "predicted": pred, "best": best,
+                         "ratio": med["auto"]["median_ms"] / med[best]["median_ms"],
+                         "pick_ratio": (med[_name(*pick[:2])]["median_ms"] / med[best]["median_ms"]
+                                        if _name(*pick[:2]) in med else None),
+                         "auto_of_limit": med["auto"].get("of_limit") or 0.0,
+                         "best_of_limit": max(lim),
+                         "worst_err": max(abs(pred[m] / med[m]["median_ms"] - 1) for m in med)})
+    return sorted(rows, key=lambda c: (c["op"], c["S"], c["K"], c["N"], c["file"]))
+
+
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def markdown(rows: list[dict]) -> str:
+    out = ["| op | S | K | N | comm / GEMM | auto ran | auto ms | best fixed | best ms | "
+           "auto / best | its pick, fixed / best | of limit: auto, best fixed | sim worst error |",
+           "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|"]
+    for c in rows:
+        ok = c["ratio"] <= 1.05 and (c["auto_of_limit"] >= 0.9 or c["best_of_limit"] < 0.9)
+        out.append(f"| {c['op']} | {c['S']} | {c['K']} | {c['N']} | "
+                   f"{c['comm_ms'] / c['compute_ms']:.2f} | {c['pick']} | "
+                   f"{c['measured']['auto']:.1f} | {c['best']} | "
+                   f"{c['measured'][c['best']]:.1f} | {'' if ok else '**'}{c['ratio']:.3f}"
+                   f"{'' if ok else '**'} | {_ratio(c['pick_ratio'])} | "
+                   f"{c['auto_of_limit']:.2f}, {c['best_of_limit']:.2f} | "
+                   f"{100 * c['worst_err']:.0f} % |")
+    n = len(rows)
+    within = sum(c["ratio"] <= 1.05 for c in rows)
+    need = [c for c in rows if c["best_of_limit"] >= 0.9]
+    lim_ok = sum(c["auto_of_limit"] >= 0.9 for c in need)
+    sim_ok = sum(c["worst_err"] <= 0.15 for c in rows)
+    picks = [c["pick_ratio"] for c in rows if c["pick_ratio"] is not None]
+    out.append(f"\nauto within 5 % of the best fixed method in {within} of {n} cells (worst "
+               f"{max(c['ratio'] for c in rows):.3f}); at >= 0.90 of the testbed limit in "
+               f"{lim_ok} of the {len(need)} cells where a fixed method reaches 0.90; simulator "
+               f"within 15 % for every method in {sim_ok} of {n} cells (worst "
+               f"{100 * max(c['worst_err'] for c in rows):.0f} %). auto's pick, measured as "
+               f"the same fixed method, within 5 % of the best in {sum(x <= 1.05 for x in picks)}"
+               f" of {len(picks)} (worst {max(picks, default=float('nan')):.3f}).\n")
+    methods = [m for m in METHODS if all(m in c["measured"] for c in rows)]
+    out.append("Measured median (predicted) ms per method; auto's prediction is its pick's:\n")
+    out.append("| op | S | K | N | " + " | ".join(SHORT.get(m, m) for m in methods) + " |")
+    out.append("|---|---:|---:|---:|" + "---:|" * len(methods))
+    for c in rows:
+        out.append(f"| {c['op']} | {c['S']} | {c['K']} | {c['N']} | " + " | ".join(
+            f"{c['measured'][m]:.0f} ({c['predicted'][m]:.0f})" for m in methods) + " |")
+    return "\n".join(out)
+
+
+def fair_share(paths, hw) -> str:
+    """The AG->GEMM cells predicted with and without ``fifo_per_peer`` (else the same
+    hardware): errors of splits 2, 4, 8, each model's pick and that pick's measured time over
+    the best fixed method's ("-" where the pick was not measured)."""
+    fifo, fair = cells(paths, hw.with_(fifo_per_peer=True)), cells(paths, hw.with_(
+        fifo_per_peer=False))
+    out = ["| S | K | N | fifo: m2, m4, m8 error | fifo pick | fair share: m2, m4, m8 error | "
+           "fair pick | its / best |", "|---:|---:|---:|---|---|---|---|---:|"]
+    err = lambda c: ", ".join(f"{100 * (c['predicted'][m] / c['measured'][m] - 1):+.0f} %"
+                              for m in ("commfuse-m2", "commfuse-m4", "commfuse-m8"))
+    for a, b in zip(fifo, fair):
+        if a["op"] == "ag_matmul":
+            t = b["measured"].get(b["pick"])
+            ratio = f"{t / b['measured'][b['best']]:.3f}" if t else "-"
+            out.append(f"| {a['S']} | {a['K']} | {a['N']} | {err(a)} | {a['pick']} | {err(b)} "
+                       f"| {b['pick']} | {ratio} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="benchmark the cells (one bench op per K, N)")
+    ints = lambda s: [int(x) for x in s.split(",")]
+    r.add_argument("--out", required=True, help="folder: one k{K}-n{N} subfolder per cell")
+    r.add_argument("--seq", type=ints, default=[2048, 4096])
+    r.add_argument("--k", type=ints, default=[1024, 2048, 4096], help="values of K")
+    r.add_argument("--n", type=ints, default=[1024, 2048, 4096], help="values of N")
+    r.add_argument("--iters", type=int, default=5)
+    r.add_argument("--warmup", type=int, default=1)
+    r.add_argument("--timeout", type=int, default=1500, help="seconds per bench op")
+    r.add_argument("--wrap", default="", help="command prefix, e.g. /work/bin/cpu-bench")
+    r.add_argument("--again", action="store_true", help="rerun cells already measured")
+    r.add_argument("--tag", default="", help="suffix of the cell folders, e.g. --tag=-s4096 "
+                   "(a second run of cells already measured)")
+    t = sub.add_parser("table", help="markdown tables from the JSON files")
+    t.add_argument("paths", nargs="+")
+    t.add_argument("--hw", default="cpu-testbed", help="hardware preset of the predictions")
+    t.add_argument("--json", help="also write the rows here")
+    t.add_argument("--seq", type=ints, help="only these S")
+    t.add_argument("--fair-share", action="store_true", help="instead: the AG->GEMM cells "
+                   "predicted with and without Hardware.fifo_per_peer")
+    a = p.parse_args(argv)
+    if a.cmd == "run":
+        return run(a)
+    if a.fair_share:
+        return print(fair_share(a.paths, preset(a.hw)))
+    rows = [c for c in cells(a.paths, preset(a.hw)) if not a.seq or c["S"] in a.seq]
+    print(markdown(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
