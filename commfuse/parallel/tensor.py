@@ -119,7 +119,7 @@ class TPAttention(nn.Module):
         B, S, h, K = q_BShK.shape
         T = self.group.size()
         return auto.choose_query_split(S, B, h * T, k_BSgK.shape[2] * T, K, wo_DX.shape[0], T,
-                                       q_BShK, self.prefetch is not None)
+                                       q_BShK)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Gradients of the unsharded wq/wk/wv/wo (collective over TP, and DP if sharded)."""

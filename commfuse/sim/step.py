@@ -123,12 +123,13 @@ def query_split_wins(cfg, tp: int, seq: int, mb: int, method: str, opts: dict, h
 def resolve_query_split(parallel, cfg, seq: int, mb: int, dtype_bytes: float, hw,
                         timer: OpTimer) -> bool:
     """``parallel.query_split``, or where it is None (the plan's default) what the TP plan
-    runs: query-split under method "auto" where `query_split_wins`, else row-parallel."""
+    runs: query-split under method "auto" where `query_split_wins` with the re-gather
+    prefetch on (as `commfuse.ops.auto.choose_query_split` decides: the prefetch setting never
+    changes the choice), else row-parallel."""
     if parallel.query_split is not None:
         return bool(parallel.query_split)
     return parallel.method == "auto" and query_split_wins(
-        cfg, parallel.tp, seq, mb, parallel.method, parallel.method_opts, hw, timer,
-        bool(getattr(parallel, "regather_prefetch", 1)))
+        cfg, parallel.tp, seq, mb, parallel.method, parallel.method_opts, hw, timer)
 
 
 def _spec_opts(opts: dict) -> dict:
