@@ -250,6 +250,8 @@ def test_cli_generate_end_to_end(tmp_path):
     assert [r["method"] for r in rows] == ["none", "sliced", "decompose", "commfuse", "auto",
                                            "allreduce", "compute alone"]
     assert all(r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
+    # the simulator predicts every row but the bound (no prediction for compute alone)
+    assert [r["sim_prefill_ms"] != r["sim_prefill_ms"] for r in rows] == [False] * 6 + [True]
     p = _cli("--prompt", "a", "--prompt", "bb b", "--tp", "2", "--random-init",
              "--max-new-tokens", "2", "--temperature", "0.7", "--top-k", "5", "--link",
              "loopback")
