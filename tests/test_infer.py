@@ -133,6 +133,44 @@ def test_tp_generation_equals_single_process(world):
     assert results == [[]] * world, results[0][:3]
 
 
+def _prefill_gemm_rank(rank, world):
+    """Prefill (B = 1 and a padded batch of 3) with every method: the logits of the single
+    process, and no batched GEMM dispatched (`commfuse.runtime.modes.gemm`: the ops' GEMMs on
+    moved, size-1 batch dims once ran as one GEMM per row, 3-4x slower)."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class AtenLog(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func).split(".")[1])
+            return func(*args, **(kwargs or {}))
+
+    m = model()
+    ref = InferenceLlama(m)
+    failures = []
+    for prompts in (PROMPTS[2], PROMPTS[0]):
+        tokens, lengths = pad_prompts(prompts)
+        want = ref.prefill(tokens, lengths, ref.new_cache(len(prompts), tokens.shape[1]))
+        for method, opts in METHODS:
+            tp = InferenceLlama(m, dist.group.WORLD, method, timeout=60, **opts)
+            with AtenLog() as log:
+                got = tp.prefill(tokens, lengths, tp.new_cache(len(prompts), tokens.shape[1]))
+            err = (got - want).abs().max().item()
+            if err > 1e-12 or "bmm" in log.ops or "mm" not in log.ops:
+                failures.append((len(prompts), method, opts, err, sorted(log.ops)))
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_prefill_exact_with_no_batched_gemm(world):
+    results = run_local(_prefill_gemm_rank, world, timeout=600, pg_timeout_s=120)
+    assert results == [[]] * world, results[0][:2]
+
+
 def test_divisibility_is_checked():
     class G:
         def size(self):
@@ -212,6 +250,8 @@ def test_cli_generate_end_to_end(tmp_path):
     assert [r["method"] for r in rows] == ["none", "sliced", "decompose", "commfuse", "auto",
                                            "allreduce", "compute alone"]
     assert all(r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
+    # the simulator predicts every row but the bound (no prediction for compute alone)
+    assert [r["sim_prefill_ms"] != r["sim_prefill_ms"] for r in rows] == [False] * 6 + [True]
     p = _cli("--prompt", "a", "--prompt", "bb b", "--tp", "2", "--random-init",
              "--max-new-tokens", "2", "--temperature", "0.7", "--top-k", "5", "--link",
              "loopback")

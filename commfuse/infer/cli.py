@@ -271,9 +271,9 @@ def _bench(model, prompts, args, how: Sampling, rank: int, world: int) -> int:
                    "first_token_ms": statistics.median(t.first_token_s for t in ts) * 1e3,
                    "decode_tokens_per_s": statistics.median(t.decode_tokens_per_s for t in ts)}
                for m, ts in times.items()}
-        for label, prefill, decode, _ in BENCH:
-            sim = _predict(model, world, prefill, decode, S, S + args.max_new_tokens // 2,
-                           len(batch))
+        for label, prefill, decode, how_run in BENCH:
+            sim = _predict(model, world, label if how_run == "compute_only" else prefill,
+                           decode, S, S + args.max_new_tokens // 2, len(batch))
             rows.append({"prompt_tokens": S, "method": label, **med[label], **sim,
                          "prefill_vs_none": med[label]["prefill_ms"] / med["none"]["prefill_ms"],
                          "decode_vs_none": med[label]["decode_tokens_per_s"]

@@ -49,10 +49,25 @@ def tracer() -> Tracer | None:
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``torch.matmul``, or in ``comm_only`` mode an uninitialised result of the same shape."""
+    """``a @ b`` (``torch.matmul``), or in ``comm_only`` mode an uninitialised result of the
+    same shape.
+
+    ``a`` [..., K] against a matrix ``b`` [K, N] is always one GEMM over the leading dims folded
+    into rows: ``torch.matmul`` folds them only when they fold into a view or ``b`` requires
+    grad, else it runs a batched GEMM, one GEMM per leading index. The ops' operands are often
+    views that do not fold (the scattered dim moved to the front of [B, S, K], even for B = 1,
+    whose size-1 dim keeps a stride matmul does not skip); batched, each slot's GEMM of a
+    prefill (weights without grad) was 3-4x slower than the same GEMM in training. Here such
+    an ``a`` is copied into rows (what matmul itself does when ``b`` requires grad)."""
     if _state["mode"] == "comm_only":
         return out if out is not None else a.new_empty((*a.shape[:-1], b.shape[-1]))
-    return torch.matmul(a, b, out=out)
+    if a.dim() < 3 or b.dim() != 2 or (out is not None and not out.is_contiguous()):
+        return torch.matmul(a, b, out=out)
+    a_XK = a.reshape(-1, a.shape[-1])  # a view where the strides allow, else a copy
+    if out is None:
+        return torch.mm(a_XK, b).view(*a.shape[:-1], b.shape[-1])
+    torch.mm(a_XK, b, out=out.view(-1, out.shape[-1]))
+    return out
 
 
 class NullTransport(Transport):
