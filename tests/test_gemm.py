@@ -70,3 +70,15 @@ def test_gradients_and_comm_only():
     with modes.mode("comm_only"):
         y = modes.gemm(a.detach(), b.detach())
     assert y.shape == (6, 1, 4)
+
+
+@pytest.mark.parametrize("shape_a,shape_b", [((0, 3, 5), (5, 4)), ((2, 3, 0), (0, 4)),
+                                             ((2, 3, 5), (5, 0)), ((2, 0, 0), (0, 0))])
+def test_empty_operands(shape_a, shape_b):
+    """Empty rows, an empty K (the product is zeros) or an empty N: as torch.matmul."""
+    a, b = torch.randn(*shape_a, dtype=torch.float64), torch.randn(*shape_b, dtype=torch.float64)
+    torch.testing.assert_close(modes.gemm(a.transpose(0, 1), b), a.transpose(0, 1) @ b,
+                               rtol=0, atol=0)
+    out = torch.full((*a.transpose(0, 1).shape[:-1], b.shape[1]), 7.0, dtype=torch.float64)
+    assert modes.gemm(a.transpose(0, 1), b, out=out) is out
+    torch.testing.assert_close(out, a.transpose(0, 1) @ b, rtol=0, atol=0)

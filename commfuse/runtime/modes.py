@@ -14,6 +14,7 @@ A `commfuse.trace.Tracer` given to `mode` receives compute and transfer spans.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -63,10 +64,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> t
         return out if out is not None else a.new_empty((*a.shape[:-1], b.shape[-1]))
     if a.dim() < 3 or b.dim() != 2 or (out is not None and not out.is_contiguous()):
         return torch.matmul(a, b, out=out)
-    a_XK = a.reshape(-1, a.shape[-1])  # a view where the strides allow, else a copy
+    rows = math.prod(a.shape[:-1])  # explicit: -1 is ambiguous when K or N is 0
+    a_XK = a.reshape(rows, a.shape[-1])  # a view where the strides allow, else a copy
     if out is None:
         return torch.mm(a_XK, b).view(*a.shape[:-1], b.shape[-1])
-    torch.mm(a_XK, b, out=out.view(-1, out.shape[-1]))
+    torch.mm(a_XK, b, out=out.view(rows, out.shape[-1]))
     return out
 
 
