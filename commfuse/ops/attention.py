@@ -37,7 +37,7 @@ from commfuse.ops.ag_matmul import ag_matmul
 from commfuse.schedule import balanced_split
 from commfuse.ops.matmul_rs import reduce_scatter_of
 from commfuse.ops.methods import method_spec
-from commfuse.ops.prefetch import Prefetcher
+from commfuse.ops.prefetch import Prefetcher, posting
 from commfuse.runtime import modes
 
 
@@ -158,11 +158,8 @@ class QuerySplitAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_sBD):
         ticket, ctx.ticket = ctx.ticket, None
-        at = None if ticket is None else ticket.prefetcher.at
-        grads = query_split_backward(*ctx.saved_tensors, g_sBD, *ctx.args,
-                                     after_posts=ticket.post if at == "posts" else None)
-        if at == "end":
-            ticket.post()
+        grads = posting(ticket, lambda after_posts: query_split_backward(
+            *ctx.saved_tensors, g_sBD, *ctx.args, after_posts=after_posts))
         return (*grads, None, None, None, None, None, None)
 
 

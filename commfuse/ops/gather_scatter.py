@@ -16,6 +16,7 @@ import torch
 
 from commfuse.ops.ag_matmul import SlotGEMMs, ag_matmul
 from commfuse.ops.matmul_rs import matmul_rs
+from commfuse.ops.prefetch import posting
 
 
 class AllGatherMatmul(torch.autograd.Function):
@@ -135,13 +136,10 @@ class MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, gc):
         a, b = ctx.saved_tensors
         ticket, ctx.ticket = ctx.ticket, None
-        at = None if ticket is None else ticket.prefetcher.at
-        ga, gb = matmul_rs_backward(a, b, gc, ctx.dim, ctx.avg, ctx.sizes, ctx.group, ctx.spec,
-                                    need_a=ctx.needs_input_grad[0],
-                                    need_b=ctx.needs_input_grad[1],
-                                    after_posts=ticket.post if at == "posts" else None)
-        if at == "end":
-            ticket.post()
+        ga, gb = posting(ticket, lambda after_posts: matmul_rs_backward(
+            a, b, gc, ctx.dim, ctx.avg, ctx.sizes, ctx.group, ctx.spec,
+            need_a=ctx.needs_input_grad[0], need_b=ctx.needs_input_grad[1],
+            after_posts=after_posts))
         return ga, gb, None, None, None, None, None, None
 
 

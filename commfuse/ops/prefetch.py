@@ -64,6 +64,17 @@ class Ticket:
         return self.prefetcher.take(self)
 
 
+def posting(ticket: "Ticket | None", backward):
+    """Run ``backward(after_posts)``, the claiming op's fused backward, posting ``ticket``'s
+    gather where its prefetcher says: right after that backward's last post (``at="posts"``,
+    passed as ``after_posts``) or after it (``"end"``); nothing without a ticket."""
+    at = None if ticket is None else ticket.prefetcher.at
+    out = backward(ticket.post if at == "posts" else None)
+    if at == "end":
+        ticket.post()
+    return out
+
+
 class Prefetcher:
     """Links the fused ops of one model for the backward prefetch (module doc).
 

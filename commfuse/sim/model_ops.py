@@ -251,14 +251,22 @@ def tp_attention_ops(cfg: LlamaConfig, tp: int, seq: int, mb: int, query_split: 
                         attention=(hd, "contiguous", 1.0, mb))],
                 [StepOp("out-proj+attention bwd", "ag_matmul", "tp", (n, cfg.dim, 2 * o_in // tp),
                         attention=(hd, "contiguous", 2.5, mb))])
-    local = mb * cfg.n_heads / tp  # per (sequence, head); the backward counts two of those,
-    # so its fused kernel is half its 2.5x (`commfuse.sim.attention.BWD_FACTOR`) per count
-    return ([StepOp("attention", "gemm", "local", (seq, hd, seq), local,
-                    attention=(hd, "contiguous", 1.0)),
-             StepOp("out-proj", "matmul_rs", "tp", (n, o_in // tp, cfg.dim))],
-            _rs_backward("out-proj", n, o_in // tp, cfg.dim, "tp", sm)
-            + [StepOp("attention bwd", "gemm", "local", (seq, hd, seq), 2 * local,
-                      attention=(hd, "contiguous", 1.25))])
+    attn, attn_b = local_attention_ops(seq, hd, mb * cfg.n_heads / tp)
+    return ([attn, StepOp("out-proj", "matmul_rs", "tp", (n, o_in // tp, cfg.dim))],
+            _rs_backward("out-proj", n, o_in // tp, cfg.dim, "tp", sm) + [attn_b])
+
+
+def local_attention_ops(seq: int, head_dim: int, heads: float, order: str = "contiguous",
+                        name: str = "attention") -> tuple[StepOp, StepOp]:
+    """(forward, backward) of causal attention over ``seq`` tokens for ``heads`` (sequence,
+    head) pairs on one rank: "gemm"s of (seq, head_dim, seq), counted once per pair forward
+    and twice backward, timed as the fused kernel where the hardware has an attention
+    efficiency (the backward's count of two halves its 2.5x,
+    `commfuse.sim.attention.BWD_FACTOR`)."""
+    return (StepOp(name, "gemm", "local", (seq, head_dim, seq), heads,
+                   attention=(head_dim, order, 1.0)),
+            StepOp(f"{name} bwd", "gemm", "local", (seq, head_dim, seq), 2 * heads,
+                   attention=(head_dim, order, 1.25)))
 
 
 def _seq_axis(tp: int, up: int) -> str:

@@ -42,7 +42,8 @@ from commfuse.sim.costs import OpSpec
 from commfuse.sim.hardware import Hardware
 from commfuse.sim.hardware import resolve as resolve_hw
 from commfuse.sim.model_ops import (CURRENT, FUSED, StepModel, StepOp, block_ops, embed_ops,
-                                    grad_sync_ops, head_ops, model_config, tp_attention_ops,
+                                    grad_sync_ops, head_ops, local_attention_ops, model_config,
+                                    tp_attention_ops,
                                     wire_bytes)
 from commfuse.sim.ops import simulate_ops
 from commfuse.trace import Span, write_trace
@@ -99,12 +100,12 @@ class OpTimer:
 
 
 def query_split_wins(cfg, tp: int, seq: int, mb: int, method: str, opts: dict, hw,
-                     timer: OpTimer, regather_prefetch: bool = True) -> bool:
+                     timer: OpTimer) -> bool:
     """Whether query-split TP attention is predicted faster than row-parallel attention +
     out-projection for ``mb`` sequences of ``seq`` tokens on ``tp`` ranks: their forward and
     backward (`commfuse.sim.model_ops.tp_attention_ops`) and q|k|v's re-gather after them,
-    which the backward before it posts ahead (``regather_prefetch``; `prefetch_credit`) as the
-    step does."""
+    which the backward before it posts ahead (`prefetch_credit`), as the step does by
+    default."""
     n, qkv = mb * seq, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
     regather = StepOp("q|k|v dW", "ag_matmul", "tp", (n, cfg.dim, qkv // tp))
 
@@ -113,8 +114,7 @@ def query_split_wins(cfg, tp: int, seq: int, mb: int, method: str, opts: dict, h
 
     def total(query_split: bool) -> float:
         f, b = tp_attention_ops(cfg, tp, seq, mb, query_split)
-        hide = prefetch_credit(b + [regather], tp).get(regather, []) if regather_prefetch \
-            else []
+        hide = prefetch_credit(b + [regather], tp).get(regather, [])
         return sum(time(op) for op in f + b) + max(
             time(regather, 1), time(regather) - sum(time(g, 1) for g in hide))
     return total(True) < total(False)
@@ -266,12 +266,9 @@ def _attention_tail(op: StepOp, world: int) -> list[StepOp]:
     ``op`` (none for other ops), as a local op of the step."""
     if not op.attention:
         return []
-    head_dim, order, factor, mb = op.attention
+    head_dim, order, _, mb = op.attention
     heads = op.shape[2] / 2 / head_dim  # dO | dW_o columns: X = heads x head_dim
-    seq = op.shape[0] // mb
-    # counted as the step's "attention bwd" is: two GEMMs per (sequence, head), half each
-    return [StepOp(f"{op.name} (after its posts)", "gemm", "local", (seq, head_dim, seq),
-                   2 * mb * heads / world, attention=(head_dim, order, factor / 2))]
+    return [local_attention_ops(op.shape[0] // mb, head_dim, mb * heads / world, order)[1]]
 
 
 def _buckets(op: StepOp, group, bucket_mb: float) -> list[float]:
