@@ -27,9 +27,11 @@ BATCH, SEQ = 12, 16  # divisible by every dp
 METHODS = (("none", {}), ("sliced", {"chunks": 2}), ("decompose", {"topology": "ring"}),
            ("commfuse", {"topology": "ring"}), ("commfuse", {"topology": "direct"}),
            ("auto", {}))  # auto: under DP only (the ZeRO-3 prefetch's backward resolves it)
+# query_split=True: the model runs on the balanced order of the sequence (`SeqLayout`)
 LAYOUTS = {2: [dict(tp=2), dict(tp=2, query_split=True), dict(up=2), dict(dp=2)],
-           3: [dict(tp=3), dict(dp=3)],
-           4: [dict(tp=2, dp=2), dict(up=2, dp=2), dict(tp=4), dict(dp=4)]}
+           3: [dict(tp=3), dict(tp=3, query_split=True), dict(dp=3)],
+           4: [dict(tp=2, dp=2), dict(up=2, dp=2), dict(tp=4), dict(tp=4, query_split=True),
+               dict(tp=2, dp=2, query_split=True), dict(dp=4)]}
 # variant: (LlamaConfig overrides, dtype of the parallel model, norm-relative tolerance vs the
 # float32 reference); float32 runs every method, the others commfuse (ring) only
 VARIANTS = {"f32": ({}, torch.float32, 1e-5), "bf16": ({}, torch.bfloat16, 3e-2),
@@ -46,7 +48,8 @@ VARIANTS = {"f32": ({}, torch.float32, 1e-5), "bf16": ({}, torch.bfloat16, 3e-2)
             "pf0mb": ({}, torch.float32, 1e-5)}
 SEQ_OF = {"seq15": 15}
 DIMS_OF = {"pf0": {"prefetch": 0}, "pf2": {"prefetch": 2}, "pf0mb": {"prefetch_mb": 0.0}}
-ONLY = {"kv4": [dict(tp=4)], "tp3": [dict(tp=3), dict(dp=3)],  # where these run
+ONLY = {"kv4": [dict(tp=4), dict(tp=4, query_split=True)],  # where these run
+        "tp3": [dict(tp=3), dict(tp=3, query_split=True), dict(dp=3)],
         "v66": [dict(tp=2, dp=2)], **{v: [dict(dp=2), dict(dp=4), dict(tp=2, dp=2)]
                                        for v in DIMS_OF}}
 EVERY_METHOD = ("f32", "seq15", "kv4", "tp3", "v66", "pf0", "pf2")  # the others: commfuse only
@@ -122,6 +125,9 @@ def _check(mesh, method, opts, variant) -> list[str]:
         if not 0 < pf.peak_pending <= bound or any(pf.pending.values()):
             problems.append(f"prefetch: peak {pf.peak_pending} posted (bound {bound}), "
                             f"left {[len(p) for p in pf.pending.values()]}")
+    order = pmodel.layout.order  # of the loss's forward, the one that ran the backward
+    if order != ("balanced" if mesh.dims.query_split else "contiguous"):
+        problems.append(f"the sequence ran in the {order} order")
     logits, want = pmodel(tokens[rows]).detach(), logits_ref[rows][..., pmodel.vocab_slice()]
     if _rel(logits, want) > tol:
         problems.append(f"logits rel {_rel(logits, want):.2e}")

@@ -6,7 +6,8 @@ w_gate / w_up and the matching columns of w_down) and runs two kinds of forward 
 weights and the same per-block code:
 
     prefill   the prompts [B, S] (right-padded): sequence-parallel, x_BsD between blocks
-              (`even_sizes(S, T)`, any S); per block
+              (`even_sizes(S, T)`, any S; with query-split the balanced order of
+              `commfuse.parallel.layout.SeqLayout`); per block
                   [AG -> GEMM] q|k|v of all S tokens for my heads       (fused, one call)
                   attention (causal; or query-split: attention + out-proj per query slice
                   inside the reduce-scatter ring), k and v written to the cache
@@ -44,6 +45,7 @@ from commfuse.models.llama import Llama, rope_cos_sin
 from commfuse.ops.attention import query_split_attention
 from commfuse.ops.binding import even_sizes
 from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scatter
+from commfuse.parallel.layout import SeqLayout
 
 TAG = 7101  # P2P tag of decode's all-reduce (method "allreduce")
 
@@ -180,23 +182,27 @@ class InferenceLlama(nn.Module):
                 (lengths_B >= 1) & (lengths_B <= S)).all():
             raise ValueError(f"prompts [{B}, {S}] with lengths {lengths_B.tolist()} do not fit "
                              f"a cache of {cache.max_len} positions")
-        sizes = even_sizes(S, self.world)
+        # query-split runs on the balanced order (`SeqLayout`): the prompt permuted so that
+        # each rank's rows are chunk r and chunk 2T-1-r of 2T, every ring step costing the same
+        layout = SeqLayout(self.rank, self.world)
+        layout.begin(S, self.query_split and self.group is not None, tokens_BS.device)
+        sizes = layout.split(S)
         off = sum(sizes[:self.rank])
         cos, sin = self.cos_LK[None, :S], self.sin_LK[None, :S]
         layer = iter(range(self.cfg.n_layers))
 
         def attend(blk, q, k, v):
             i = next(layer)
-            q, k, v = self._heads(q, B, S), self._heads(k, B, S), self._heads(v, B, S)
+            # attention sees the natural order (the gathered rows are in the layout's)
+            q, k, v = (self._heads(layout.unpermute(t), B, S) for t in (q, k, v))
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             cache.k[i][:, :, :S] = k.transpose(1, 2)
             cache.v[i][:, :, :S] = v.transpose(1, 2)
             k, v = self._expand(k, v, q.size(2), 2)
-            if self.query_split and self.group is not None:  # attention inside the RS ring
+            if layout.query_split:  # attention inside the RS ring, my rows of the order
                 o_SBD = query_split_attention(*(t.transpose(0, 1) for t in (q, k, v)),
-                                              blk.wo.t(), self.group, sizes=sizes,
-                                              order="contiguous", method=self.method,
-                                              **self.opts)
+                                              blk.wo.t(), self.group, order="balanced",
+                                              method=self.method, **self.opts)
                 return o_SBD.transpose(0, 1)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                v.transpose(1, 2), is_causal=True)
@@ -204,11 +210,14 @@ class InferenceLlama(nn.Module):
 
         col = lambda x, ws: self._col(x, ws, sizes, self.method)
         row = lambda h, w: self._row(h, w, sizes, self.method)
-        x_BsD = self.tok_emb(tokens_BS[:, off:off + sizes[self.rank]])
+        x_BsD = self.tok_emb(layout.permute(tokens_BS)[:, off:off + sizes[self.rank]])
         for blk in self.blocks:
             x_BsD = self._block(blk, x_BsD, col, row, attend)
         cache.lengths_B.copy_(lengths_B)
-        last_B = lengths_B - 1 - off  # each sequence's last token, in my rows
+        last_B = lengths_B - 1  # each sequence's last token: its row in the layout's order,
+        if layout.inverse is not None:
+            last_B = layout.inverse[last_B]
+        last_B = last_B - off  # then in my rows
         mine_B = (last_B >= 0) & (last_B < sizes[self.rank])
         h_BD = x_BsD.new_zeros(B, x_BsD.shape[-1])
         idx = mine_B.nonzero().flatten()

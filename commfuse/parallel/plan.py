@@ -81,7 +81,7 @@ def parallelize(model: nn.Module, plan: ParallelDims | Mesh | None,
         model.output = VocabParallelHead(head, mesh.seq_group, layout, kw, emb.start)
     elif dp is not None and not tied:
         model.output = ShardedLinear(model.output.weight, dp, kw, "output")
-    pmodel = ParallelLlama(model, mesh, bucket_mb, prefetch)
+    pmodel = ParallelLlama(model, mesh, bucket_mb, prefetch, layout)
     if dp is not None and dims.prefetch:  # ZeRO-3 prefetch: one unit per block, the head last
         units = [_sharded(layer) for layer in model.layers] + [_sharded(model.output)]
         mb = dims.prefetch_mb
@@ -106,9 +106,10 @@ class ParallelLlama(nn.Module):
 
     def __init__(self, model: nn.Module, mesh: Mesh | None,
                  bucket_mb: float = DEFAULT_BUCKET_MB,
-                 prefetch: RegatherPrefetcher | None = None):
+                 prefetch: RegatherPrefetcher | None = None, layout: SeqLayout | None = None):
         super().__init__()
         self.model, self.mesh = model, mesh
+        self.layout = layout  # the sequence's split and order, set at each forward (TP/UP)
         self.prefetch = prefetch  # the backward's re-gather prefetch (commfuse.ops.prefetch)
         self.grad_sync = None
         self.prefetcher = None  # ZeRO-3's weight prefetch (commfuse.parallel.prefetch), if on
@@ -119,10 +120,28 @@ class ParallelLlama(nn.Module):
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """Logits of this rank's batch. With TP/UP: this rank's vocabulary slice of the whole
-        sequence, [B, S, V/seq] (`vocab_slice`); otherwise all of them, [B, S, V]."""
+        sequence, [B, S, V/seq] (`vocab_slice`); otherwise all of them, [B, S, V]. Always in
+        the sequence's own order (a balanced forward's are put back)."""
+        logits = self._forward(tokens_BS)
+        return logits if self.layout is None else self.layout.unpermute(logits)
+
+    def _forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """The logits in this forward's order (`SeqLayout`): balanced where TP attention runs
+        query-split, so that its ring steps cost the same on every rank."""
         if self.prefetch is not None:  # a gather posted ahead in a backward that did not use it
             self.prefetch.drain()  # is waited out here, where every rank is at the same point
+        if self.layout is not None:
+            self.layout.begin(tokens_BS.shape[1], self._query_split(tokens_BS.shape),
+                              tokens_BS.device)
+            tokens_BS = self.layout.permute(tokens_BS)
         return self.model(tokens_BS)
+
+    def _query_split(self, shape_BS) -> bool | None:
+        """Whether this forward's TP attention runs query-split (None without TP)."""
+        attn = self.model.layers[0].attn if len(self.model.layers) else None
+        if not isinstance(attn, TPAttention):
+            return None
+        return attn.runs_query_split(*shape_BS, self.model.norm.weight)
 
     def vocab_slice(self) -> slice:
         """The vocabulary columns of `forward`'s logits (all of them without TP/UP)."""
@@ -130,12 +149,6 @@ class ParallelLlama(nn.Module):
             return slice(None)
         emb = self.model.tok_emb
         return slice(emb.start, emb.start + emb.weight.shape[0])
-
-    def seq_shard(self, t_BS: torch.Tensor) -> torch.Tensor:
-        """This rank's sequence shard of a [B, S, ...] tensor (all of it without TP/UP)."""
-        if self.mesh is None or self.mesh.dims.seq == 1:
-            return t_BS
-        return SeqLayout(self.mesh.seq_index, self.mesh.dims.seq).shard(t_BS)
 
     def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         """This rank's share of the global mean cross-entropy (float32; -100 ignored).
@@ -147,8 +160,9 @@ class ParallelLlama(nn.Module):
         parallel (`commfuse.parallel.vocab`) and the ranks of a TP/UP group hold the same value.
         `global_loss` turns it into the reported value.
         """
-        logits = self(tokens_BS)
+        logits = self._forward(tokens_BS)  # in the forward's order: the targets follow it
         if self.mesh is not None and self.mesh.dims.seq > 1:
+            targets_BS = self.layout.permute(targets_BS)
             total = vocab_parallel_cross_entropy(logits, targets_BS, self.vocab_slice().start,
                                                  self.mesh.seq_group).sum()
         else:

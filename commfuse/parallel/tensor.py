@@ -36,6 +36,9 @@ from commfuse.models.llama import Attention, MLP, apply_rope
 from commfuse.ops import auto
 from commfuse.ops.attention import query_split_attention
 from commfuse.parallel.data import gather_rows, regathered, weight
+from commfuse.parallel.layout import SeqLayout
+
+_CONTIGUOUS = SeqLayout(0, 1)  # a block used without a model: even, contiguous shards
 
 
 def rope_and_expand(q_BSHK, k_BSGK, v_BSGK, cos_SK, sin_SK):
@@ -77,6 +80,8 @@ class TPAttention(nn.Module):
             raise ValueError(f"n_kv_heads ({attn.wk.weight.shape[0] // attn.head_dim}) must be "
                              f"divisible by tp ({T})")
         self.group, self.op_kwargs, self.head_dim = tp_group, dict(op_kwargs), attn.head_dim
+        self.heads = attn.wq.weight.shape[0] // attn.head_dim  # of the whole model
+        self.kv_heads, self.dim = attn.wk.weight.shape[0] // attn.head_dim, attn.wo.weight.shape[0]
         self.dp_group = dp_group
         for name in ("wq", "wk", "wv"):  # head-group rows
             setattr(self, name, weight(_rows(attn.get_submodule(name).weight, r, T), dp_group,
@@ -89,37 +94,43 @@ class TPAttention(nn.Module):
             return self._forward(x_BsD, cos_SK, sin_SK, *ws)
 
     def _forward(self, x_BsD, cos_SK, sin_SK, wq, wk, wv, wo):
+        layout = self.layout if self.layout is not None else _CONTIGUOUS
         # the gather of the next sequence slice hides behind the q|k|v GEMMs of this one
         _, (q, k, v) = fused_all_gather_matmul(x_BsD, [wq.t(), wk.t(), wv.t()], 1, self.group,
-                                               sizes=getattr(self.layout, "sizes", None),
-                                               return_A=False, prefetch=self.prefetch,
-                                               **self.op_kwargs)
+                                               sizes=layout.sizes, return_A=False,
+                                               prefetch=self.prefetch, **self.op_kwargs)
         B, S, K = q.shape[0], q.shape[1], self.head_dim
-        q, k, v = q.view(B, S, -1, K), k.view(B, S, -1, K), v.view(B, S, -1, K)
-        if self._query_split(q, k, wo):  # attention + out-proj per query slice, in the RS ring
+        # attention sees the sequence in its natural order (a balanced forward's is permuted)
+        q, k, v = (layout.unpermute(t).view(B, S, -1, K) for t in (q, k, v))
+        query_split = layout.query_split
+        if query_split is None:  # no model around this block: decide here
+            query_split = self.runs_query_split(B, S, q)
+        if query_split:  # attention + out-proj per query slice, in the RS ring
             q, k, v = (t.transpose(0, 1) for t in rope_and_expand(q, k, v, cos_SK, sin_SK))
-            return query_split_attention(q, k, v, wo.t(), self.group, order="contiguous",
-                                         sizes=getattr(self.layout, "sizes", None),
+            balanced = layout.order == "balanced"
+            return query_split_attention(q, k, v, wo.t(), self.group,
+                                         order="balanced" if balanced else "contiguous",
+                                         sizes=None if balanced else layout.sizes,
                                          prefetch=self.prefetch,
                                          **self.op_kwargs).transpose(0, 1)
-        o_BShK = causal_attention(q, k, v, cos_SK, sin_SK)
+        o_BShK = layout.permute(causal_attention(q, k, v, cos_SK, sin_SK))
         # each partial out-proj's transfer hides behind the next slice's GEMM; in backward,
         # q|k|v's re-gather is posted after its posts and hides behind the SDPA backward
         return fused_matmul_reduce_scatter(o_BShK.reshape(B, S, -1), wo.t(), "sum", 1,
-                                           self.group, prefetch=self.prefetch, **self.op_kwargs)
+                                           self.group, sizes=layout.sizes,
+                                           prefetch=self.prefetch, **self.op_kwargs)
 
-    def _query_split(self, q_BShK: torch.Tensor, k_BSgK: torch.Tensor,
-                     wo_DX: torch.Tensor) -> bool:
+    def runs_query_split(self, batch: int, seq: int, like: torch.Tensor) -> bool:
         """``query_split``, or where it is None: under method "auto" the cost model's choice
-        for this shape (`commfuse.ops.auto.choose_query_split`), else row-parallel."""
+        for ``batch`` sequences of ``seq`` tokens (`commfuse.ops.auto.choose_query_split`;
+        ``like``: a tensor of the model's dtype and device), else row-parallel."""
         if self.query_split is not None:
             return self.query_split
         if self.op_kwargs.get("method") != "auto":
             return False
-        B, S, h, K = q_BShK.shape
         T = self.group.size()
-        return auto.choose_query_split(S, B, h * T, k_BSgK.shape[2] * T, K, wo_DX.shape[0], T,
-                                       q_BShK)
+        return auto.choose_query_split(seq, batch, self.heads, self.kv_heads, self.head_dim,
+                                       self.dim, T, like)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Gradients of the unsharded wq/wk/wv/wo (collective over TP, and DP if sharded)."""
@@ -152,7 +163,8 @@ class TPMLP(nn.Module):
                                                     **self.op_kwargs)
         # backward: gate|up's re-gather posted after down's posts, hidden by the SwiGLU bwd
         return fused_matmul_reduce_scatter(F.silu(g_BSf) * u_BSf, w_down.t(), "sum", 1,
-                                           self.group, prefetch=self.prefetch, **self.op_kwargs)
+                                           self.group, sizes=getattr(self.layout, "sizes", None),
+                                           prefetch=self.prefetch, **self.op_kwargs)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         out = {n: gather_rows(getattr(self, n).full_grad(), self.group) for n in ("w_gate", "w_up")}
