@@ -18,9 +18,7 @@ thread and connection per peer) a rank's transfers to one peer drain one at a ti
 order they become ready, the next starting when the one before has drained. With ``Hardware.serial_p2p`` (NCCL: every P2P batch of a
 group runs on the group's one stream) a rank's ``Post`` batches run one after another: a
 batch's transfers are posted on that rank only once all of its earlier batches are done. Compute runs at 1/(1+interference) speed while a
-transfer or collective is in flight on its rank, and a collective progresses at
-1/(1+collective_interference) speed while any of its ranks runs work (on the CPU testbed
-gloo's collective thread shares the core with the GEMM). Collectives do not share links with P2P
+transfer or collective is in flight on its rank. Collectives do not share links with P2P
 transfers (no schedule mixes them). Host costs (``Hardware.host_collective_s`` before each
 ``Collective``, ``host_p2p_s`` before each ``Post``) are work on the rank: nothing else runs
 on it meanwhile. Events sit in a heap; stale ones carry an old version.
@@ -87,9 +85,6 @@ class Engine:
         self.ncoll = [0] * w
         self.colls: dict = {}  # key -> [arrived, done, waiters, start]
         self.coll_queue: list = []  # ready collectives; the first one is running
-        self.coll_run = None  # the running collective: [key, seconds left at full speed, rate,
-        self.coll_dirty = False  # t, version]; coll_dirty: its rate may be stale (see _flush)
-        self.nbusy = 0  # simulated ranks running work (collective_interference)
         self.dirty: set = set()  # ranks whose flows' rates are stale (see _reflow)
         # fifo_per_peer: channel -> its ready flows, the first one draining
         self.lanes: dict = {} if self.hw.fifo_per_peer else None
@@ -98,7 +93,7 @@ class Engine:
         for r in range(w):
             self._advance(r)
         while True:
-            if (self.dirty or self.coll_dirty) and (not self.heap or self.heap[0][0] > self.now):
+            if self.dirty and (not self.heap or self.heap[0][0] > self.now):
                 self._flush()  # nothing else is due at this instant
             if not self.heap:
                 break
@@ -108,7 +103,6 @@ class Engine:
                 task = self.task[obj]
                 if task is not None and task.ver == ver:
                     self.task[obj] = None
-                    self._busy(-1)
                     self._span(obj, task.kind, task.label, task.start, t)
                     self.pc[obj] += 1
                     self._advance(obj)
@@ -117,7 +111,7 @@ class Engine:
                     self._drained(obj)
             elif what == 2:  # a flow's latency has passed: done
                 self._flow_done(obj)
-            elif self.coll_run is not None and self.coll_run[4] == ver:  # a collective is done
+            else:  # a collective is done
                 self._coll_done(obj)
         if any(f is None for f in self.finish):
             stuck = [r for r in range(w) if self.finish[r] is None]
@@ -212,7 +206,6 @@ class Engine:
         task.left, task.t, task.ver, task.start = seconds, self.now, self.vc, self.now
         task.kind, task.label, task.rate = kind, label, self._compute_rate(r)
         self.task[r] = task
-        self._busy(1)
         self._push(self.now + seconds / task.rate, 0, r, task.ver)
 
     def _retime_task(self, r: int) -> None:
@@ -256,31 +249,6 @@ class Engine:
         dirty, self.dirty = self.dirty, set()
         for r in dirty:
             self._retime_task(r)
-        if self.coll_dirty:
-            self.coll_dirty = False
-            self._retime_coll()
-
-    def _busy(self, n: int) -> None:
-        """A rank's work starts (n=1) or ends (-1): the running collective's rate may change."""
-        self.nbusy += n
-        if self.coll_run is not None and self.hw.collective_interference:
-            self.coll_dirty = True
-
-    def _coll_rate(self) -> float:
-        busy = self.nbusy and self.comm
-        return 1.0 / (1.0 + self.hw.collective_interference) if busy else 1.0
-
-    def _retime_coll(self) -> None:
-        c = self.coll_run
-        if c is None:
-            return
-        rate = self._coll_rate()
-        if rate == c[2]:
-            return
-        c[1] = max(c[1] - (self.now - c[3]) * c[2], 0.0)
-        self.vc += 1
-        c[2], c[3], c[4] = rate, self.now, self.vc
-        self._push(self.now + c[1] / rate, 3, c[0], c[4])
 
     def _start_flow(self, f: _Flow) -> None:
         f.start = f.t = self.now
@@ -331,10 +299,7 @@ class Engine:
             for r in range(self.nr):
                 self.ncoll[r] += 1
                 self._retime_task(r)
-        rate = self._coll_rate()
-        self.vc += 1
-        self.coll_run = [key, duration, rate, self.now, self.vc]
-        self._push(self.now + duration / rate, 3, key, self.vc)
+        self._push(self.now + duration, 3, key)
 
     def _coll_done(self, key) -> None:
         c = self.colls[key]
@@ -346,7 +311,6 @@ class Engine:
                 self._retime_task(r)
                 self._span(r, "collective", label, c[3], self.now)
         self.coll_queue.pop(0)
-        self.coll_run = None
         if self.coll_queue:
             nxt = self.coll_queue[0]
             self._start_coll(nxt, self.colls[nxt])

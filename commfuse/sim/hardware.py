@@ -40,11 +40,6 @@ class Hardware:
     interference: float = 0.0
     """Compute slowdown while a transfer or collective is in flight on the same rank: compute
     runs at 1 / (1 + interference) of its speed (0 = none; 1 = half speed)."""
-    collective_interference: float = 0.0
-    """The converse for collectives: a collective progresses at 1 / (1 + this) of its speed
-    while one of its ranks runs work (a GEMM, an add, host time). gloo runs a collective on
-    its worker thread, which shares the rank's core with the GEMM; a P2P transfer's thread
-    sleeps in the socket calls and is not slowed (0 = none)."""
     duplex_efficiency: float = 1.0
     """Fraction of ``link_bandwidth`` each direction gets while a rank sends and receives at
     the same time (1 = full duplex; the CPU testbed reaches about 0.5-1)."""
@@ -94,8 +89,8 @@ class Hardware:
         for name in ("gemm_flops", "link_bandwidth", "mem_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("link_latency", "m0", "n0", "k0", "interference", "collective_interference",
-                     "host_collective_s", "host_p2p_s"):
+        for name in ("link_latency", "m0", "n0", "k0", "interference", "host_collective_s",
+                     "host_p2p_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("memory_gib", "tdp_w", "power_limit_w"):
