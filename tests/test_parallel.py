@@ -125,9 +125,10 @@ def _check(mesh, method, opts, variant) -> list[str]:
         if not 0 < pf.peak_pending <= bound or any(pf.pending.values()):
             problems.append(f"prefetch: peak {pf.peak_pending} posted (bound {bound}), "
                             f"left {[len(p) for p in pf.pending.values()]}")
-    order = pmodel.layout.order  # of the loss's forward, the one that ran the backward
-    if order != ("balanced" if mesh.dims.query_split else "contiguous"):
-        problems.append(f"the sequence ran in the {order} order")
+    # of the loss's forward, the one that ran the backward: balanced iff query-split ran
+    order, qs = pmodel.layout.order, pmodel.layout.query_split
+    if order != ("balanced" if qs else "contiguous") or (mesh.dims.query_split and not qs):
+        problems.append(f"the sequence ran in the {order} order, query-split {qs}")
     logits, want = pmodel(tokens[rows]).detach(), logits_ref[rows][..., pmodel.vocab_slice()]
     if _rel(logits, want) > tol:
         problems.append(f"logits rel {_rel(logits, want):.2e}")
