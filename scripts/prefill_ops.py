@@ -9,7 +9,8 @@ warm-up round, medians of ITERS rounds, both ranks. Run as 2 ranks on the emulat
     ITERS=3 SHAPES=1x2048,4x512 OUT=diag.json commfuse launch --nproc 2 --link 1gbit -- \
         python scripts/prefill_ops.py
 
-SHAPES: BxS (sequences x tokens); METHODS (default all five); FB=1 adds forward+backward.
+SHAPES: BxS (sequences x tokens); METHODS (default all five); FB=1 adds forward+backward;
+QS=1: the prefill runs query-split attention (its RS is the "out" op, SDPA inside it).
 (docs/benchmarks/2026-12-01-inference.md, "Second session".)
 """
 import collections, copy, json, os, statistics, time
@@ -33,7 +34,8 @@ import dataclasses
 cfg = dataclasses.replace(LlamaConfig.preset("small"), max_seq_len=8192)
 torch.manual_seed(0)
 base = Llama(cfg)
-inf = InferenceLlama(copy.deepcopy(base), dist.group.WORLD, "none")
+QS = bool(os.environ.get("QS"))  # prefill with query-split attention (balanced order)
+inf = InferenceLlama(copy.deepcopy(base), dist.group.WORLD, "none", query_split=QS)
 tm = copy.deepcopy(base)
 pm = parallelize(tm, ParallelDims(tp=world, method="none"))
 tmods = [m for m in pm.modules() if hasattr(m, "op_kwargs")]

@@ -261,3 +261,43 @@ def test_cli_generate_end_to_end(tmp_path):
     assert bad.returncode == 2 and "top_p" in bad.stderr
     bad = _cli("--prompt", "x", "--link", "loopback")
     assert bad.returncode == 2 and "--checkpoint" in bad.stderr
+
+
+def _auto_query_split_rank(rank, world):
+    """Method auto on a hardware model where query-split attention wins (the SLOW of
+    test_query_split_choice): each prefill runs query-split iff `prefill_query_split` says so,
+    and the tokens are the single process's. (chosen, predicted, tokens equal) per prompt set."""
+    import torch.distributed as dist
+
+    from commfuse.infer import model as infer_model
+    from commfuse.infer.predict import prefill_query_split
+    from commfuse.ops import auto
+    from test_query_split_choice import SLOW
+
+    auto.set_hardware(SLOW)
+    m = model()
+    ref = InferenceLlama(m)
+    ran = []
+    real = infer_model.query_split_attention
+    infer_model.query_split_attention = lambda *a, **k: ran.append(True) or real(*a, **k)
+    out = []
+    try:
+        for prompts in PROMPTS:
+            ran.clear()
+            tp = InferenceLlama(m, dist.group.WORLD, "auto", timeout=60)
+            got = generate(tp, prompts, NEW)
+            S = max(len(p) for p in prompts)
+            out.append((bool(ran), prefill_query_split(m.cfg, world, S, len(prompts), SLOW, 8),
+                        got == generate(ref, prompts, NEW)))
+    finally:
+        infer_model.query_split_attention = real
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_auto_prefill_runs_query_split_where_the_model_predicts_it(world):
+    results = run_local(_auto_query_split_rank, world, timeout=600, pg_timeout_s=120)
+    for rank, rows in enumerate(results):
+        assert all(chosen == predicted and same for chosen, predicted, same in rows), (rank, rows)
+    if world == 2:  # the model picks it for the longer prompts here: the test is not vacuous
+        assert [chosen for chosen, _, _ in results[0]] == [True, False, True]

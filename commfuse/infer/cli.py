@@ -62,9 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Decode's instead of --method: also allreduce (every rank all rows, "
                         "two all-reduces per block); auto picks it or the fused ops by the cost "
                         "model (default: --method)")
-    p.add_argument("--query-split", action="store_true",
+    p.add_argument("--query-split", action=argparse.BooleanOptionalAction, default=None,
                    help="Prefill attention and out-projection per query slice inside the "
-                        "reduce-scatter ring")
+                        "reduce-scatter ring (balanced order), or never (--no-query-split); "
+                        "default: where the cost model predicts it faster under --method auto")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR",
                      help="A commfuse train --checkpoint-dir (its latest) or step directory")
@@ -247,7 +248,9 @@ def _predict(model, world: int, method: str, decode: str, S: int, context: int,
     hw, nbytes = _hardware(w.device.type), w.element_size()
     if method == "compute alone":
         return {"sim_prefill_ms": float("nan"), "sim_decode_tokens_per_s": float("nan")}
-    return {"sim_prefill_ms": prefill_s(model.cfg, world, method, S * batch, hw, nbytes) * 1e3,
+    qs = model.runs_query_split(method, S, batch, w)
+    return {"sim_prefill_ms": prefill_s(model.cfg, world, method, S, hw, nbytes, batch=batch,
+                                        query_split=qs) * 1e3,
             "sim_decode_tokens_per_s":
                 1 / decode_s(model.cfg, world, decode, batch, context, hw, nbytes)}
 

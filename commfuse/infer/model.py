@@ -97,11 +97,15 @@ class InferenceLlama(nn.Module):
     ``method`` and ``opts``: the fused ops' method for prefill and decode (`commfuse.ops.fused`;
     "auto" picks per shape, so decode's B-row GEMMs may get another method than prefill's, and
     decode may run replicated with all-reduces); ``decode_method``: decode's instead, if given
-    (also "allreduce": replicated rows, an all-reduce after each row-parallel GEMM). ``query_split``: prefill attention and
-    out-projection per query slice inside the reduce-scatter ring (`query_split_attention`).
+    (also "allreduce": replicated rows, an all-reduce after each row-parallel GEMM).
+    ``query_split``: prefill attention and out-projection per query slice inside the
+    reduce-scatter ring (`query_split_attention`), on the balanced order; None (default):
+    under method "auto" where the cost model predicts it faster for the prompt's shape
+    (`commfuse.infer.predict.prefill_query_split`, CPU only, as in training), else not.
     """
 
-    def __init__(self, model: Llama, group=None, method: str = "auto", query_split: bool = False,
+    def __init__(self, model: Llama, group=None, method: str = "auto",
+                 query_split: bool | None = None,
                  decode_method: str | None = None, **opts):
         super().__init__()
         cfg = self.cfg = model.cfg
@@ -185,7 +189,8 @@ class InferenceLlama(nn.Module):
         # query-split runs on the balanced order (`SeqLayout`): the prompt permuted so that
         # each rank's rows are chunk r and chunk 2T-1-r of 2T, every ring step costing the same
         layout = SeqLayout(self.rank, self.world)
-        layout.begin(S, self.query_split and self.group is not None, tokens_BS.device)
+        layout.begin(S, self.runs_query_split(self.method, S, B, self.tok_emb.weight),
+                     tokens_BS.device)
         sizes = layout.split(S)
         off = sum(sizes[:self.rank])
         cos, sin = self.cos_LK[None, :S], self.sin_LK[None, :S]
@@ -296,6 +301,23 @@ class InferenceLlama(nn.Module):
         for p in range(1, T):
             out += parts[p]
         return out
+
+    def runs_query_split(self, method: str, seq: int, batch: int, like: torch.Tensor) -> bool:
+        """Whether the prefill of ``batch`` prompts of ``seq`` tokens with ``method`` runs
+        query-split attention (``query_split``, or the cost model's choice under "auto")."""
+        if self.group is None:
+            return False
+        if self.query_split is not None:
+            return self.query_split
+        from commfuse.ops.attn_blocks import fused_kernels
+
+        if method != "auto" or not fused_kernels(like):  # the model times CPU kernels only
+            return False
+        from commfuse.infer.predict import prefill_query_split
+        from commfuse.ops.auto import _hardware
+
+        return prefill_query_split(self.cfg, self.world, seq, batch,
+                                   _hardware(like.device.type), like.element_size())
 
     def _decode_method(self, B: int, like: torch.Tensor) -> str:
         """Decode's method for B rows: "allreduce" or a fused-op method ("auto": the one the

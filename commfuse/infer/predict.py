@@ -1,6 +1,7 @@
 """The simulator's prediction of a prefill and of a decode step (`commfuse.sim`'s op timer on
 the blocks' ops of a forward, as `commfuse.sim.step.simulate_step` builds them), and decode's choice between the fused ops and
-replicated rows with all-reduces (`decode_choice`).
+replicated rows with all-reduces (`decode_choice`), and prefill's between query-split and
+row-parallel attention (`prefill_query_split`).
 
 Prefill of S tokens is the blocks' forward over S rows (the fused ops, the attention GEMMs),
 the head once (one token per sequence). A decode step is the same ops over B rows (the new
@@ -16,23 +17,28 @@ from commfuse.sim.model_ops import StepOp, block_ops
 from commfuse.sim.step import OpTimer
 
 
-def _blocks_s(cfg: LlamaConfig, tp: int, method: str, rows: int, hw, dtype_bytes: float,
-              attention: StepOp | None = None, timer: OpTimer | None = None) -> float:
+def _blocks_s(cfg: LlamaConfig, tp: int, method: str, seq: int, hw, dtype_bytes: float,
+              attention: StepOp | None = None, timer: OpTimer | None = None, batch: int = 1,
+              query_split: bool = False) -> float:
     timer = timer or OpTimer(dtype_bytes)
-    fwd, _ = block_ops(cfg, tp, 1, 1, rows, 1, backward=False, dtype_bytes=dtype_bytes)
+    fwd, _ = block_ops(cfg, tp, 1, 1, seq, batch, backward=False, dtype_bytes=dtype_bytes,
+                       query_split=query_split and tp > 1)
     total = 0.0
     for op in fwd:
         if attention is not None and op.name == "attention":
             op = attention
         total += timer.time(op, method, {}, tp if op.axis == "tp" else 1, hw)[0] * op.count
-    head = StepOp("head", "gemm", "local", (1, cfg.dim, cfg.vocab_size))
+    head = StepOp("head", "gemm", "local", (batch, cfg.dim, cfg.vocab_size))
     return cfg.n_layers * total + timer.time(head, method, {}, 1, hw)[0]
 
 
 def prefill_s(cfg: LlamaConfig, tp: int, method: str, prompt_tokens: int, hw,
-              dtype_bytes: float = 4, timer: OpTimer | None = None) -> float:
-    """Predicted seconds of the prefill of one prompt of ``prompt_tokens`` tokens."""
-    return _blocks_s(cfg, tp, method, prompt_tokens, hw, dtype_bytes, timer=timer)
+              dtype_bytes: float = 4, timer: OpTimer | None = None, batch: int = 1,
+              query_split: bool = False) -> float:
+    """Predicted seconds of the prefill of ``batch`` prompts of ``prompt_tokens`` tokens;
+    ``query_split``: attention inside the out-projection's reduce-scatter ring."""
+    return _blocks_s(cfg, tp, method, prompt_tokens, hw, dtype_bytes, timer=timer, batch=batch,
+                     query_split=query_split)
 
 
 def decode_s(cfg: LlamaConfig, tp: int, method: str, batch: int, context: int, hw,
@@ -59,6 +65,20 @@ def decode_s(cfg: LlamaConfig, tp: int, method: str, batch: int, context: int, h
 
 
 _CHOICES: dict[tuple, str] = {}
+_QUERY_SPLIT: dict[tuple, bool] = {}
+
+
+def prefill_query_split(cfg: LlamaConfig, tp: int, seq: int, batch: int, hw,
+                        dtype_bytes: float) -> bool:
+    """Whether the prefill of ``batch`` prompts of ``seq`` tokens under method "auto" runs
+    query-split attention: the model predicts its forward faster than row-parallel
+    attention + out-projection (a function of what every rank shares)."""
+    key = (repr(cfg), tp, seq, batch, repr(hw), dtype_bytes)
+    if key not in _QUERY_SPLIT:
+        qs, row = (prefill_s(cfg, tp, "auto", seq, hw, dtype_bytes, batch=batch, query_split=q)
+                   for q in (True, False))
+        _QUERY_SPLIT[key] = tp > 1 and qs < row
+    return _QUERY_SPLIT[key]
 
 
 def decode_choice(cfg: LlamaConfig, tp: int, batch: int, hw, dtype_bytes: float) -> str:
