@@ -122,7 +122,8 @@ def test_simulator_times_balanced_slots_equal_and_no_slower():
     cost = {order: [slot_attention_s(hw, OpSpec("matmul_rs", "commfuse", (4096, 512, 1024),
                                                 attention=(64, order, 1.0)), 2, slot, 0, 0)
                     for slot in range(2)] for order in ("balanced", "contiguous")}
-    assert cost["balanced"][0] == pytest.approx(cost["balanced"][1], rel=1e-3)
+    # equal work; slot 0 (chunks 0 and 3) is two kernel runs, slot 1 (chunks 1, 2) one
+    assert cost["balanced"][0] == pytest.approx(cost["balanced"][1], rel=0.02)
     assert cost["contiguous"][1] > 2 * cost["contiguous"][0]
     assert sum(cost["balanced"]) == pytest.approx(sum(cost["contiguous"]), rel=0.05)
     for backward in (False, True):

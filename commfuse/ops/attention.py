@@ -76,8 +76,9 @@ def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal:
                              f"{tuple(sizes)} (use order='contiguous' for another split)")
         sizes = split
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), total=S)
+    # costed as its out-projection's GEMM -> RS with each slot's attention inside
     spec = auto.resolve(spec, "matmul_rs", (S * B, H * d, wo_HdD.shape[1]), group.size(),
-                        q_SBHd)  # costed as its out-projection's GEMM -> RS
+                        q_SBHd, attention=(d, order, 1.0, B) if causal else ())
     if torch.compiler.is_compiling():  # one opaque custom op in the graph
         return query_split_op(q_SBHd, k_SBHd, v_SBHd, wo_HdD, causal, order, list(sizes),
                               group.group_name, library.spec_str(spec))[0]

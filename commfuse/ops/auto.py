@@ -62,15 +62,16 @@ def choose(op: str, shape: tuple[int, int, int], world: int,
 
 
 def _choose(op: str, shape: tuple[int, ...], world: int, itemsize: int,
-            device_type: str) -> tuple[str, dict]:
+            device_type: str, attention: tuple = ()) -> tuple[str, dict]:
     hw = _hardware(device_type)
-    key = (op, shape, world, itemsize, device_type, id(hw))
+    key = (op, shape, world, itemsize, device_type, id(hw), attention)
     if key not in _CHOICES:
         if world == 1 or min(shape) == 0:
             _CHOICES[key] = ("none", {})
         else:
             step_s = STEP_OVERHEAD_S.get(device_type, 50e-6)
-            _CHOICES[key] = fastest(op, shape, world, itemsize, hw, step_s)[:2]
+            _CHOICES[key] = fastest(op, shape, world, itemsize, hw, step_s,
+                                    attention=attention)[:2]
         log.info("auto: %s M,K,N=%s on %d ranks -> %s %s", op, shape, world, *_CHOICES[key])
     return _CHOICES[key]
 
@@ -80,16 +81,17 @@ def choose_splits(op: str, shape: tuple[int, int, int], world: int, like: torch.
     """The m that ``method="commfuse"`` runs ``op`` of ``shape`` with when none is given
     (``uniform``: as for `resolve`)."""
     return _splits(op, _shared(op, shape, uniform), world, like.element_size(),
-                   like.device.type, topology)
+                   like.device.type, (), topology)
 
 
 def _splits(op: str, shape: tuple[int, ...], world: int, itemsize: int, device_type: str,
-            topology: str) -> int:
+            attention: tuple, topology: str) -> int:
     hw = _hardware(device_type)
-    key = (op, shape, world, itemsize, device_type, id(hw), topology)
+    key = (op, shape, world, itemsize, device_type, id(hw), attention, topology)
     if key not in _SPLITS:
         step_s = STEP_OVERHEAD_S.get(device_type, 50e-6)
-        _SPLITS[key] = best_splits(op, shape, world, itemsize, hw, step_s, topology)
+        _SPLITS[key] = best_splits(op, shape, world, itemsize, hw, step_s, topology,
+                                   attention=attention)
         log.info("commfuse splits: %s M,K,N=%s on %d ranks -> m=%d", op, shape, world,
                  _SPLITS[key])
     return _SPLITS[key]
@@ -103,7 +105,7 @@ def _choose_items(*args) -> tuple[str, tuple]:
 
 
 def resolve(spec: MethodSpec, op: str, shape, world: int, like, group=None,
-            uniform: bool = True) -> MethodSpec:
+            uniform: bool = True, attention: tuple = ()) -> MethodSpec:
     """``spec`` with every choice made: for method "auto" the method `choose` picks for the
     shape, for "commfuse" without ``splits`` the m `choose_splits` picks. Under
     torch.compile the method is chosen while tracing, as in eager, but "commfuse" without
@@ -111,12 +113,15 @@ def resolve(spec: MethodSpec, op: str, shape, world: int, like, group=None,
     In eager, auto's choice is checked against the other ranks of ``group`` by `agree` on
     the first call per shape (commfuse's m is not: no collective is added to the default
     method, so `set_hardware` must be the same on every rank). ``uniform``: every rank has
-    this ``shape`` (else the choice is made for `_common`'s, which every rank shares)."""
+    this ``shape`` (else the choice is made for `_common`'s, which every rank shares).
+    ``attention``: the op's slots also run causal attention (query-split,
+    `commfuse.sim.costs.OpSpec.attention`), which the choice times with them."""
     compiling = torch.compiler.is_compiling()
     if compiling and spec.method == "commfuse" and spec.splits is None:
         return replace(spec, splits=1)  # shapes may be symbolic: no per-shape m, the paper's
     # only a shape every rank has decides: the choice sets message sizes
-    args = (op, _shared(op, shape, uniform), world, like.element_size(), like.device.type)
+    args = (op, _shared(op, shape, uniform), world, like.element_size(), like.device.type,
+            tuple(attention))
     if spec.method == "auto":
         if compiling:
             method, items = _choose_items(*args)
@@ -124,7 +129,8 @@ def resolve(spec: MethodSpec, op: str, shape, world: int, like, group=None,
         else:
             method, opts = _choose(*args)
             if group is not None:
-                agree(group, op, args[1], like, (method, opts))
+                agree(group, op + "+attention" * bool(attention), args[1], like,
+                      (method, opts))
         if "splits" in OPTIONS[method]:
             opts = {"splits": 1, **opts}  # what the model timed: no splits is m=1
         return method_spec(method, {**opts, "timeout": spec.timeout} if spec.timeout else opts)

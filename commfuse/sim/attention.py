@@ -30,8 +30,9 @@ def attention_s(hw, positions, heads: float, head_dim: int, factor: float = 1.0,
         return 0.0
     keys = sum(positions) + n  # row p sees p + 1 keys
     if hw.attention_efficiency[0]:  # a fused kernel: QK^T and PV, 2 FLOPs a multiply-add
+        runs = 1 + sum(b != a + 1 for a, b in zip(positions, positions[1:]))  # calls' rows
         return hw.attention_time(4 * factor * heads * head_dim * keys, keys / n,
-                                 backward=factor > 1, rank=rank)
+                                 backward=factor > 1, rank=rank, rows_per_call=n / runs)
     return 2 * factor * heads * hw.gemm_time(n, head_dim, keys / n, rank=rank)
 
 

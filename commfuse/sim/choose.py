@@ -34,15 +34,16 @@ MAX_PIECES = 256  # best_splits: at most this many pieces (group size x m) along
 
 
 def fastest(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 50e-6,
-            candidates=CANDIDATES) -> tuple[str, dict, float]:
+            candidates=CANDIDATES, attention: tuple = ()) -> tuple[str, dict, float]:
     """(method, options, predicted seconds) of the fastest of ``candidates`` on ``hw`` (a
     `commfuse.sim.Hardware`), ``step_s`` added per schedule step. Ties go to the earlier
-    candidate. A candidate whose compute alone already loses is not simulated further."""
+    candidate. A candidate whose compute alone already loses is not simulated further.
+    ``attention``: the op's slots also run attention (`OpSpec.attention`: query-split)."""
     sym = not (hw.compute_straggler or hw.link_straggler)
     best = (float("inf"), -1)
     for i, (m, o) in enumerate(candidates):
-        engine = Engine(hw, world, [OpSpec(op, m, tuple(shape), **o)], dtype_bytes, True,
-                        False, sym)
+        engine = Engine(hw, world, [OpSpec(op, m, tuple(shape), attention=attention, **o)],
+                        dtype_bytes, True, False, sym)
         extra = step_s * steps(op, m, world, o)
         if engine.work_s() + extra >= best[0]:  # a lower bound of its time: it cannot win
             continue
@@ -57,13 +58,13 @@ def steps(op: str, method: str, world: int, opts: dict) -> int:
 
 
 def best_splits(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 50e-6,
-                topology: str = "ring", method: str = "commfuse") -> int:
+                topology: str = "ring", method: str = "commfuse", attention: tuple = ()) -> int:
     """The m of `SPLITS` with which ``method`` runs ``op`` of ``shape`` fastest on ``hw``
     (``step_s`` per schedule step added, as for `fastest`), searched upwards from m=1 and
     stopped at the first m that is not faster than the one before (ties keep the smaller m);
     an m that would cut the dim into more than `MAX_PIECES` pieces (W*m) is not tried: on
     wide groups each slice is already a small piece, and simulating them would dominate
-    the planner's time.
+    the planner's time. ``attention``: as for `fastest`.
 
     A pure function of its arguments (the simulator is deterministic), so every rank that
     passes the same shape, group size, dtype and hardware gets the same m: it sets the
@@ -75,7 +76,7 @@ def best_splits(op: str, shape, world: int, dtype_bytes: float, hw, step_s: floa
         if m > 1 and world * m > MAX_PIECES:
             break
         t = fastest(op, shape, world, dtype_bytes, hw, step_s,
-                    [(method, {"topology": topology, "splits": m})])[2]
+                    [(method, {"topology": topology, "splits": m})], attention)[2]
         if t >= best_t:
             break
         best_m, best_t = m, t

@@ -77,6 +77,10 @@ class Hardware:
     """Mean keys per query row at which a fused attention kernel reaches half of
     ``attention_efficiency`` (short sequences run below it, as small GEMMs do); 0: the same
     efficiency at every length."""
+    attention_q0: float = 0.0
+    """Query rows per kernel call at which a fused attention call runs at half its rate (a
+    call of n rows: n / (n + q0)); what cutting attention into many calls costs (query-split's
+    runs: prefix + diagonal blocks per run of rows). 0: free."""
     memory_gib: float = 0.0
     """Device memory a process can allocate (GiB); 0: unknown (every plan fits)."""
     tdp_w: float = 0.0
@@ -132,12 +136,15 @@ class Hardware:
         return t * self.compute_straggler.get(rank, 1.0)
 
     def attention_time(self, flops: float, keys_per_row: float, backward: bool = False,
-                       rank: int = 0) -> float:
+                       rank: int = 0, rows_per_call: float = float("inf")) -> float:
         """Seconds of a fused attention kernel of ``flops`` (causal FLOPs) whose query rows see
-        ``keys_per_row`` keys on average, at ``attention_efficiency`` (needs it set)."""
+        ``keys_per_row`` keys on average, run in calls of ``rows_per_call`` query rows, at
+        ``attention_efficiency`` (needs it set)."""
         e = self.attention_efficiency[1 if backward else 0]
         if self.attention_k0:
             e *= keys_per_row / (keys_per_row + self.attention_k0)
+        if self.attention_q0:
+            e *= rows_per_call / (rows_per_call + self.attention_q0)
         return flops / (self.gemm_flops * self.clock_factor() * e) \
             * self.compute_straggler.get(rank, 1.0)
 
@@ -258,7 +265,8 @@ PRESETS: dict[str, Hardware] = {
                             k0=32.0, interference=0.3, duplex_efficiency=0.75,
                             collective_efficiency=0.75, host_collective_s=0.65e-3,
                             host_p2p_s=0.0, fifo_per_peer=True,
-                            attention_efficiency=(0.90, 0.87), attention_k0=300.0),
+                            attention_efficiency=(0.90, 0.87), attention_k0=300.0,
+                            attention_q0=32.0),
 }
 
 

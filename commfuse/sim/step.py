@@ -87,11 +87,12 @@ class OpTimer:
             return t, t, "local"
         if method == "auto":
             method, opts, _ = fastest(op.kind, op.shape, world, self.dtype_bytes, hw,
-                                      self.auto_step_s)
+                                      self.auto_step_s, attention=op.attention)
         elif method == "commfuse" and opts.get("splits") is None:
             topology = opts.get("topology", "ring")
             opts = {**opts, "splits": best_splits(op.kind, op.shape, world, self.dtype_bytes, hw,
-                                                  self.auto_step_s, topology)}
+                                                  self.auto_step_s, topology,
+                                                  attention=op.attention)}
         sym = not (hw.compute_straggler or hw.link_straggler)
         spec = OpSpec(op.kind, method, op.shape, attention=op.attention, **_spec_opts(opts))
         r = simulate_ops([spec], world, self.dtype_bytes, hw, timeline=False, symmetric=sym)
