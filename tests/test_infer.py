@@ -265,12 +265,11 @@ def test_cli_generate_end_to_end(tmp_path):
 
 def _auto_query_split_rank(rank, world):
     """Method auto on a hardware model where query-split attention wins (the SLOW of
-    test_query_split_choice): each prefill runs query-split iff `prefill_query_split` says so,
+    test_query_split_choice): each prefill runs query-split iff `choose_query_split` says so,
     and the tokens are the single process's. (chosen, predicted, tokens equal) per prompt set."""
     import torch.distributed as dist
 
     from commfuse.infer import model as infer_model
-    from commfuse.infer.predict import prefill_query_split
     from commfuse.ops import auto
     from test_query_split_choice import SLOW
 
@@ -287,8 +286,11 @@ def _auto_query_split_rank(rank, world):
             tp = InferenceLlama(m, dist.group.WORLD, "auto", timeout=60)
             got = generate(tp, prompts, NEW)
             S = max(len(p) for p in prompts)
-            out.append((bool(ran), prefill_query_split(m.cfg, world, S, len(prompts), SLOW, 8),
-                        got == generate(ref, prompts, NEW)))
+            c = m.cfg
+            predicted = auto.choose_query_split(S, len(prompts), c.n_heads, c.n_kv_heads,
+                                                c.head_dim, c.dim, world, m.tok_emb.weight,
+                                                backward=False)
+            out.append((bool(ran), predicted, got == generate(ref, prompts, NEW)))
     finally:
         infer_model.query_split_attention = real
     return out

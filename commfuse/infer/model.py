@@ -43,6 +43,7 @@ from torch import nn
 
 from commfuse.models.llama import Llama, rope_cos_sin
 from commfuse.ops.attention import query_split_attention
+from commfuse.ops.auto import choose_query_split
 from commfuse.ops.binding import even_sizes
 from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scatter
 from commfuse.parallel.layout import SeqLayout
@@ -101,7 +102,8 @@ class InferenceLlama(nn.Module):
     ``query_split``: prefill attention and out-projection per query slice inside the
     reduce-scatter ring (`query_split_attention`), on the balanced order; None (default):
     under method "auto" where the cost model predicts it faster for the prompt's shape
-    (`commfuse.infer.predict.prefill_query_split`, CPU only, as in training), else not.
+    (`commfuse.ops.auto.choose_query_split` on the forward alone, CPU only, as in training),
+    else not.
     """
 
     def __init__(self, model: Llama, group=None, method: str = "auto",
@@ -309,15 +311,10 @@ class InferenceLlama(nn.Module):
             return False
         if self.query_split is not None:
             return self.query_split
-        from commfuse.ops.attn_blocks import fused_kernels
-
-        if method != "auto" or not fused_kernels(like):  # the model times CPU kernels only
-            return False
-        from commfuse.infer.predict import prefill_query_split
-        from commfuse.ops.auto import _hardware
-
-        return prefill_query_split(self.cfg, self.world, seq, batch,
-                                   _hardware(like.device.type), like.element_size())
+        cfg = self.cfg
+        return method == "auto" and choose_query_split(
+            seq, batch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim, self.world, like,
+            backward=False)
 
     def _decode_method(self, B: int, like: torch.Tensor) -> str:
         """Decode's method for B rows: "allreduce" or a fused-op method ("auto": the one the

@@ -1,7 +1,6 @@
 """The simulator's prediction of a prefill and of a decode step (`commfuse.sim`'s op timer on
 the blocks' ops of a forward, as `commfuse.sim.step.simulate_step` builds them), and decode's choice between the fused ops and
-replicated rows with all-reduces (`decode_choice`), and prefill's between query-split and
-row-parallel attention (`prefill_query_split`).
+replicated rows with all-reduces (`decode_choice`).
 
 Prefill of S tokens is the blocks' forward over S rows (the fused ops, the attention GEMMs),
 the head once (one token per sequence). A decode step is the same ops over B rows (the new
@@ -65,20 +64,6 @@ def decode_s(cfg: LlamaConfig, tp: int, method: str, batch: int, context: int, h
 
 
 _CHOICES: dict[tuple, str] = {}
-_QUERY_SPLIT: dict[tuple, bool] = {}
-
-
-def prefill_query_split(cfg: LlamaConfig, tp: int, seq: int, batch: int, hw,
-                        dtype_bytes: float) -> bool:
-    """Whether the prefill of ``batch`` prompts of ``seq`` tokens under method "auto" runs
-    query-split attention: the model predicts its forward faster than row-parallel
-    attention + out-projection (a function of what every rank shares)."""
-    key = (repr(cfg), tp, seq, batch, repr(hw), dtype_bytes)
-    if key not in _QUERY_SPLIT:
-        qs, row = (prefill_s(cfg, tp, "auto", seq, hw, dtype_bytes, batch=batch, query_split=q)
-                   for q in (True, False))
-        _QUERY_SPLIT[key] = tp > 1 and qs < row
-    return _QUERY_SPLIT[key]
 
 
 def decode_choice(cfg: LlamaConfig, tp: int, batch: int, hw, dtype_bytes: float) -> str:

@@ -193,14 +193,15 @@ def agree(group, op: str, shape: tuple, like: torch.Tensor, choice: tuple[str, d
 
 
 def choose_query_split(seq: int, batch: int, heads: int, kv_heads: int, head_dim: int,
-                       dim: int, world: int, like: torch.Tensor) -> bool:
+                       dim: int, world: int, like: torch.Tensor, backward: bool = True) -> bool:
     """Whether TP attention under method "auto" runs query-split (`commfuse.ops.attention`)
     rather than row-parallel attention + out-projection: ``batch`` sequences of ``seq``
     tokens, ``heads`` / ``kv_heads`` heads in all of ``head_dim``, model dim ``dim``, on
     ``world`` ranks. The simulator times both, forward and backward, each op with auto's own
     method, with q|k|v's re-gather after them, posted ahead as by default
     (`commfuse.sim.step.query_split_wins`; turning the prefetch off never changes the
-    choice, so it never changes the arithmetic). Every rank has these global shapes, so every rank
+    choice, so it never changes the arithmetic); ``backward=False``: the forward alone (a
+    prefill, `commfuse.infer.InferenceLlama`). Every rank has these global shapes, so every rank
     decides the same (given the same hardware model, as for every choice here). Only where
     query-split's attention blocks run fused kernels (CPU, `attn_blocks.fused_kernels`): on
     other devices they are plain torch formulas, which the model does not time."""
@@ -215,12 +216,12 @@ def choose_query_split(seq: int, batch: int, heads: int, kv_heads: int, head_dim
     device_type = like.device.type
     hw = _hardware(device_type)
     key = (seq, batch, heads, kv_heads, head_dim, dim, world, like.element_size(), device_type,
-           id(hw))
+           id(hw), backward)
     if key not in _QUERY_SPLIT:
         cfg = SimpleNamespace(n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, dim=dim)
         timer = OpTimer(like.element_size(), STEP_OVERHEAD_S.get(device_type, 50e-6))
         _QUERY_SPLIT[key] = world > 1 and query_split_wins(cfg, world, seq, batch, "auto", {},
-                                                           hw, timer)
+                                                           hw, timer, backward)
         log.info("auto: TP attention of %d x %d tokens, %d heads on %d ranks -> %s", batch, seq,
                  heads, world, "query-split" if _QUERY_SPLIT[key] else "row-parallel")
     return _QUERY_SPLIT[key]

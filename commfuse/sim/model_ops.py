@@ -242,15 +242,15 @@ def tp_attention_ops(cfg: LlamaConfig, tp: int, seq: int, mb: int, query_split: 
     """(forward, backward) ops of TP attention and its out-projection on ``tp`` ranks.
     Row-parallel: local causal attention, then the out-projection's GEMM->RS; backward its
     dual and the attention backward. Query-split (`commfuse.ops.attention`, in the balanced
-    order the TP plan runs it, `commfuse.parallel.layout.SeqLayout`): one GEMM->RS whose slots each also run the attention of their
-    query rows; backward one AG->GEMM whose slots run dO, dW_o and the attention backward of
+    order the TP plan runs it, `commfuse.parallel.layout.SeqLayout`): one GEMM->RS whose
+    slots each also run the attention of their query rows; backward one AG->GEMM whose slots run dO, dW_o and the attention backward of
     the arriving rows (2x the forward's attention, as ``attention bwd`` here)."""
     hd, n, o_in = cfg.head_dim, mb * seq, cfg.n_heads * cfg.head_dim
     if query_split:
         return ([StepOp("attention+out-proj", "matmul_rs", "tp", (n, o_in // tp, cfg.dim),
                         attention=(hd, "balanced", 1.0, mb))],
-                [StepOp("out-proj+attention bwd", "ag_matmul", "tp", (n, cfg.dim, 2 * o_in // tp),
-                        attention=(hd, "balanced", 2.5, mb))])
+                [StepOp("out-proj+attention bwd", "ag_matmul", "tp",
+                        (n, cfg.dim, 2 * o_in // tp), attention=(hd, "balanced", 2.5, mb))])
     attn, attn_b = local_attention_ops(seq, hd, mb * cfg.n_heads / tp)
     return ([attn, StepOp("out-proj", "matmul_rs", "tp", (n, o_in // tp, cfg.dim))],
             _rs_backward("out-proj", n, o_in // tp, cfg.dim, "tp", sm) + [attn_b])

@@ -43,8 +43,7 @@ from commfuse.sim.hardware import Hardware
 from commfuse.sim.hardware import resolve as resolve_hw
 from commfuse.sim.model_ops import (CURRENT, FUSED, StepModel, StepOp, block_ops, embed_ops,
                                     grad_sync_ops, head_ops, local_attention_ops, model_config,
-                                    tp_attention_ops,
-                                    wire_bytes)
+                                    tp_attention_ops, wire_bytes)
 from commfuse.sim.ops import simulate_ops
 from commfuse.trace import Span, write_trace
 
@@ -101,12 +100,12 @@ class OpTimer:
 
 
 def query_split_wins(cfg, tp: int, seq: int, mb: int, method: str, opts: dict, hw,
-                     timer: OpTimer) -> bool:
+                     timer: OpTimer, backward: bool = True) -> bool:
     """Whether query-split TP attention is predicted faster than row-parallel attention +
     out-projection for ``mb`` sequences of ``seq`` tokens on ``tp`` ranks: their forward and
     backward (`commfuse.sim.model_ops.tp_attention_ops`) and q|k|v's re-gather after them,
     which the backward before it posts ahead (`prefetch_credit`), as the step does by
-    default."""
+    default; ``backward=False``: their forward alone (a prefill)."""
     n, qkv = mb * seq, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
     regather = StepOp("q|k|v dW", "ag_matmul", "tp", (n, cfg.dim, qkv // tp))
 
@@ -115,6 +114,8 @@ def query_split_wins(cfg, tp: int, seq: int, mb: int, method: str, opts: dict, h
 
     def total(query_split: bool) -> float:
         f, b = tp_attention_ops(cfg, tp, seq, mb, query_split)
+        if not backward:
+            return sum(time(op) for op in f)
         hide = prefetch_credit(b + [regather], tp).get(regather, [])
         return sum(time(op) for op in f + b) + max(
             time(regather, 1), time(regather) - sum(time(g, 1) for g in hide))
