@@ -3,6 +3,7 @@ Flash-RS vs query-split) from `commfuse bench layer` JSON files, with the simula
 prediction (`commfuse.sim.attention`, hardware preset cpu-testbed) beside each.
 
     python scripts/qsplit_table.py docs/benchmarks/2026-12-01-query-split/*/layer-2r.json
+    python scripts/qsplit_table.py --bounds ...   # what query-split could reach at best
 """
 
 import json
@@ -38,5 +39,29 @@ def main(paths):
               f"{pqs / prow:.3f}, {pqs / pnone:.3f} |")
 
 
+def bounds(paths):
+    """What query-split could reach with nothing exposed: its compute alone over row-parallel
+    Flash-RS's measured time and over `none`'s (a method never beats its own compute)."""
+    rows = {}
+    for path in paths:
+        for r in json.load(open(path))["results"]:
+            for m in r["methods"]:
+                rows.setdefault((r["d_model"], r["seq"], r["pass"]), {})[
+                    (r["workload"], m["method"])] = m
+    print("| D | seq | pass | qs compute alone ms | qs exposed ms | best qs / row Flash-RS "
+          "| best qs / none | measured qs / row, / none |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (d, seq, pas), ms in sorted(rows.items()):
+        none, row, qs = (ms[("attn_row", "none")], ms[("attn_row", "commfuse")],
+                         ms[("attn_qsplit", "commfuse")])
+        floor = qs["compute_ms"]
+        print(f"| {d} | {seq} | {pas} | {floor:.1f} | {qs['median_ms'] - floor:.1f} | "
+              f"{floor / row['median_ms']:.3f} | {floor / none['median_ms']:.3f} | "
+              f"{qs['median_ms'] / row['median_ms']:.3f}, {qs['median_ms'] / none['median_ms']:.3f} |")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--bounds"]:
+        bounds(sys.argv[2:])
+    else:
+        main(sys.argv[1:])

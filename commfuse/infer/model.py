@@ -195,24 +195,29 @@ class InferenceLlama(nn.Module):
                      tokens_BS.device)
         sizes = layout.split(S)
         off = sum(sizes[:self.rank])
-        cos, sin = self.cos_LK[None, :S], self.sin_LK[None, :S]
+        cos, sin = (layout.permute(t[None, :S]) for t in (self.cos_LK, self.sin_LK))
         layer = iter(range(self.cfg.n_layers))
 
         def attend(blk, q, k, v):
             i = next(layer)
-            # attention sees the natural order (the gathered rows are in the layout's)
-            q, k, v = (self._heads(layout.unpermute(t), B, S) for t in (q, k, v))
+            # RoPE on the gathered rows in the layout's order (cos / sin permuted alike); the
+            # cache, and attention's keys, in the natural order: k and v are read back from it
+            q, k, v = (self._heads(t, B, S) for t in (q, k, v))
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            cache.k[i][:, :, :S] = k.transpose(1, 2)
-            cache.v[i][:, :, :S] = v.transpose(1, 2)
-            k, v = self._expand(k, v, q.size(2), 2)
-            if layout.query_split:  # attention inside the RS ring, my rows of the order
-                o_SBD = query_split_attention(*(t.transpose(0, 1) for t in (q, k, v)),
-                                              blk.wo.t(), self.group, order="balanced",
-                                              method=self.method, **self.opts)
+            k_BHSd, v_BHSd = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
+            for dst, src in ((k_BHSd, k), (v_BHSd, v)):
+                if layout.positions is None:
+                    dst.copy_(src.transpose(1, 2))
+                else:
+                    dst.index_copy_(2, layout.positions, src.transpose(1, 2))
+            k, v = self._expand(k_BHSd, v_BHSd, q.size(2), 1)
+            if layout.query_split:  # attention + out-proj per query slice, in the RS ring
+                o_SBD = query_split_attention(layout.natural_heads(q), k.permute(2, 0, 1, 3),
+                                              v.permute(2, 0, 1, 3), blk.wo.t(), self.group,
+                                              order="balanced", method=self.method,
+                                              **self.opts)
                 return o_SBD.transpose(0, 1)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                               v.transpose(1, 2), is_causal=True)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
             return row(o.transpose(1, 2).reshape(B, S, -1), blk.wo)
 
         col = lambda x, ws: self._col(x, ws, sizes, self.method)

@@ -39,13 +39,23 @@ class SeqLayout:
             self.inverse = torch.empty_like(self.positions)
             self.inverse[self.positions] = torch.arange(seq_len, device=device)
 
-    def permute(self, t_BS: torch.Tensor) -> torch.Tensor:
-        """``t_BS`` ([B, S, ...], natural order) in this forward's order."""
-        return t_BS if self.positions is None else t_BS.index_select(1, self.positions)
+    def permute(self, t_BS: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """``t_BS`` ([B, S, ...], natural order; the sequence on ``dim``) in this forward's
+        order."""
+        return t_BS if self.positions is None else t_BS.index_select(dim, self.positions)
 
     def unpermute(self, t_BS: torch.Tensor) -> torch.Tensor:
         """``t_BS`` ([B, S, ...], this forward's order) in the natural order."""
         return t_BS if self.inverse is None else t_BS.index_select(1, self.inverse)
+
+    def natural_heads(self, t_BSHd: torch.Tensor) -> torch.Tensor:
+        """``t_BSHd`` (this forward's order) as [S, B, H, d] in the natural order, a view of a
+        contiguous [B, H, S, d] tensor: the layout query-split attention reads, made in one
+        copy (its own would be a second)."""
+        t_BHSd = t_BSHd.permute(0, 2, 1, 3)
+        t_BHSd = t_BHSd.contiguous() if self.inverse is None else \
+            t_BHSd.index_select(2, self.inverse)
+        return t_BHSd.permute(2, 0, 1, 3)
 
     def split(self, seq_len: int) -> tuple[int, ...]:
         """Rows per rank of a sequence of ``seq_len`` in this order."""
