@@ -9,19 +9,6 @@ from commfuse.sim import simulate_op
 from commfuse.sim.hardware import preset
 
 
-@pytest.fixture(autouse=True)
-def default_hardware():
-    """Each test starts from the default hardware model, and leaves it as it found it (a
-    `set_hardware` call here must not change later tests' choices)."""
-    saved = dict(auto._HARDWARE)
-    auto._HARDWARE.clear()
-    auto._CHOICES.clear()
-    yield
-    auto._HARDWARE.clear()
-    auto._HARDWARE.update(saved)
-    auto._CHOICES.clear()
-
-
 def _predicted(op, shape, world, hw="cpu-testbed"):
     """Each candidate's time on the model, through the simulator's public entry point (not
     `choose.fastest`): the simulated op plus the per-step host overhead."""

@@ -39,6 +39,13 @@ def test_layouts_and_configs():
     assert [c.key for c in cs] == ["tiny-tp2-commfuse-qs", "tiny-tp2-auto-noqs", "tiny-tp2-auto",
                                    "tiny-dp2-auto"]
     assert [c.query_split for c in cs] == [True, False, None, None]
+    # "@MODEL": commfuse train --hardware MODEL, after the query-split suffix
+    cs = configs(["tiny"], ["tp2"], ["auto@cpu-testbed", "commfuse-qs@measured", "auto"])
+    assert [(c.method, c.query_split, c.hardware, c.label) for c in cs] == [
+        ("auto", None, "cpu-testbed", "auto@cpu-testbed"),
+        ("commfuse", True, "measured", "commfuse-qs@measured"), ("auto", None, None, "auto")]
+    with pytest.raises(ValueError, match="unknown method"):
+        configs(["tiny"], ["tp2"], ["auto@a-laptop"])
 
 
 def test_train_flags_are_commfuse_train_flags():
@@ -50,6 +57,11 @@ def test_train_flags_are_commfuse_train_flags():
     assert (cfg.tp, cfg.method, cfg.splits, cfg.topology) == (2, "commfuse", 4, "ring")
     cfg = config_from_args(p.parse_args(Config("small", 1, 2, 1, "commfuse").train_flags()))
     assert (cfg.preset, cfg.up, cfg.splits) == ("small", 2, None)  # the cost model picks m
+    cfg = config_from_args(p.parse_args(Config("tiny", 2, 1, 1, "auto",
+                                               hardware="cpu-testbed").train_flags()))
+    assert (cfg.method, cfg.hardware) == ("auto", "cpu-testbed")
+    assert config_from_args(p.parse_args(Config("tiny", 2, 1, 1, "auto").train_flags())) \
+        .hardware == "measured"
     cfg = config_from_args(p.parse_args(Config("tiny", 1, 1, 2, "sliced").train_flags()))
     assert (cfg.dp, cfg.method, cfg.chunks) == (2, "sliced", 4)
     for qs, want in ((True, (True, False)), (False, (False, True)), (None, (False, False))):

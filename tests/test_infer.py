@@ -246,7 +246,10 @@ def test_cli_generate_end_to_end(tmp_path):
         assert f"      5 {m}" in p.stdout
     import json
 
-    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    out = json.loads((tmp_path / "b.json").read_text())
+    assert "measured here" in out["hardware"] and out["gemm_flops"] > 0  # fitted at start
+    assert "hardware model:" in p.stderr
+    rows = out["rows"]
     assert [r["method"] for r in rows] == ["none", "sliced", "decompose", "commfuse", "auto",
                                            "allreduce", "compute alone"]
     assert all(r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
@@ -259,6 +262,8 @@ def test_cli_generate_end_to_end(tmp_path):
     assert p.stdout.startswith("[0] a|") and "\n[1] bb b|" in p.stdout
     bad = _cli("--prompt", "x", "--random-init", "--top-p", "0", "--link", "loopback")
     assert bad.returncode == 2 and "top_p" in bad.stderr
+    bad = _cli("--prompt", "x", "--random-init", "--hardware", "a-laptop", "--link", "loopback")
+    assert bad.returncode == 2 and "--hardware" in bad.stderr
     bad = _cli("--prompt", "x", "--link", "loopback")
     assert bad.returncode == 2 and "--checkpoint" in bad.stderr
 

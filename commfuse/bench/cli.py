@@ -11,8 +11,9 @@ import sys
 
 import torch
 
-from commfuse.runtime.gloo import duplex
 from commfuse.bench import measure, report, workloads
+from commfuse.ops.auto import hardware_choices, use_hardware
+from commfuse.runtime.gloo import duplex
 from commfuse.schedule import VARIANTS
 
 WORKER_ENV = "COMMFUSE_BENCH_WORKER"
@@ -49,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
                    "one core per rank, see docs/design.md)")
     p.add_argument("--no-trace", dest="trace", action="store_false",
                    help="skip the Chrome/Perfetto trace of one iteration per method")
+    p.add_argument("--hardware", default="measured", choices=hardware_choices(),
+                   metavar="MODEL",
+                   help="The cost model's hardware for auto's choices and commfuse's m: measured "
+                        "(the CPU preset, its compute fitted at start to a GEMM timed on every "
+                        "rank) or a preset name (commfuse.sim.hardware.PRESETS; default: "
+                        "measured)")
     p.add_argument("--out", default="bench-out", help="folder for JSON, PNG and traces "
                    "(default ./bench-out)")
     cluster.add_cluster_options(p)
@@ -103,6 +110,8 @@ def _worker(args, names: list[str], seqs: list[int]) -> int:
     link = os.environ.get("COMMFUSE_LINK", "loopback (not emulated)")
     say(f"[bench] {world} ranks, link {link}, {args.threads} thread(s) per rank, "
         f"{args.iters} iterations after {args.warmup} warm-up, methods interleaved")
+    hw, line = use_hardware(args.hardware, torch.empty(0, dtype=dtype))
+    say(f"[bench] {line}")
     results = []
     for name in names:
         for seq in seqs:
@@ -121,7 +130,8 @@ def _worker(args, names: list[str], seqs: list[int]) -> int:
         meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                 "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
                 "torch": torch.__version__, "link": link, "world": world,
-                "threads_per_rank": args.threads, "command": "commfuse bench " + " ".join(sys.argv[2:]),
+                "threads_per_rank": args.threads, "hardware": line,
+                "gemm_flops": hw.gemm_flops, "command": "commfuse bench " + " ".join(sys.argv[2:]),
                 "title": f"commfuse bench {args.kind}: {world} ranks, link {link}"}
         stem = f"{args.kind}-{world}r"
         for p in report.save(results, meta, args.out, stem):

@@ -39,6 +39,9 @@ class Config:
     """TP attention and its out-projection per query slice: True ``commfuse train
     --query-split`` (label suffix "-qs"), False ``--no-query-split`` ("-noqs"), None the
     default (auto's cost model chooses; row-parallel for the other methods)."""
+    hardware: str | None = None
+    """``commfuse train --hardware`` (label suffix "@NAME", e.g. "auto@cpu-testbed": the
+    preset instead of the model fitted at start); None: the default, not passed."""
 
     @property
     def world(self) -> int:
@@ -60,7 +63,8 @@ class Config:
         """The method, "-qs" / "-noqs" with query-split attention forced on / off,
         "-noprefetch" without the backward prefetch."""
         return (self.method + {None: "", True: "-qs", False: "-noqs"}[self.query_split]
-                + ("" if self.regather else "-noprefetch"))
+                + ("" if self.regather else "-noprefetch")
+                + ("" if self.hardware is None else f"@{self.hardware}"))
 
     def train_flags(self) -> list[str]:
         """``commfuse train`` flags of this configuration (the method's options included)."""
@@ -74,7 +78,8 @@ class Config:
             if k != "collective":
                 flags += ["--" + k, str(v)]
         return (flags + {None: [], True: ["--query-split"], False: ["--no-query-split"]}[
-            self.query_split] + ([] if self.regather else ["--no-regather-prefetch"]))
+            self.query_split] + ([] if self.regather else ["--no-regather-prefetch"])
+            + ([] if self.hardware is None else ["--hardware", self.hardware]))
 
 
 def rotated(cfgs: list[Config], turn: int) -> list[Config]:
@@ -112,20 +117,25 @@ def configs(presets, layouts, methods, prefetch=(None,), regather=(True,)) -> li
     innermost (each layout's methods together); ``prefetch``: the ``--prefetch`` values
     (None: not passed); ``regather``: with and/or without the backward's re-gather prefetch.
     A method label may end in "-qs" / "-noqs" (query-split attention on / off; TP layouts
-    only, skipped in the others)."""
-    parsed = [split_query_split(m) for m in methods]
-    bad = [m for m, (v, _) in zip(methods, parsed)
-           if v not in VARIANTS or VARIANTS[v][1].get("collective")]
+    only, skipped in the others), and then in "@NAME" (``--hardware NAME``)."""
+    from commfuse.ops.auto import hardware_choices
+
+    hw = [m.partition("@")[2] or None for m in methods]
+    parsed = [split_query_split(m.partition("@")[0]) for m in methods]
+    bad = [m for m, (v, _), h in zip(methods, parsed, hw)
+           if v not in VARIANTS or VARIANTS[v][1].get("collective")
+           or (h is not None and h not in hardware_choices())]
     if bad:
         raise ValueError(f"unknown method(s) {bad}; choose from "
                          f"{[v for v in VARIANTS if not VARIANTS[v][1].get('collective')]}, "
-                         f"each optionally with -qs or -noqs")
+                         f"each optionally with -qs or -noqs, then @ and one of "
+                         f"{list(hardware_choices())}")
     out = []
     for preset in presets:
         for layout in layouts:
             tp, up, dp = parse_layout(layout)
-            out += [Config(preset, tp, up, dp, m, pf, r, q) for pf in prefetch
-                    for m, q in parsed if q is None or tp > 1 for r in regather]
+            out += [Config(preset, tp, up, dp, m, pf, r, q, h) for pf in prefetch
+                    for (m, q), h in zip(parsed, hw) if q is None or tp > 1 for r in regather]
     return out
 
 

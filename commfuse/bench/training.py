@@ -53,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
            "commfuse-m4, commfuse-direct, auto), each optionally ending in -qs or -noqs: "
            "query-split TP attention forced on (commfuse train --query-split) or off "
            "(--no-query-split; by default auto's cost model chooses, the other methods run "
-           "row-parallel); TP layouts only. none is the baseline of the ratios "
+           "row-parallel); TP layouts only; then optionally @MODEL: commfuse train "
+           "--hardware MODEL (e.g. auto@cpu-testbed: the preset, not the model fitted at "
+           "start). none is the baseline of the ratios "
            "(default none,sliced,commfuse,auto)")
     a("--prefetch", default=None,
       help="comma-separated commfuse train --prefetch values, each run as its own layout "
@@ -73,8 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
            "again, each layout's methods in an order that rotates every repeat: a method's "
            "place in the order moves its step by several percent on a shared machine); the "
            "table shows medians over repeats (default 1)")
-    a("--hw", default="cpu-testbed", help="the simulator's hardware preset for the predicted "
-                                          "step and limit (default cpu-testbed)")
+    a("--hw", default="measured", help="the simulator's hardware model for the predicted "
+                                       "step and limit: measured (the CPU preset with its "
+                                       "compute fitted here at start, as commfuse train's "
+                                       "--hardware measured) or a preset name (default "
+                                       "measured)")
     a("--out", default="bench-out/train",
       help="folder of the per-run metrics JSON and logs (default bench-out/train)")
     a("--doc", default=None, help="markdown file to write (default "
@@ -120,6 +125,13 @@ def run(args) -> int:
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     doc = Path(args.doc or f"docs/benchmarks/{datetime.date.today().isoformat()}-training.md")
+    if args.hw == "measured":  # the model the runs choose on (each fits its own at start)
+        import torch
+
+        from commfuse.ops.auto import use_hardware
+
+        args.hw, line = use_hardware("measured", torch.empty(0))
+        say(f"[bench train] {line}")
     meta = _meta(args)
     predictions = {c: predict(c, args) for c in cfgs}
     runs: dict[Config, list[dict]] = {c: [] for c in cfgs}
@@ -203,7 +215,8 @@ def predict(c: Config, args) -> tuple[float | None, float | None]:
                             regather_prefetch=1 if c.regather else 0,
                             query_split=c.query_split)
         dtype_bytes = 4 if args.dtype == "float32" else 2
-        r = simulate_step(model, dims, args.hw, seq=args.seq_len, batch=args.batch_size,
+        hw = c.hardware if c.hardware not in (None, "measured") else args.hw  # "@PRESET"
+        r = simulate_step(model, dims, hw, seq=args.seq_len, batch=args.batch_size,
                           micro_batch=args.batch_size // c.dp, dtype_bytes=dtype_bytes,
                           timer=OpTimer(dtype_bytes, STEP_OVERHEAD_S["cpu"]))
         return r.step_s, r.limit_s
@@ -239,7 +252,9 @@ def _meta(args) -> dict:
             f"{args.batch_size} x {args.seq_len} tokens, {args.dtype}, {args.repeats} repeat(s)",
             "command": "commfuse bench train " + " ".join(sys.argv[3:] if sys.argv[1:3] ==
                                                           ["bench", "train"] else sys.argv[1:]),
-            "hw": args.hw, "step_model": StepModel().describe(), "loss_tol": args.loss_tol,
+            "hw": args.hw if isinstance(args.hw, str) else
+            f"cpu-testbed fitted here (GEMM {args.hw.gemm_flops / 1e9:.1f} GFLOP/s)",
+            "step_model": StepModel().describe(), "loss_tol": args.loss_tol,
             "exposed_iters": 3}
 
 

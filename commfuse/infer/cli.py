@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from commfuse.infer.loop import Sampling, Timings, generate
+from commfuse.ops.auto import hardware_choices, use_hardware
 from commfuse.runtime import modes
 
 METHODS = ("none", "sliced", "decompose", "commfuse", "auto")
@@ -92,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Local ranks' network: auto (emulated 1gbit links as root with iproute2, "
                         "else loopback), loopback, or a tc rate such as 200mbit (default: auto; "
                         "ignored under torchrun)")
+    p.add_argument("--hardware", default="measured", choices=hardware_choices(),
+                   metavar="MODEL",
+                   help="The cost model's hardware, for auto's choices and the --bench sim "
+                        "columns: measured (the device's preset with its compute fitted at "
+                        "start to a GEMM timed on every rank) or a preset name "
+                        "(commfuse.sim.hardware.PRESETS, e.g. cpu-testbed; default: measured)")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="Seconds a rank waits for a peer before failing (default: 120)")
 
@@ -201,13 +208,17 @@ def rank_main(rank: int, world: int, args) -> int:
     corpus = load_corpus_tokens() if lengths else None
     longest = max(lengths) if lengths else 0
     model, tok = build(args, rank, world, max(longest, 4096) + args.max_new_tokens)
+    hw, line = use_hardware(args.hardware, model.tok_emb.weight, model.group)
+    if rank == 0:
+        print(f"commfuse generate: {line}", file=sys.stderr, flush=True)
     if lengths:
         reps = -(-longest // len(corpus))  # the corpus repeated if it is shorter
         prompts = [[corpus.repeat(reps)[:n].tolist()] for n in lengths]
     else:
         prompts = [[tok.encode(t).ids or [0] for t in args.prompt]]
     if args.bench:
-        return _bench(model, prompts, args, how, rank, world)
+        return _bench(model, prompts, args, how, rank, world,
+                      {"hardware": line, "gemm_flops": hw.gemm_flops})
     show = rank == 0
     batch = prompts[0]
     if show and len(batch) == 1:
@@ -255,8 +266,9 @@ def _predict(model, world: int, method: str, decode: str, S: int, context: int,
                 1 / decode_s(model.cfg, world, decode, batch, context, hw, nbytes)}
 
 
-def _bench(model, prompts, args, how: Sampling, rank: int, world: int) -> int:
-    """Every method, interleaved, after a warm-up; rank 0 prints a table (and --json)."""
+def _bench(model, prompts, args, how: Sampling, rank: int, world: int, hardware: dict) -> int:
+    """Every method, interleaved, after a warm-up; rank 0 prints a table (and --json, with
+    ``hardware``: the cost model's)."""
     torch.set_flush_denormal(True)  # compute_only buffers hold garbage; keep it off slow paths
     rows = []
     for batch in prompts:
@@ -296,5 +308,5 @@ def _bench(model, prompts, args, how: Sampling, rank: int, world: int) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"argv": getattr(args, "argv", None), "world": world, "link": link,
-                           "rows": rows}, f, indent=1)
+                           **hardware, "rows": rows}, f, indent=1)
     return 0

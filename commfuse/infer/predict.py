@@ -4,9 +4,12 @@ replicated rows with all-reduces (`decode_choice`).
 
 Prefill of S tokens is the blocks' forward over S rows (the fused ops, the attention GEMMs),
 the head once (one token per sequence). A decode step is the same ops over B rows (the new
-tokens), its attention B x H query rows against ``context`` keys, and the head. What is not
-modelled: norms, RoPE, the cache writes, sampling and Python overhead (the measured times
-include them), and the one small all-reduce of the last hidden states.
+tokens), its attention B x H query rows against ``context`` keys, and the head. Each block's
+memory-bound kernels (norms, RoPE, SwiGLU, residual adds) are timed as the training step's
+model times them (`commfuse.sim.work.block_elementwise_bytes` over the preset's memory
+bandwidth), on the rank's share of the tokens. What is not modelled: the cache writes,
+sampling and Python overhead (the measured times include them), and the one small
+all-reduce of the last hidden states.
 """
 
 from __future__ import annotations
@@ -14,6 +17,12 @@ from __future__ import annotations
 from commfuse.models.config import LlamaConfig
 from commfuse.sim.model_ops import StepOp, block_ops
 from commfuse.sim.step import OpTimer
+from commfuse.sim.work import block_elementwise_bytes, mem_time
+
+
+def _elementwise_s(cfg: LlamaConfig, tokens: float, hw, dtype_bytes: float) -> float:
+    """Seconds of every block's memory-bound kernels over ``tokens`` tokens on one rank."""
+    return cfg.n_layers * mem_time(hw, block_elementwise_bytes(cfg, dtype_bytes) * tokens)
 
 
 def _blocks_s(cfg: LlamaConfig, tp: int, method: str, seq: int, hw, dtype_bytes: float,
@@ -28,7 +37,8 @@ def _blocks_s(cfg: LlamaConfig, tp: int, method: str, seq: int, hw, dtype_bytes:
             op = attention
         total += timer.time(op, method, {}, tp if op.axis == "tp" else 1, hw)[0] * op.count
     head = StepOp("head", "gemm", "local", (batch, cfg.dim, cfg.vocab_size))
-    return cfg.n_layers * total + timer.time(head, method, {}, 1, hw)[0]
+    return (cfg.n_layers * total + timer.time(head, method, {}, 1, hw)[0]
+            + _elementwise_s(cfg, batch * seq / tp, hw, dtype_bytes))
 
 
 def prefill_s(cfg: LlamaConfig, tp: int, method: str, prompt_tokens: int, hw,
@@ -60,7 +70,8 @@ def decode_s(cfg: LlamaConfig, tp: int, method: str, batch: int, context: int, h
     block = sum(timer.time(op, "none", {}, tp if op.axis == "tp" else 1, hw)[0] * op.count
                 for op in ops)
     head = StepOp("head", "gemm", "local", (batch, D, cfg.vocab_size))
-    return cfg.n_layers * block + timer.time(head, "none", {}, 1, hw)[0]
+    return (cfg.n_layers * block + timer.time(head, "none", {}, 1, hw)[0]
+            + _elementwise_s(cfg, batch, hw, dtype_bytes))  # every rank all B rows
 
 
 _CHOICES: dict[tuple, str] = {}

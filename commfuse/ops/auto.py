@@ -7,8 +7,10 @@ where decomposing would lose. Choices are cached per shape and logged (logger
 ``commfuse.auto``, level INFO). The simulator is deterministic, so every rank of a group makes
 the same choice given the same hardware model; `agree` checks that once per shape and
 group (ranks configured differently raise `CommFuseError`). The backward of an op reuses its
-forward's choice. Calibrate the model to a
-machine with ``commfuse simulate --calibrate`` and pass the result to `set_hardware`.
+forward's choice. `calibrate` fits the model's compute to the machine at start (one GEMM
+timed per rank; `commfuse train`, `commfuse generate` and `commfuse bench` do it unless
+given ``--hardware PRESET``); ``commfuse simulate --calibrate`` fits a whole model to bench
+results, to pass to `set_hardware`.
 
 ``method="commfuse"`` without ``splits`` gets its m here too (`resolve`): the fastest of
 `commfuse.sim.choose.SPLITS` on the same hardware model (`commfuse.sim.choose.best_splits`),
@@ -48,6 +50,42 @@ def set_hardware(hw, device_type: str = "cpu") -> None:
     _CHOICES.clear()  # (not _AGREED: whether a call exchanges must not differ between ranks)
     _SPLITS.clear()
     _QUERY_SPLIT.clear()
+
+
+def calibrate(like: torch.Tensor, group=None, hw=None):
+    """Fit the hardware model of ``like``'s device (``hw``, a `Hardware` or preset name; by
+    default the one in use) to this machine and use it (`set_hardware`): its GEMM peak,
+    attention efficiency and memory bandwidth set to the slowest rank's rates measured in
+    ``like``'s dtype (`commfuse.sim.probe`). Collective over ``group``: call it on every
+    rank, at the same point, before the first auto op. Returns the model and the rates."""
+    from commfuse.sim.probe import probe
+
+    device_type = like.device.type
+    fitted, rates = probe(resolve_hw(hw) if hw is not None else _hardware(device_type),
+                          group, like.device, like.dtype)
+    set_hardware(fitted, device_type)
+    log.info("auto: %s hardware model fitted to %s measured", device_type, rates.line())
+    return fitted, rates
+
+
+def use_hardware(name: str, like: torch.Tensor, group=None) -> tuple[Hardware, str]:
+    """What the CLIs' ``--hardware NAME`` does: "measured" `calibrate`s the device's model (a
+    collective over ``group``), a preset name (`commfuse.sim.hardware.PRESETS`) is used as
+    it is. Returns the model and a line for the run's log that says which it is."""
+    device_type = like.device.type
+    if name != "measured":
+        set_hardware(name, device_type)
+        return _hardware(device_type), f"hardware model: the {name} preset"
+    hw, rates = calibrate(like, group)
+    return hw, (f"hardware model: the {device_type} preset's compute fitted to {rates.line()} "
+                f"measured here (--hardware PRESET keeps a preset)")
+
+
+def hardware_choices() -> tuple[str, ...]:
+    """``--hardware``'s choices: "measured" and every preset."""
+    from commfuse.sim.hardware import PRESETS
+
+    return ("measured", *sorted(PRESETS))
 
 
 def _hardware(device_type: str) -> Hardware:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from commfuse.ops.auto import hardware_choices
 from commfuse.ops.methods import OPTIONS
 from commfuse.schedule import TOPOLOGIES
 
@@ -50,7 +51,12 @@ class TrainConfig:
     splits: int | None = None
     """decompose / commfuse: sub-slices per rank's slice (m; 1 is the paper's). Not given
     (None): decompose runs 1, commfuse picks m per op shape on the simulator's cost model of
-    the hardware (commfuse.ops.auto.set_hardware; cpu-testbed on CPU)."""
+    the hardware (--hardware)."""
+    hardware: str = field(default="measured",
+                          metadata={"choices": hardware_choices(), "metavar": "MODEL"})
+    """The cost model's hardware, on which auto and commfuse's m choose: measured (the
+    device's preset with its compute fitted at start to a GEMM timed on every rank,
+    commfuse.ops.auto.calibrate) or a preset name (commfuse.sim.hardware.PRESETS)."""
     steps: int = 150
     """Optimizer steps of the whole run (a resumed run continues to this step)."""
     seed: int = 0

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from commfuse.ops.auto import use_hardware
 from commfuse.runtime.gloo import duplex
 from commfuse.train.config import DTYPES, TrainConfig, config_from_args
 from commfuse.train.report import exposed, finish, measure_matmul_flops, progress
@@ -127,6 +128,12 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     """One rank's training loop; returns its per-step metrics (rank 0 prints and writes)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
+        else torch.device("cpu")
+    # auto's cost model on this machine's compute (a GEMM per rank, one all-reduce)
+    _, line = use_hardware(cfg.hardware, torch.empty(0, dtype=DTYPES[cfg.dtype], device=device))
+    if cfg.progress and rank == 0:
+        print(f"commfuse train: {line}", flush=True)
     if cfg.hf_config:
         from commfuse.train.hf import train_hf_rank
         return train_hf_rank(rank, world, cfg, lr_at, seq_len_at)
@@ -144,8 +151,6 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
                         regather_prefetch=0 if cfg.no_regather_prefetch else 1)
     mcfg = LlamaConfig.preset(cfg.preset, **{"max_seq_len": max(cfg.seq_len, 1), **cfg.model})
     dims.check_model(mcfg, cfg.seq_len, cfg.batch_size)
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
-        else torch.device("cpu")
     torch.manual_seed(cfg.seed)  # the same full model on every rank; the plan cuts it
     model = Llama(mcfg).to(DTYPES[cfg.dtype]).to(device)
     mesh = dims.build_mesh() if world > 1 else None

@@ -1,0 +1,118 @@
+"""The hardware model fitted at start (`commfuse.sim.probe`, `commfuse.ops.auto.calibrate`):
+the compute is scaled to a measured GEMM rate, the links are kept, and every rank of a group
+ends with the same model (the slowest rank's rate), so auto's choices stay the same on all."""
+
+import pytest
+import torch
+
+from commfuse.ops import auto
+from commfuse.sim import probe
+from commfuse.sim.choose import best_splits
+from commfuse.sim.hardware import preset
+from commfuse.testbed.spawn import run_local
+from commfuse.train.config import TrainConfig
+
+SHAPE = probe.GEMM_SHAPE["cpu"]
+B, H, S, D = probe.ATTENTION_SHAPE["cpu"]
+ATTN = probe.attention_flops(B, H, S, D)
+
+
+def _rate(hw, shape=SHAPE):
+    m, k, n = shape
+    return 2.0 * m * k * n / hw.gemm_time(m, k, n)
+
+
+def _attention_rate(hw):
+    return ATTN / hw.attention_time(ATTN, (S + 1) / 2, rows_per_call=S)
+
+
+def test_fitted_to_its_own_rates_is_unchanged():
+    hw = preset("cpu-testbed")
+    fitted = probe.fit(hw, probe.Rates(_rate(hw), _attention_rate(hw)))
+    assert fitted.gemm_flops == pytest.approx(hw.gemm_flops, rel=1e-12)
+    assert fitted.attention_efficiency == pytest.approx(hw.attention_efficiency, rel=1e-12)
+
+
+def test_fitted_model_predicts_the_measured_rates_and_keeps_the_rest():
+    hw = preset("cpu-testbed")
+    rates = probe.Rates(1.7 * _rate(hw), 1.4 * _attention_rate(hw))
+    fast = probe.fit(hw, rates)
+    assert _rate(fast) == pytest.approx(rates.gemm_flops)
+    assert _attention_rate(fast) == pytest.approx(rates.attention_flops)
+    for shape in ((64, 512, 768), (4096, 4096, 1024), (7, 3, 5)):  # one clock for all GEMMs
+        assert fast.gemm_time(*shape) == pytest.approx(hw.gemm_time(*shape) / 1.7)
+    # the backward's efficiency by the forward's factor, as a fraction of the new peak
+    ratio = fast.attention_efficiency[1] / hw.attention_efficiency[1]
+    assert ratio == pytest.approx(1.4 / 1.7)
+    for name in ("link_bandwidth", "link_latency", "duplex_efficiency", "collective_efficiency",
+                 "interference", "fifo_per_peer", "host_collective_s", "mem_bandwidth",
+                 "m0", "n0", "k0", "attention_k0", "attention_q0"):
+        assert getattr(fast, name) == getattr(hw, name), name
+
+
+def test_attention_is_left_alone_where_the_model_times_it_as_gemms():
+    hw = preset("cpu-testbed").with_(attention_efficiency=(0.0, 0.0))
+    assert probe.fit(hw, probe.Rates(1e11, 5e10)).attention_efficiency == (0.0, 0.0)
+    assert probe.fit(preset("cpu-testbed"), probe.Rates(1e11, None)).attention_efficiency \
+        == preset("cpu-testbed").attention_efficiency
+
+
+def test_an_efficiency_never_exceeds_one():
+    hw = preset("cpu-testbed")
+    assert max(probe.fit(hw, probe.Rates(_rate(hw), 10 * _attention_rate(hw)))
+               .attention_efficiency) == 1.0
+
+
+def test_bad_rates_raise():
+    with pytest.raises(ValueError, match="gemm_flops must be > 0"):
+        probe.fit(preset("cpu-testbed"), probe.Rates(0.0, None))
+
+
+def test_measured_rates_are_rates_of_this_machine():
+    rates = probe.measure("cpu", torch.float32, repeats=2)
+    assert 1e8 < rates.gemm_flops < 1e13  # a core of any CPU this runs on, flop/s
+    assert 1e8 < rates.attention_flops < 1e13
+    assert probe.measure("cpu", torch.float32, attention=False, repeats=1).attention_flops is None
+
+
+def test_calibrate_alone_sets_the_model_that_choices_are_made_on():
+    like = torch.empty(0)
+    hw, rates = auto.calibrate(like)
+    assert auto._hardware("cpu") is hw
+    assert _rate(hw) == pytest.approx(rates.gemm_flops, rel=1e-9)
+    assert _attention_rate(hw) == pytest.approx(rates.attention_flops, rel=1e-9)
+    shape = (4096, 512, 768)
+    assert auto.choose_splits("ag_matmul", shape, 2, like) == \
+        best_splits("ag_matmul", shape, 2, 4, hw, 50e-6, "ring")
+
+
+def _calibrated(rank, world, rates):
+    probe.measure = lambda *a, **k: rates[rank]  # this rank's "measurement"
+    hw, got = auto.calibrate(torch.empty(0))
+    return got, hw, auto.choose_splits("ag_matmul", (4096, 512, 768), world, torch.empty(0))
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_every_rank_ends_with_the_slowest_ranks_model(world):
+    rates = [probe.Rates(1.5e11, 7.0e10), probe.Rates(0.9e11, 8.0e10),
+             probe.Rates(1.2e11, 6.5e10)][:world]
+    out = run_local(_calibrated, world, rates, timeout=120)
+    assert all(o == out[0] for o in out), out  # the same rates, model and choice on every rank
+    slowest = out[0][0]
+    assert slowest.gemm_flops == 0.9e11
+    assert slowest.attention_flops == (7.0e10 if world == 2 else 6.5e10)
+
+
+def test_a_preset_by_name_and_its_log_line():
+    like = torch.empty(0)
+    hw, line = auto.use_hardware("h100-nvlink", like)
+    assert hw == preset("h100-nvlink") and "h100-nvlink preset" in line
+    hw, line = auto.use_hardware("measured", like)
+    assert "measured here" in line and auto._hardware("cpu") is hw
+
+
+def test_the_flag_takes_measured_or_a_preset():
+    assert TrainConfig().hardware == "measured"
+    TrainConfig(hardware="cpu-testbed")
+    with pytest.raises(ValueError, match="hardware must be one of"):
+        TrainConfig(hardware="a-laptop")
