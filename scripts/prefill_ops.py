@@ -11,6 +11,8 @@ warm-up round, medians of ITERS rounds, both ranks. Run as 2 ranks on the emulat
 
 SHAPES: BxS (sequences x tokens); METHODS (default all five); FB=1 adds forward+backward;
 QS=1: the prefill runs query-split attention (its RS is the "out" op, SDPA inside it).
+HW: auto's hardware model, "measured" (`commfuse.ops.auto.calibrate`) or a preset name
+(default: the preset, `cpu-testbed`).
 (docs/benchmarks/2026-12-01-inference.md, "Second session".)
 """
 import collections, copy, json, os, statistics, time
@@ -27,6 +29,9 @@ from commfuse.infer.model import InferenceLlama
 from commfuse.ops import binding as B_
 from commfuse.runtime import modes
 
+if os.environ.get("HW"):  # auto's hardware model: "measured" (fitted here) or a preset name
+    from commfuse.ops.auto import use_hardware
+    print(use_hardware(os.environ["HW"], torch.empty(0))[1], flush=True)
 ITERS = int(os.environ.get("ITERS", "3"))
 SHAPES = [tuple(map(int, s.split("x"))) for s in os.environ.get("SHAPES", "1x2048,4x512").split(",")]
 METHODS = os.environ.get("METHODS", "none,sliced,decompose,commfuse,auto").split(",")

@@ -13,7 +13,7 @@ from commfuse.sim import choose
 from commfuse.sim.choose import STEP_OVERHEAD_S, best_splits
 from commfuse.sim.hardware import preset
 from commfuse.sim.ops import simulate_op
-from commfuse.sim.probe import GEMM_SHAPE, Rates, fit
+from commfuse.sim.probe import Rates, fit
 
 MS = (1, 2, 4, 8)
 
@@ -28,7 +28,6 @@ def predicted(hw, op, shape):
 
 def main(gflops: float, paths: list[str]) -> None:
     base = preset("cpu-testbed")
-    m, k, n = GEMM_SHAPE["cpu"]
     fitted = fit(base, Rates(gflops * 1e9, None))
     cells: dict[tuple, list[list[float]]] = {}
     for path in paths:

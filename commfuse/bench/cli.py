@@ -12,7 +12,7 @@ import sys
 import torch
 
 from commfuse.bench import measure, report, workloads
-from commfuse.ops.auto import hardware_choices, use_hardware
+from commfuse.ops.auto import add_hardware_flag, use_hardware
 from commfuse.runtime.gloo import duplex
 from commfuse.schedule import VARIANTS
 
@@ -50,12 +50,7 @@ def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
                    "one core per rank, see docs/design.md)")
     p.add_argument("--no-trace", dest="trace", action="store_false",
                    help="skip the Chrome/Perfetto trace of one iteration per method")
-    p.add_argument("--hardware", default="measured", choices=hardware_choices(),
-                   metavar="MODEL",
-                   help="The cost model's hardware for auto's choices and commfuse's m: measured "
-                        "(the CPU preset, its compute fitted at start to a GEMM timed on every "
-                        "rank) or a preset name (commfuse.sim.hardware.PRESETS; default: "
-                        "measured)")
+    add_hardware_flag(p)
     p.add_argument("--out", default="bench-out", help="folder for JSON, PNG and traces "
                    "(default ./bench-out)")
     cluster.add_cluster_options(p)

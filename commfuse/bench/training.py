@@ -130,7 +130,12 @@ def run(args) -> int:
 
         from commfuse.ops.auto import use_hardware
 
-        args.hw, line = use_hardware("measured", torch.empty(0))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as each rank runs: one core, one thread (commfuse launch)
+        try:
+            args.hw, line = use_hardware("measured", torch.empty(0))
+        finally:
+            torch.set_num_threads(threads)
         say(f"[bench train] {line}")
     meta = _meta(args)
     predictions = {c: predict(c, args) for c in cfgs}

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from commfuse.infer.loop import Sampling, Timings, generate
-from commfuse.ops.auto import hardware_choices, use_hardware
+from commfuse.ops.auto import add_hardware_flag, use_hardware
 from commfuse.runtime import modes
 
 METHODS = ("none", "sliced", "decompose", "commfuse", "auto")
@@ -93,12 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Local ranks' network: auto (emulated 1gbit links as root with iproute2, "
                         "else loopback), loopback, or a tc rate such as 200mbit (default: auto; "
                         "ignored under torchrun)")
-    p.add_argument("--hardware", default="measured", choices=hardware_choices(),
-                   metavar="MODEL",
-                   help="The cost model's hardware, for auto's choices and the --bench sim "
-                        "columns: measured (the device's preset with its compute fitted at "
-                        "start to a GEMM timed on every rank) or a preset name "
-                        "(commfuse.sim.hardware.PRESETS, e.g. cpu-testbed; default: measured)")
+    add_hardware_flag(p, '; --bench times its sim columns on it too')
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="Seconds a rank waits for a peer before failing (default: 120)")
 

@@ -81,6 +81,18 @@ def use_hardware(name: str, like: torch.Tensor, group=None) -> tuple[Hardware, s
                 f"measured here (--hardware PRESET keeps a preset)")
 
 
+HARDWARE_HELP = ("The cost model's hardware, on which auto and commfuse's m choose: measured "
+                 "(the device's preset with its GEMM and attention rates fitted at start to "
+                 "kernels timed on every rank) or a preset name (commfuse.sim.hardware.PRESETS, "
+                 "e.g. cpu-testbed; default: measured)")
+
+
+def add_hardware_flag(parser, extra: str = "") -> None:
+    """The CLIs' ``--hardware MODEL`` flag (`use_hardware` does what it says)."""
+    parser.add_argument("--hardware", default="measured", choices=hardware_choices(),
+                        metavar="MODEL", help=HARDWARE_HELP + extra)
+
+
 def hardware_choices() -> tuple[str, ...]:
     """``--hardware``'s choices: "measured" and every preset."""
     from commfuse.sim.hardware import PRESETS

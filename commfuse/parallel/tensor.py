@@ -100,23 +100,19 @@ class TPAttention(nn.Module):
                                                sizes=layout.sizes, return_A=False,
                                                prefetch=self.prefetch, **self.op_kwargs)
         B, S, K = q.shape[0], q.shape[1], self.head_dim
-        q, k, v = (t.view(B, S, -1, K) for t in (q, k, v))
+        # attention sees the sequence in its natural order (a balanced forward's is permuted)
+        q, k, v = (layout.unpermute(t).view(B, S, -1, K) for t in (q, k, v))
         query_split = layout.query_split
         if query_split is None:  # no model around this block: decide here
             query_split = self.runs_query_split(B, S, q)
         if query_split:  # attention + out-proj per query slice, in the RS ring
-            # RoPE on the rows in this forward's order (cos / sin permuted alike), then one
-            # copy each into the natural order, head-major: what query-split reads
-            cos, sin = layout.permute(cos_SK, 0), layout.permute(sin_SK, 0)
-            q, k, v = (layout.natural_heads(t) for t in rope_and_expand(q, k, v, cos, sin))
+            q, k, v = (t.transpose(0, 1) for t in rope_and_expand(q, k, v, cos_SK, sin_SK))
             balanced = layout.order == "balanced"
             return query_split_attention(q, k, v, wo.t(), self.group,
                                          order="balanced" if balanced else "contiguous",
                                          sizes=None if balanced else layout.sizes,
                                          prefetch=self.prefetch,
                                          **self.op_kwargs).transpose(0, 1)
-        # attention sees the sequence in its natural order (a balanced forward's is permuted)
-        q, k, v = (layout.unpermute(t) for t in (q, k, v))
         o_BShK = layout.permute(causal_attention(q, k, v, cos_SK, sin_SK))
         # each partial out-proj's transfer hides behind the next slice's GEMM; in backward,
         # q|k|v's re-gather is posted after its posts and hides behind the SDPA backward

@@ -55,8 +55,9 @@ class TrainConfig:
     hardware: str = field(default="measured",
                           metadata={"choices": hardware_choices(), "metavar": "MODEL"})
     """The cost model's hardware, on which auto and commfuse's m choose: measured (the
-    device's preset with its compute fitted at start to a GEMM timed on every rank,
-    commfuse.ops.auto.calibrate) or a preset name (commfuse.sim.hardware.PRESETS)."""
+    device's preset with its GEMM and attention rates fitted at start to kernels timed on
+    every rank, commfuse.ops.auto.calibrate) or a preset name (commfuse.sim.hardware.PRESETS,
+    e.g. cpu-testbed)."""
     steps: int = 150
     """Optimizer steps of the whole run (a resumed run continues to this step)."""
     seed: int = 0
