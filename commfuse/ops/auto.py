@@ -52,17 +52,16 @@ def set_hardware(hw, device_type: str = "cpu") -> None:
     _QUERY_SPLIT.clear()
 
 
-def calibrate(like: torch.Tensor, group=None, hw=None):
-    """Fit the hardware model of ``like``'s device (``hw``, a `Hardware` or preset name; by
-    default the one in use) to this machine and use it (`set_hardware`): its GEMM peak,
-    attention efficiency and memory bandwidth set to the slowest rank's rates measured in
-    ``like``'s dtype (`commfuse.sim.probe`). Collective over ``group``: call it on every
-    rank, at the same point, before the first auto op. Returns the model and the rates."""
+def calibrate(like: torch.Tensor, group=None):
+    """Fit the hardware model in use for ``like``'s device to this machine and use it
+    (`set_hardware`): its GEMM peak and attention efficiency set to the slowest rank's rates
+    measured in ``like``'s dtype (`commfuse.sim.probe`). Collective over ``group``: call it
+    on every rank, at the same point, before the first auto op. Returns the model and the
+    rates."""
     from commfuse.sim.probe import probe
 
     device_type = like.device.type
-    fitted, rates = probe(resolve_hw(hw) if hw is not None else _hardware(device_type),
-                          group, like.device, like.dtype)
+    fitted, rates = probe(_hardware(device_type), group, like.device, like.dtype)
     set_hardware(fitted, device_type)
     log.info("auto: %s hardware model fitted to %s measured", device_type, rates.line())
     return fitted, rates

@@ -39,10 +39,9 @@ class SeqLayout:
             self.inverse = torch.empty_like(self.positions)
             self.inverse[self.positions] = torch.arange(seq_len, device=device)
 
-    def permute(self, t_BS: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """``t_BS`` ([B, S, ...], natural order; the sequence on ``dim``) in this forward's
-        order."""
-        return t_BS if self.positions is None else t_BS.index_select(dim, self.positions)
+    def permute(self, t_BS: torch.Tensor) -> torch.Tensor:
+        """``t_BS`` ([B, S, ...], natural order) in this forward's order."""
+        return t_BS if self.positions is None else t_BS.index_select(1, self.positions)
 
     def unpermute(self, t_BS: torch.Tensor) -> torch.Tensor:
         """``t_BS`` ([B, S, ...], this forward's order) in the natural order."""

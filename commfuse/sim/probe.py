@@ -67,8 +67,9 @@ def _best_s(fn, device, repeats: int) -> float:
     return min(times)
 
 
-def _key(device) -> str:
-    return "cpu" if device.type == "cpu" else "cuda"
+def _key(device_type: str) -> str:
+    """The probe's shapes' key for a device type (every accelerator times the CUDA ones)."""
+    return "cpu" if device_type == "cpu" else "cuda"
 
 
 def attention_flops(B: int, H: int, S: int, d: int) -> float:
@@ -84,9 +85,8 @@ def measure(device="cpu", dtype=None, attention: bool = True, repeats: int = REP
     import torch.nn.functional as F
 
     dtype = dtype or torch.float32
-
     device = torch.device(device)
-    key = _key(device)
+    key = _key(device.type)
     gen = torch.Generator(device="cpu").manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)
     m, k, n = GEMM_SHAPE[key]
@@ -106,7 +106,7 @@ def fit(hw: Hardware, rates: Rates, device_type: str = "cpu") -> Hardware:
     for the probe's shapes on ``device_type`` (the rest unchanged)."""
     if not rates.gemm_flops > 0:
         raise ValueError(f"gemm_flops must be > 0, got {rates.gemm_flops!r}")
-    key = "cpu" if device_type == "cpu" else "cuda"
+    key = _key(device_type)
     m, k, n = GEMM_SHAPE[key]
     gemm = rates.gemm_flops * hw.gemm_time(m, k, n) / (2.0 * m * k * n)  # ratio to the model's
     out = replace(hw, gemm_flops=hw.gemm_flops * gemm)
