@@ -246,3 +246,19 @@ def test_70b_does_not_fit_on_one_node():
     assert plans and not any(p.fits for p in plans)
     state = {p.name: p.train.memory.parts["params"] * 4 / GIB for p in plans}
     assert all(s > 79.1 for s in state.values())  # params + grads + AdamW = 4 x params' bytes
+
+
+def test_query_split_attention_and_an_attention_q0_preset():
+    # cpu-testbed has attention_q0: the whole-sequence kernel must give a finite time, and a
+    # TP step whose attention runs per query slice (inside the out-projection's op) must
+    # take the block's ops as simulate_step timed them
+    hw = sim.hardware.preset("cpu-testbed")
+    assert hw.attention_q0 > 0
+    for query_split in (False, True):
+        d = ParallelDims(tp=2, method="commfuse", world_size=2, query_split=query_split)
+        r = simulate_train_step(CFG, d, hw, seq=512, batch=2, dtype_bytes=4)
+        assert 0 < r.step_s < float("inf") and r.step_s == pytest.approx(sum(r.breakdown.values()))
+        assert ("attention" in r.breakdown) is not query_split  # inside the fused op
+    one = work.attention_times(hw, CFG, 512, 1, 1)[0]
+    e = 0.9 * (256.5 / (256.5 + hw.attention_k0)) * (512 / (512 + hw.attention_q0))
+    assert one == pytest.approx(work.attention_flops(CFG, 512, 1, 1) / (hw.gemm_flops * e))

@@ -230,8 +230,9 @@ layout (its run without the backward prefetch where there are both; "-noprefetch
 backward posts no re-gather ahead, `commfuse train --no-regather-prefetch`); tokens/s and MFU as `commfuse train` reports them (MFU against each rank's measured
 dense-matmul peak); exposed comm = fwd+bwd(+grad sync) minus the same in compute-only mode,
 medians of {exposed_iters} interleaved pairs after training; predicted =
-`commfuse.sim.simulate_step` of the same model, layout, method, batch and sequence on the
-`{hw}` hardware model, for the training step {step_model} (GEMMs and communication only: no
-elementwise work, loss or optimizer step, so it is a lower bound of a CPU step); limit = the same compute and bytes with no dependency between them
-(max(compute alone, wire time) per rank, same model); losses vs none = every step's loss
+`commfuse.sim.simulate_train_step` of the same model, layout, method, batch and sequence on
+the `{hw}` hardware model, for the training step {step_model}: the GEMMs and communication,
+fused attention, the elementwise kernels, the loss and the AdamW step, as `commfuse train`
+runs them (no activation checkpointing, no FSDP2 prefetch); limit = the same compute and
+bytes with no dependency between them (max(compute alone, wire time) per rank, same model); losses vs none = every step's loss
 within a relative {loss_tol:g} of method none's (the same seed and data)."""

@@ -27,7 +27,8 @@ from commfuse.bench.train_table import Config
 DESCRIPTION = __doc__.split("\n\n", 1)[1].replace("``", "").replace("`", "") + """
 Per configuration the table has: median step (ms), the ratio to method none of the same preset
 and layout, tokens/s, MFU, exposed communication (fwd+bwd minus the same in compute-only mode),
-the simulator's predicted step (commfuse.sim.simulate_step on --hw, the current training step)
+the simulator's predicted step (commfuse.sim.simulate_train_step on --hw: GEMMs, transfers,
+attention, elementwise work, loss and optimizer, the current training step)
 and the step's limit (the same compute and bytes with no dependency), and whether the losses
 equal none's step for step (same seed and data: they should, up to summation order).
 
@@ -211,7 +212,9 @@ def predict(c: Config, args) -> tuple[float | None, float | None]:
     from commfuse.parallel.config import ParallelDims
     from commfuse.schedule import VARIANTS
     from commfuse.sim.choose import STEP_OVERHEAD_S
-    from commfuse.sim.step import OpTimer, simulate_step
+    from commfuse.sim.step import OpTimer
+    from commfuse.sim.train_step import simulate_train_step
+    from commfuse.sim.work import TrainSetup
 
     method, opts = VARIANTS[c.method]
     try:
@@ -221,10 +224,15 @@ def predict(c: Config, args) -> tuple[float | None, float | None]:
                             query_split=c.query_split)
         dtype_bytes = 4 if args.dtype == "float32" else 2
         hw = c.hardware if c.hardware not in (None, "measured") else args.hw  # "@PRESET"
-        r = simulate_step(model, dims, hw, seq=args.seq_len, batch=args.batch_size,
-                          micro_batch=args.batch_size // c.dp, dtype_bytes=dtype_bytes,
-                          timer=OpTimer(dtype_bytes, STEP_OVERHEAD_S["cpu"]))
-        return r.step_s, r.limit_s
+        # as commfuse train runs: no activation checkpointing, parameters, gradients and
+        # AdamW in the training dtype, DP as commfuse.parallel.data (no FSDP2 prefetch)
+        setup = TrainSetup(ac="none", fsdp=False, param_bytes=dtype_bytes,
+                           grad_bytes=dtype_bytes, optimizer_bytes=2 * dtype_bytes)
+        r = simulate_train_step(model, dims, hw, seq=args.seq_len, batch=args.batch_size,
+                                micro_batch=args.batch_size // c.dp, dtype_bytes=dtype_bytes,
+                                setup=setup, timer=OpTimer(dtype_bytes, STEP_OVERHEAD_S["cpu"]))
+        # the limit: the ops' limit, plus the work the whole step adds (none of it overlaps)
+        return r.step_s, r.step_s - (r.base.step_s - r.base.limit_s)
     except ValueError as e:
         say(f"[bench train] no prediction for {c.key}: {e}")
         return None, None

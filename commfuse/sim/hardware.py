@@ -143,7 +143,7 @@ class Hardware:
         e = self.attention_efficiency[1 if backward else 0]
         if self.attention_k0:
             e *= keys_per_row / (keys_per_row + self.attention_k0)
-        if self.attention_q0:
+        if self.attention_q0 and rows_per_call != float("inf"):
             e *= rows_per_call / (rows_per_call + self.attention_q0)
         return flops / (self.gemm_flops * self.clock_factor() * e) \
             * self.compute_straggler.get(rank, 1.0)

@@ -43,7 +43,7 @@ from commfuse.sim.hardware import resolve as resolve_hw
 from commfuse.sim.memory import MemoryEstimate, rank_params, step_memory
 from commfuse.sim.model_ops import (CURRENT, FUSED, StepModel, block_ops, grad_sync_ops,
                                     head_ops, model_config)
-from commfuse.sim.step import OpTimer, StepResult, simulate_step
+from commfuse.sim.step import OpTimer, StepResult, resolve_query_split, simulate_step
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,10 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
     a, L, T, n_mb = dtype_bytes, cfg.n_layers, tp * up, base.micro_batches
     nl = mb * seq // T
     rows = {row[0]: row for row in base.rows}  # op -> (op, per step, total s, compute s, label)
-    fwd, bwd = block_ops(cfg, tp, up, dp, seq, mb, True, a, step_model)
+    # the block's ops as simulate_step timed them (TP attention per query slice or not)
+    fwd, bwd = block_ops(cfg, tp, up, dp, seq, mb, True, a, step_model,
+                         query_split=tp > 1 and resolve_query_split(parallel, cfg, seq, mb, a,
+                                                                    hw, timer))
     hf, hb = head_ops(cfg, tp, up, dp, seq, mb, True, a, step_model)
     sync = grad_sync_ops(cfg, tp, up, dp, a, step_model)
     parts = {"ops": base.step_s}

@@ -152,8 +152,9 @@ def attention_times(hw, cfg, seq: int, mb: int, T: int) -> tuple[float, float]:
     if not (ef and eb):
         return None
     flops, keys = attention_flops(cfg, seq, mb, T), (seq + 1) / 2
-    return (hw.attention_time(flops, keys),
-            hw.attention_time(ATTN_BWD_FLOPS * flops, keys, backward=True))
+    # one kernel call over the whole sequence's query rows (TP: its heads; UP: after the a2a)
+    return (hw.attention_time(flops, keys, rows_per_call=seq),
+            hw.attention_time(ATTN_BWD_FLOPS * flops, keys, backward=True, rows_per_call=seq))
 
 
 def mem_time(hw, nbytes: float) -> float:
