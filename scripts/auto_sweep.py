@@ -65,21 +65,36 @@ def _name(method: str, opts: dict) -> str:
     return " ".join([method] + [f"{k}={v}" for k, v in sorted(opts.items())])
 
 
+def file_hardware(meta: dict, name: str):
+    """The hardware model a file's predictions use: preset ``name``, or for "measured" the
+    ``cpu-testbed`` preset with the GEMM peak and row overhead the run's ``--hardware
+    measured`` fitted at start (``meta["gemm_flops"]``, ``meta["m0"]``; the preset's where the
+    file predates them)."""
+    if name != "measured":
+        return preset(name)
+    hw = preset("cpu-testbed")
+    return hw.with_(**{k: meta[k] for k in ("gemm_flops", "m0") if k in meta})
+
+
 def cells(paths, hw) -> list[dict]:
-    """One row per (file, op, S, K, N): measured and predicted ms per method, auto's choice."""
+    """One row per (file, op, S, K, N): measured and predicted ms per method, auto's choice.
+    ``hw``: a preset name or "measured" (`file_hardware`), or a `Hardware`."""
     rows = []
     for path in paths:
-        for r in json.load(open(path))["results"]:
+        data = json.load(open(path))
+        file_hw = file_hardware(data["meta"], hw) if isinstance(hw, str) else hw
+        for r in data["results"]:
             shape = op_shape(r)
             K, N = (shape[1], shape[2]) if r["workload"] == "ag_matmul" else (shape[2], shape[1])
             med = {m["method"]: m for m in r["methods"]}
-            pick = choose.fastest(r["workload"], shape, r["world"], DTYPE_BYTES[r["dtype"]], hw,
+            pick = choose.fastest(r["workload"], shape, r["world"], DTYPE_BYTES[r["dtype"]],
+                                  file_hw,
                                   choose.STEP_OVERHEAD_S["cpu"])
             pred = {}
             for label in med:
                 method, opts = pick[:2] if label == "auto" else VARIANTS[label]
                 pred[label] = 1e3 * simulate_op(r["workload"], method, r["world"], shape,
-                                                DTYPE_BYTES[r["dtype"]], hw, timeline=False,
+                                                DTYPE_BYTES[r["dtype"]], file_hw, timeline=False,
                                                 **opts).total_s
             fixed = [m for m in med if m != "auto"]
             best = min(fixed, key=lambda m: med[m]["median_ms"])
@@ -176,7 +191,9 @@ def main(argv=None) -> None:
                    "(a second run of cells already measured)")
     t = sub.add_parser("table", help="markdown tables from the JSON files")
     t.add_argument("paths", nargs="+")
-    t.add_argument("--hw", default="cpu-testbed", help="hardware preset of the predictions")
+    t.add_argument("--hw", default="measured", help="hardware model of the predictions and of "
+                   "auto's pick: a preset, or measured (cpu-testbed with the GEMM peak each "
+                   "run fitted at start; the preset for files from before the probe)")
     t.add_argument("--json", help="also write the rows here")
     t.add_argument("--seq", type=ints, help="only these S")
     t.add_argument("--fair-share", action="store_true", help="instead: the AG->GEMM cells "
@@ -185,8 +202,8 @@ def main(argv=None) -> None:
     if a.cmd == "run":
         return run(a)
     if a.fair_share:
-        return print(fair_share(a.paths, preset(a.hw)))
-    rows = [c for c in cells(a.paths, preset(a.hw)) if not a.seq or c["S"] in a.seq]
+        return print(fair_share(a.paths, preset("cpu-testbed" if a.hw == "measured" else a.hw)))
+    rows = [c for c in cells(a.paths, a.hw) if not a.seq or c["S"] in a.seq]
     print(markdown(rows))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

@@ -50,6 +50,29 @@ def test_fitted_model_predicts_the_measured_rates_and_keeps_the_rest():
         assert getattr(fast, name) == getattr(hw, name), name
 
 
+SMALL = probe.SMALL_GEMM_SHAPE["cpu"]
+
+
+def test_two_gemms_fit_the_peak_and_the_row_overhead():
+    hw = preset("cpu-testbed")
+    same = probe.fit(hw, probe.Rates(_rate(hw), None, _rate(hw, SMALL)))
+    assert same.m0 == pytest.approx(hw.m0) and same.gemm_flops == pytest.approx(hw.gemm_flops)
+    # a machine 1.6x as fast on the large GEMM whose 128-row GEMM runs at 0.75 of that
+    rates = probe.Rates(1.6 * _rate(hw), None, 0.75 * 1.6 * _rate(hw))
+    fast = probe.fit(hw, rates)
+    assert _rate(fast) == pytest.approx(rates.gemm_flops)
+    assert _rate(fast, SMALL) == pytest.approx(rates.small_gemm_flops)
+    assert fast.m0 > 4 * hw.m0  # rows cost more than the preset says
+    assert (fast.n0, fast.k0) == (hw.n0, hw.k0)
+    # a small GEMM as fast as the large one: no row overhead, the peak fitted to the large one
+    flat = probe.fit(hw, probe.Rates(1e11, None, 1.1e11))
+    assert flat.m0 == 0.0 and _rate(flat) == pytest.approx(1e11)
+    with pytest.raises(ValueError, match="small_gemm_flops"):
+        probe.fit(hw, probe.Rates(1e11, None, 1e10))  # slower per row than the whole
+    with pytest.raises(ValueError, match="small_gemm_flops must be > 0"):
+        probe.fit(hw, probe.Rates(1e11, None, -1.0))
+
+
 def test_attention_is_left_alone_where_the_model_times_it_as_gemms():
     hw = preset("cpu-testbed").with_(attention_efficiency=(0.0, 0.0))
     assert probe.fit(hw, probe.Rates(1e11, 5e10)).attention_efficiency == (0.0, 0.0)
@@ -72,6 +95,7 @@ def test_measured_rates_are_rates_of_this_machine():
     rates = probe.measure("cpu", torch.float32, repeats=2)
     assert 1e8 < rates.gemm_flops < 1e13  # a core of any CPU this runs on, flop/s
     assert 1e8 < rates.attention_flops < 1e13
+    assert 1e8 < rates.small_gemm_flops < 1e13
     assert probe.measure("cpu", torch.float32, attention=False, repeats=1).attention_flops is None
 
 
@@ -81,6 +105,7 @@ def test_calibrate_alone_sets_the_model_that_choices_are_made_on():
     assert auto._hardware("cpu") is hw
     assert _rate(hw) == pytest.approx(rates.gemm_flops, rel=1e-9)
     assert _attention_rate(hw) == pytest.approx(rates.attention_flops, rel=1e-9)
+    assert _rate(hw, SMALL) == pytest.approx(rates.small_gemm_flops, rel=1e-9)
     shape = (4096, 512, 768)
     assert auto.choose_splits("ag_matmul", shape, 2, like) == \
         best_splits("ag_matmul", shape, 2, 4, hw, 50e-6, "ring")
@@ -94,13 +119,14 @@ def _calibrated(rank, world, rates):
 
 @pytest.mark.parametrize("world", (2, 3))
 def test_every_rank_ends_with_the_slowest_ranks_model(world):
-    rates = [probe.Rates(1.5e11, 7.0e10), probe.Rates(0.9e11, 8.0e10),
-             probe.Rates(1.2e11, 6.5e10)][:world]
+    rates = [probe.Rates(1.5e11, 7.0e10, 1.1e11), probe.Rates(0.9e11, 8.0e10, 0.8e11),
+             probe.Rates(1.2e11, 6.5e10, 0.7e11)][:world]
     out = run_local(_calibrated, world, rates, timeout=120)
     assert all(o == out[0] for o in out), out  # the same rates, model and choice on every rank
     slowest = out[0][0]
     assert slowest.gemm_flops == 0.9e11
     assert slowest.attention_flops == (7.0e10 if world == 2 else 6.5e10)
+    assert slowest.small_gemm_flops == (0.8e11 if world == 2 else 0.7e11)
 
 
 def test_a_preset_by_name_and_its_log_line():

@@ -8,14 +8,23 @@ day at 140-158, 86-94 and 105, while elementwise adds of 32 MiB ran at 4.3 GB/s 
 ``auto`` (method, commfuse's m, query-split or row-parallel attention) depends on how long
 the compute beside a transfer takes.
 
-`measure` times, on this rank's device and in the run's dtype, one GEMM of ``GEMM_SHAPE``
-and (where the model times attention as a fused kernel) one causal attention of
-``ATTENTION_SHAPE``, each the fastest of ``REPEATS`` runs after two warm-ups. `probe` takes the
+`measure` times, on this rank's device and in the run's dtype, two GEMMs (``GEMM_SHAPE`` and
+``SMALL_GEMM_SHAPE``, the same but for fewer rows, as a finely split op's pieces have) and
+(where the model times attention as a fused kernel) one causal attention of
+``ATTENTION_SHAPE``, each the median of ``REPEATS`` runs after two warm-ups. `probe` takes the
 slowest rank's rate of each (one all-reduce of MIN over the group, 3 significant digits, so
 that every rank holds the same model and makes the same choices) and `fit` sets the model's
-GEMM peak and attention efficiency (forward and backward by the same factor: the backward is
-not timed) so that the model predicts exactly those rates for those shapes. The rest stays
-the model's: memory bandwidth (a fit that counts the page faults of new buffers; a probe
+GEMM peak and its row overhead ``m0`` (`Hardware.gemm_efficiency`) so that the model predicts
+exactly both GEMM rates, and its attention efficiency (forward and backward by the same
+factor: the backward is not timed) so that it predicts the attention's.
+
+Why two GEMMs: on a later day's VM (AMX), a GEMM of 128 rows ran at 0.72-0.80 of one of
+1024 rows (K, N 1024-4096; the preset's m0 = 8 gives 0.94), so a model fitted to the large
+GEMM alone rated ``splits=8``'s pieces 20-60 % too fast and ``auto`` split too finely (27 of
+36 cells of the K x N sweep within 5 % of the best fixed method, against 33 on the unfitted
+preset). Why the median: the fastest of 10 was the rate of the machine's best moments, 10-20 %
+above what the same GEMMs sustained in the benchmarks beside it; a ~150 ms window at half
+speed covers a few of 20 runs, not half of them. The rest stays the model's: memory bandwidth (a fit that counts the page faults of new buffers; a probe
 add of cache-sized tensors ran at 14-26 GB/s, four times what the prefill's adds get), host
 time per launch, and the links (a link's rate is the network's, and its efficiencies are a
 fit that one probe message would not improve).
@@ -30,8 +39,9 @@ from commfuse.sim.hardware import Hardware  # (torch is imported where a device 
 
 # per device type: ~30 ms of a CPU core for the GEMM and the attention, ~1 ms of an H100
 GEMM_SHAPE = {"cpu": (1024, 1024, 2048), "cuda": (8192, 8192, 8192)}
+SMALL_GEMM_SHAPE = {"cpu": (128, 1024, 2048), "cuda": (1024, 8192, 8192)}  # fewer rows only
 ATTENTION_SHAPE = {"cpu": (1, 4, 2048, 64), "cuda": (4, 32, 4096, 128)}  # B, H, S, d
-REPEATS = 10
+REPEATS = 20
 
 
 @dataclass(frozen=True)
@@ -42,17 +52,20 @@ class Rates:
     """flop/s of the ``GEMM_SHAPE`` GEMM."""
     attention_flops: float | None
     """flop/s (causal FLOPs) of the ``ATTENTION_SHAPE`` fused attention; None: not timed."""
+    small_gemm_flops: float | None = None
+    """flop/s of the ``SMALL_GEMM_SHAPE`` GEMM; None: not timed (the model's m0 is kept)."""
 
     def line(self) -> str:
+        small = f" ({self.small_gemm_flops / 1e9:.1f} at 1/8 the rows)" \
+            if self.small_gemm_flops else ""
         attn = f", attention {self.attention_flops / 1e9:.1f} GFLOP/s" \
             if self.attention_flops else ""
-        return f"GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s{attn}"
+        return f"GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s{small}{attn}"
 
 
-def _best_s(fn, device, repeats: int) -> float:
-    """Fewest seconds of ``fn()`` over ``repeats`` runs after two warm-ups: the rate the
-    device sustains when nothing else holds it (on the CPU testbed a run of ~150 ms now and
-    then goes at half speed, on either rank; a median of 5 caught one such window)."""
+def _median_s(fn, device, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after two warm-ups (module doc: on
+    the CPU testbed a run of ~150 ms now and then goes at half speed, on either rank)."""
     import torch
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -64,7 +77,7 @@ def _best_s(fn, device, repeats: int) -> float:
         sync()
         if i >= 2:  # the first runs warm the allocator and the kernel
             times.append(time.perf_counter() - t0)
-    return min(times)
+    return sorted(times)[len(times) // 2]
 
 
 def _key(device_type: str) -> str:
@@ -91,25 +104,39 @@ def measure(device="cpu", dtype=None, attention: bool = True, repeats: int = REP
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)
     m, k, n = GEMM_SHAPE[key]
     a, b = rand(m, k), rand(k, n)
-    gemm = 2.0 * m * k * n / _best_s(lambda: a @ b, device, repeats)
+    gemm = 2.0 * m * k * n / _median_s(lambda: a @ b, device, repeats)
+    ms = SMALL_GEMM_SHAPE[key][0]
+    small = 2.0 * ms * k * n / _median_s(lambda: a[:ms] @ b, device, repeats)
     attn = None
     if attention:
         B, H, S, d = ATTENTION_SHAPE[key]
         q, kk, v = rand(B, H, S, d), rand(B, H, S, d), rand(B, H, S, d)
-        attn = attention_flops(B, H, S, d) / _best_s(
+        attn = attention_flops(B, H, S, d) / _median_s(
             lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True), device, repeats)
-    return Rates(gemm, attn)
+    return Rates(gemm, attn, small)
 
 
 def fit(hw: Hardware, rates: Rates, device_type: str = "cpu") -> Hardware:
-    """``hw`` with its GEMM peak and attention efficiency set so that it predicts ``rates``
-    for the probe's shapes on ``device_type`` (the rest unchanged)."""
-    if not rates.gemm_flops > 0:
-        raise ValueError(f"gemm_flops must be > 0, got {rates.gemm_flops!r}")
+    """``hw`` with its GEMM peak, row overhead m0 (where ``rates`` has the small GEMM) and
+    attention efficiency set so that it predicts ``rates`` for the probe's shapes on
+    ``device_type`` (the rest unchanged). m0 is kept >= 0: a small GEMM measured as fast as
+    the large one (or faster) gives m0 = 0 and a peak fitted to the large one."""
+    for name in ("gemm_flops", "small_gemm_flops"):
+        v = getattr(rates, name)
+        if not (v is None and name == "small_gemm_flops") and not (v or 0) > 0:
+            raise ValueError(f"{name} must be > 0, got {v!r}")
     key = _key(device_type)
     m, k, n = GEMM_SHAPE[key]
-    gemm = rates.gemm_flops * hw.gemm_time(m, k, n) / (2.0 * m * k * n)  # ratio to the model's
-    out = replace(hw, gemm_flops=hw.gemm_flops * gemm)
+    out = hw
+    if rates.small_gemm_flops:
+        # rate = peak * eff / (1 + m0/m + c) at both row counts, c = n0/n + k0/k: solve m0
+        r, r_s, m_s, c = rates.gemm_flops, rates.small_gemm_flops, SMALL_GEMM_SHAPE[key][0], \
+            hw.n0 / n + hw.k0 / k
+        if r_s / m_s <= r / m:  # slower per row than the large one's whole: not a row cost
+            raise ValueError(f"small_gemm_flops {r_s!r} is below {m_s}/{m} of gemm_flops {r!r}")
+        out = replace(hw, m0=max(0.0, (r - r_s) * (1 + c) / (r_s / m_s - r / m)))
+    gemm = rates.gemm_flops * out.gemm_time(m, k, n) / (2.0 * m * k * n)  # ratio to the model's
+    out = replace(out, gemm_flops=out.gemm_flops * gemm)
     if rates.attention_flops and out.attention_efficiency[0]:
         B, H, S, d = ATTENTION_SHAPE[key]
         flops = attention_flops(B, H, S, d)
@@ -129,12 +156,12 @@ def probe(hw: Hardware, group=None, device="cpu", dtype=None) -> tuple[Hardware,
 
     device = torch.device(device)
     rates = measure(device, dtype, attention=bool(hw.attention_efficiency[0]))
-    values = [rates.gemm_flops, rates.attention_flops or 0.0]
+    values = [rates.gemm_flops, rates.attention_flops or 0.0, rates.small_gemm_flops or 0.0]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         t = torch.tensor(values, dtype=torch.float64,
                          device=device if dist.get_backend(group) == "nccl" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
         values = t.tolist()
-    g, a = (float(f"{v:.3g}") for v in values)
-    rates = Rates(g, a or None)
+    g, a, s = (float(f"{v:.3g}") for v in values)
+    rates = Rates(g, a or None, s or None)
     return fit(hw, rates, device.type), rates
