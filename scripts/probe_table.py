@@ -2,9 +2,11 @@
 of `commfuse bench op` JSON files (runs of the same cells), the measured median per commfuse
 m (ratio to `none` of the same run), and the cost model's prediction per m on the
 `cpu-testbed` preset and on it with the GEMM rate fitted (`commfuse.sim.probe.fit`) to
-GFLOPS, with each model's pick of m (`commfuse.sim.choose.best_splits`).
+GFLOPS, with each model's pick of m (`commfuse.sim.choose.best_splits`). GFLOPS,SMALL also
+fits m0 to the probe's small GEMM rate SMALL (1/8 the rows).
 
     python scripts/probe_table.py 158 docs/benchmarks/2026-12-01-probe/ops-*.json
+    python scripts/probe_table.py 152,117 docs/benchmarks/2026-12-01-probe/ops-*.json
 """
 import json
 import sys
@@ -26,9 +28,10 @@ def predicted(hw, op, shape):
     return [t / none for t in ms], best_splits(op, shape, 2, 4, hw, step, "ring")
 
 
-def main(gflops: float, paths: list[str]) -> None:
+def main(rates: str, paths: list[str]) -> None:
     base = preset("cpu-testbed")
-    fitted = fit(base, Rates(gflops * 1e9, None))
+    gflops, *small = (float(x) for x in rates.split(","))
+    fitted = fit(base, Rates(gflops * 1e9, None, small[0] * 1e9 if small else None))
     cells: dict[tuple, list[list[float]]] = {}
     for path in paths:
         for r in json.load(open(path))["results"]:
@@ -39,7 +42,7 @@ def main(gflops: float, paths: list[str]) -> None:
             cells.setdefault((r["workload"], shape), []).append(
                 [t[f"commfuse-m{x}"] / t["none"] for x in MS])
     print("| op | M, K, N | measured x none, m = 1 / 2 / 4 / 8 (each run) | best m | "
-          f"preset: predicted, pick | fitted to {gflops:.0f} GFLOP/s: predicted, pick |")
+          f"preset: predicted, pick | fitted to {rates} GFLOP/s: predicted, pick |")
     print("|---|---|---|---|---|---|")
     for (op, shape), runs in sorted(cells.items()):
         meas = "; ".join(" / ".join(f"{x:.2f}" for x in run) for run in runs)
@@ -54,4 +57,4 @@ def main(gflops: float, paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]), sys.argv[2:])
+    main(sys.argv[1], sys.argv[2:])

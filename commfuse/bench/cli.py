@@ -126,7 +126,8 @@ def _worker(args, names: list[str], seqs: list[int]) -> int:
                 "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
                 "torch": torch.__version__, "link": link, "world": world,
                 "threads_per_rank": args.threads, "hardware": line,
-                "gemm_flops": hw.gemm_flops, "m0": hw.m0, "command": "commfuse bench " + " ".join(sys.argv[2:]),
+                "gemm_flops": hw.gemm_flops, "m0": hw.m0,
+                "command": "commfuse bench " + " ".join(sys.argv[2:]),
                 "title": f"commfuse bench {args.kind}: {world} ranks, link {link}"}
         stem = f"{args.kind}-{world}r"
         for p in report.save(results, meta, args.out, stem):

@@ -234,5 +234,6 @@ medians of {exposed_iters} interleaved pairs after training; predicted =
 the `{hw}` hardware model, for the training step {step_model}: the GEMMs and communication,
 fused attention, the elementwise kernels, the loss and the AdamW step, as `commfuse train`
 runs them (no activation checkpointing, no FSDP2 prefetch); limit = the same compute and
-bytes with no dependency between them (max(compute alone, wire time) per rank, same model); losses vs none = every step's loss
+bytes with no dependency between them (max(compute alone, wire time) per rank, same
+model); losses vs none = every step's loss
 within a relative {loss_tol:g} of method none's (the same seed and data)."""

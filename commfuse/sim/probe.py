@@ -20,11 +20,13 @@ factor: the backward is not timed) so that it predicts the attention's.
 
 Why two GEMMs: on a later day's VM (AMX), a GEMM of 128 rows ran at 0.72-0.80 of one of
 1024 rows (K, N 1024-4096; the preset's m0 = 8 gives 0.94), so a model fitted to the large
-GEMM alone rated ``splits=8``'s pieces 20-60 % too fast and ``auto`` split too finely (27 of
-36 cells of the K x N sweep within 5 % of the best fixed method, against 33 on the unfitted
-preset). Why the median: the fastest of 10 was the rate of the machine's best moments, 10-20 %
-above what the same GEMMs sustained in the benchmarks beside it; a ~150 ms window at half
-speed covers a few of 20 runs, not half of them. The rest stays the model's: memory bandwidth (a fit that counts the page faults of new buffers; a probe
+GEMM alone rated ``splits=8``'s pieces 20-60 % too fast and ``auto`` split too finely: its
+picks were within 5 % of the best fixed method in 27 of the 36 cells of the K x N sweep; on
+the same measurements, the unfitted preset's picks in 33 and those with m0 fitted in 34
+(docs/sim-vs-measured.md). Why the median: the fastest of 10 was the rate of the machine's
+best moments, 5-20 % above what the benchmarks' GEMMs sustained; a ~150 ms window at half
+speed covers a few of 20 runs, not half of them. The rest stays the model's: memory
+bandwidth (a fit that counts the page faults of new buffers; a probe
 add of cache-sized tensors ran at 14-26 GB/s, four times what the prefill's adds get), host
 time per launch, and the links (a link's rate is the network's, and its efficiencies are a
 fit that one probe message would not improve).
