@@ -143,6 +143,18 @@ def test_prediction_of_a_configuration():
     args = argparse.Namespace(seq_len=128, batch_size=8, dtype="float32", hw="cpu-testbed")
     step, limit = training.predict(Config("tiny", 2, 1, 1, "commfuse"), args)
     assert 0 < limit <= step
+    # the whole step: the ops' step plus attention, elementwise work, loss and optimizer
+    from commfuse.models.config import LlamaConfig
+    from commfuse.parallel.config import ParallelDims
+    from commfuse.sim.choose import STEP_OVERHEAD_S
+    from commfuse.sim.step import OpTimer, simulate_step
+
+    ops = simulate_step(LlamaConfig.preset("tiny", max_seq_len=128),
+                        ParallelDims(2, 1, 1, "commfuse", {}, world_size=2), "cpu-testbed",
+                        seq=128, batch=8, micro_batch=8, dtype_bytes=4,
+                        timer=OpTimer(4, STEP_OVERHEAD_S["cpu"]))
+    assert step > 1.1 * ops.step_s
+    assert step - limit == pytest.approx(ops.step_s - ops.limit_s)  # the same exposed part
     assert training.predict(Config("tiny", 3, 1, 1, "none"), args) == (None, None)  # 4 heads
 
 

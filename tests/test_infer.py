@@ -240,7 +240,8 @@ def test_cli_generate_end_to_end(tmp_path):
         texts.append(p.stdout)
     assert texts[0] == texts[1]
     p = _cli("--prompt-tokens", "5", "--max-new-tokens", "3", "--random-init", "--bench",
-             "--iters", "1", "--link", "loopback", "--json", str(tmp_path / "b.json"))
+             "--iters", "1", "--tp", "2", "--link", "loopback", "--json",
+             str(tmp_path / "b.json"))
     assert p.returncode == 0, p.stderr[-2000:]
     for m in ("none", "sliced", "decompose", "commfuse", "auto"):
         assert f"      5 {m}" in p.stdout
@@ -255,6 +256,11 @@ def test_cli_generate_end_to_end(tmp_path):
     assert all(r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
     # the simulator predicts every row but the bound (no prediction for compute alone)
     assert [r["sim_prefill_ms"] != r["sim_prefill_ms"] for r in rows] == [False] * 6 + [True]
+    # auto decodes one sequence with allreduce's step, and its prediction is that step's
+    auto, allreduce = rows[4], rows[5]
+    assert (auto["decode_ran"], allreduce["decode_ran"]) == ("allreduce", "allreduce")
+    assert auto["sim_decode_tokens_per_s"] == allreduce["sim_decode_tokens_per_s"]
+    assert rows[3]["decode_ran"] == "commfuse"
     p = _cli("--prompt", "a", "--prompt", "bb b", "--tp", "2", "--random-init",
              "--max-new-tokens", "2", "--temperature", "0.7", "--top-k", "5", "--link",
              "loopback")

@@ -246,16 +246,22 @@ def rank_main(rank: int, world: int, args) -> int:
 def _predict(model, world: int, method: str, decode: str, S: int, context: int,
              batch: int) -> dict:
     """The simulator's prefill ms and decode tokens/s (`commfuse.infer.predict`) on the
-    hardware model ``auto`` uses (`commfuse.ops.auto.set_hardware`; cpu-testbed on CPU)."""
-    from commfuse.infer.predict import decode_s, prefill_s
+    hardware model ``auto`` uses (`commfuse.ops.auto.set_hardware`; cpu-testbed on CPU), and
+    the decode method that ran ("decode_ran": decode "auto" runs allreduce's step or the
+    fused ops', `commfuse.infer.predict.decode_choice`), whose step the prediction times."""
+    from commfuse.infer.predict import decode_choice, decode_s, prefill_s
     from commfuse.ops.auto import _hardware
 
     w = model.tok_emb.weight
     hw, nbytes = _hardware(w.device.type), w.element_size()
+    if decode == "auto" and world > 1:  # the decode step auto runs (as _decode_method)
+        decode = decode_choice(model.cfg, world, batch, hw, nbytes)
     if method == "compute alone":
-        return {"sim_prefill_ms": float("nan"), "sim_decode_tokens_per_s": float("nan")}
+        return {"sim_prefill_ms": float("nan"), "sim_decode_tokens_per_s": float("nan"),
+                "decode_ran": decode}
     qs = model.runs_query_split(method, S, batch, w)
-    return {"sim_prefill_ms": prefill_s(model.cfg, world, method, S, hw, nbytes, batch=batch,
+    return {"decode_ran": decode,
+            "sim_prefill_ms": prefill_s(model.cfg, world, method, S, hw, nbytes, batch=batch,
                                         query_split=qs) * 1e3,
             "sim_decode_tokens_per_s":
                 1 / decode_s(model.cfg, world, decode, batch, context, hw, nbytes)}

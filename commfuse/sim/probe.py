@@ -123,17 +123,16 @@ def fit(hw: Hardware, rates: Rates, device_type: str = "cpu") -> Hardware:
     attention efficiency set so that it predicts ``rates`` for the probe's shapes on
     ``device_type`` (the rest unchanged). m0 is kept >= 0: a small GEMM measured as fast as
     the large one (or faster) gives m0 = 0 and a peak fitted to the large one."""
-    for name in ("gemm_flops", "small_gemm_flops"):
-        v = getattr(rates, name)
-        if not (v is None and name == "small_gemm_flops") and not (v or 0) > 0:
+    small = rates.small_gemm_flops
+    for name, v in (("gemm_flops", rates.gemm_flops), ("small_gemm_flops", small)):
+        if v is not None and not v > 0:
             raise ValueError(f"{name} must be > 0, got {v!r}")
     key = _key(device_type)
     m, k, n = GEMM_SHAPE[key]
     out = hw
-    if rates.small_gemm_flops:
+    if small is not None:
         # rate = peak * eff / (1 + m0/m + c) at both row counts, c = n0/n + k0/k: solve m0
-        r, r_s, m_s, c = rates.gemm_flops, rates.small_gemm_flops, SMALL_GEMM_SHAPE[key][0], \
-            hw.n0 / n + hw.k0 / k
+        r, r_s, m_s, c = rates.gemm_flops, small, SMALL_GEMM_SHAPE[key][0], hw.n0 / n + hw.k0 / k
         if r_s / m_s <= r / m:  # slower per row than the large one's whole: not a row cost
             raise ValueError(f"small_gemm_flops {r_s!r} is below {m_s}/{m} of gemm_flops {r!r}")
         out = replace(hw, m0=max(0.0, (r - r_s) * (1 + c) / (r_s / m_s - r / m)))
