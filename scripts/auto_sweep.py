@@ -31,6 +31,7 @@ from commfuse.sim import choose
 from commfuse.sim.calibrate import DTYPE_BYTES, op_shape
 from commfuse.sim.hardware import preset
 from commfuse.sim.ops import simulate_op
+from commfuse.sim.probe import from_fields
 
 METHODS = ("none", "sliced", "commfuse-m1", "commfuse-m2", "commfuse-m4", "commfuse-m8", "auto")
 SHORT = {"commfuse-m1": "m1", "commfuse-m2": "m2", "commfuse-m4": "m4", "commfuse-m8": "m8"}
@@ -70,10 +71,7 @@ def file_hardware(meta: dict, name: str):
     ``cpu-testbed`` preset with the GEMM peak and row overhead the run's ``--hardware
     measured`` fitted at start (``meta["gemm_flops"]``, ``meta["m0"]``; the preset's where the
     file predates them)."""
-    if name != "measured":
-        return preset(name)
-    hw = preset("cpu-testbed")
-    return hw.with_(**{k: meta[k] for k in ("gemm_flops", "m0") if k in meta})
+    return preset(name) if name != "measured" else from_fields(meta, preset("cpu-testbed"))
 
 
 def cells(paths, hw) -> list[dict]:

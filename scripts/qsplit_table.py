@@ -1,6 +1,7 @@
 """The table of docs/benchmarks/2026-12-01-query-split.md: measured TP attention (row-parallel
 Flash-RS vs query-split) from `commfuse bench layer` JSON files, with the simulator's
-prediction (`commfuse.sim.attention`, hardware preset cpu-testbed) beside each.
+prediction (`commfuse.sim.attention`) beside each, on the cpu-testbed preset with what each
+run fitted at start (`commfuse.sim.probe.from_fields`; the preset for older files).
 
     python scripts/qsplit_table.py docs/benchmarks/2026-12-01-query-split/*/layer-2r.json
     python scripts/qsplit_table.py --bounds ...   # what query-split could reach at best
@@ -11,13 +12,17 @@ import sys
 
 from commfuse.sim import simulate_ops
 from commfuse.sim.attention import layer_specs
+from commfuse.sim.hardware import preset
+from commfuse.sim.probe import from_fields
 
 
 def main(paths):
-    rows = {}
+    rows, hws = {}, {}
     for path in paths:
-        for r in json.load(open(path))["results"]:
+        data = json.load(open(path))
+        for r in data["results"]:
             key = (r["d_model"], r["seq"], r["pass"])
+            hws[key] = from_fields(data["meta"], preset("cpu-testbed"))
             for m in r["methods"]:
                 rows.setdefault(key, {})[(r["workload"], m["method"])] = m
     print("| D | seq | pass | none (row) ms | row Flash-RS ms | query-split ms | compute qs / row "
@@ -25,7 +30,7 @@ def main(paths):
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (d, seq, pas), ms in sorted(rows.items()):
         bw = pas != "forward"
-        sim = {wl: {m: simulate_ops(layer_specs(wl, m, 2, seq, d, bw), 2, 4, "cpu-testbed",
+        sim = {wl: {m: simulate_ops(layer_specs(wl, m, 2, seq, d, bw), 2, 4, hws[(d, seq, pas)],
                                     timeline=False).total_s * 1e3 for m in ("none", "commfuse")}
                for wl in ("attn_row", "attn_qsplit")}
         none, row, qs = (ms[("attn_row", "none")], ms[("attn_row", "commfuse")],

@@ -142,3 +142,14 @@ def test_the_flag_takes_measured_or_a_preset():
     TrainConfig(hardware="cpu-testbed")
     with pytest.raises(ValueError, match="hardware must be one of"):
         TrainConfig(hardware="a-laptop")
+
+
+def test_a_runs_fitted_fields_round_trip_through_json():
+    import json
+
+    hw = preset("cpu-testbed")
+    fast = probe.fit(hw, probe.Rates(1.6 * _rate(hw), 1.3 * _attention_rate(hw),
+                                     1.2 * _rate(hw, SMALL)))
+    meta = json.loads(json.dumps({"title": "a run", **probe.fitted_fields(fast)}))
+    assert probe.from_fields(meta, hw) == fast
+    assert probe.from_fields({"gemm_flops": 1e11}, hw) == hw.with_(gemm_flops=1e11)  # older file

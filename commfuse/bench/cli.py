@@ -13,6 +13,7 @@ import torch
 
 from commfuse.bench import measure, report, workloads
 from commfuse.ops.auto import add_hardware_flag, use_hardware
+from commfuse.sim.probe import fitted_fields
 from commfuse.runtime.gloo import duplex
 from commfuse.schedule import VARIANTS
 
@@ -126,8 +127,7 @@ def _worker(args, names: list[str], seqs: list[int]) -> int:
                 "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
                 "torch": torch.__version__, "link": link, "world": world,
                 "threads_per_rank": args.threads, "hardware": line,
-                "gemm_flops": hw.gemm_flops, "m0": hw.m0,
-                "command": "commfuse bench " + " ".join(sys.argv[2:]),
+                **fitted_fields(hw), "command": "commfuse bench " + " ".join(sys.argv[2:]),
                 "title": f"commfuse bench {args.kind}: {world} ranks, link {link}"}
         stem = f"{args.kind}-{world}r"
         for p in report.save(results, meta, args.out, stem):

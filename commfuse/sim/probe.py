@@ -166,3 +166,19 @@ def probe(hw: Hardware, group=None, device="cpu", dtype=None) -> tuple[Hardware,
     g, a, s = (float(f"{v:.3g}") for v in values)
     rates = Rates(g, a or None, s or None)
     return fit(hw, rates, device.type), rates
+
+
+FITTED = ("gemm_flops", "m0", "attention_efficiency")  # what `fit` changes
+
+
+def fitted_fields(hw: Hardware) -> dict:
+    """The fields `fit` sets, as a run's JSON records them (``commfuse bench``'s meta)."""
+    return {name: getattr(hw, name) for name in FITTED}
+
+
+def from_fields(fields: dict, hw: Hardware) -> Hardware:
+    """``hw`` with the fitted fields a run recorded (`fitted_fields`; those absent, as in files
+    from before the probe fitted them, stay ``hw``'s)."""
+    return replace(hw, **{name: tuple(v) if name == "attention_efficiency" else v
+                          for name, v in fields.items() if name in FITTED})
+
