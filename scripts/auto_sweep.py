@@ -68,9 +68,8 @@ def _name(method: str, opts: dict) -> str:
 
 def file_hardware(meta: dict, name: str):
     """The hardware model a file's predictions use: preset ``name``, or for "measured" the
-    ``cpu-testbed`` preset with the GEMM peak and row overhead the run's ``--hardware
-    measured`` fitted at start (``meta["gemm_flops"]``, ``meta["m0"]``; the preset's where the
-    file predates them)."""
+    ``cpu-testbed`` preset with what the run's ``--hardware measured`` fitted at start
+    (`commfuse.sim.probe.from_fields`; the preset's values where the file predates them)."""
     return preset(name) if name != "measured" else from_fields(meta, preset("cpu-testbed"))
 
 
@@ -190,8 +189,8 @@ def main(argv=None) -> None:
     t = sub.add_parser("table", help="markdown tables from the JSON files")
     t.add_argument("paths", nargs="+")
     t.add_argument("--hw", default="measured", help="hardware model of the predictions and of "
-                   "auto's pick: a preset, or measured (cpu-testbed with the GEMM peak each "
-                   "run fitted at start; the preset for files from before the probe)")
+                   "auto's pick: a preset, or measured (cpu-testbed with what each run "
+                   "fitted at start; the preset for files from before the probe)")
     t.add_argument("--json", help="also write the rows here")
     t.add_argument("--seq", type=ints, help="only these S")
     t.add_argument("--fair-share", action="store_true", help="instead: the AG->GEMM cells "

@@ -20,9 +20,10 @@ def main(paths):
     rows, hws = {}, {}
     for path in paths:
         data = json.load(open(path))
+        hw = from_fields(data["meta"], preset("cpu-testbed"))
         for r in data["results"]:
             key = (r["d_model"], r["seq"], r["pass"])
-            hws[key] = from_fields(data["meta"], preset("cpu-testbed"))
+            hws[key] = hw
             for m in r["methods"]:
                 rows.setdefault(key, {})[(r["workload"], m["method"])] = m
     print("| D | seq | pass | none (row) ms | row Flash-RS ms | query-split ms | compute qs / row "

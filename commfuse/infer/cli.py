@@ -249,13 +249,12 @@ def _predict(model, world: int, method: str, decode: str, S: int, context: int,
     hardware model ``auto`` uses (`commfuse.ops.auto.set_hardware`; cpu-testbed on CPU), and
     the decode method that ran ("decode_ran": decode "auto" runs allreduce's step or the
     fused ops', `commfuse.infer.predict.decode_choice`), whose step the prediction times."""
-    from commfuse.infer.predict import decode_choice, decode_s, prefill_s
+    from commfuse.infer.predict import decode_s, prefill_s
     from commfuse.ops.auto import _hardware
 
     w = model.tok_emb.weight
     hw, nbytes = _hardware(w.device.type), w.element_size()
-    if decode == "auto" and world > 1:  # the decode step auto runs (as _decode_method)
-        decode = decode_choice(model.cfg, world, batch, hw, nbytes)
+    decode = model._decode_method(batch, w, decode)  # the step that ran ("auto" resolved)
     if method == "compute alone":
         return {"sim_prefill_ms": float("nan"), "sim_decode_tokens_per_s": float("nan"),
                 "decode_ran": decode}

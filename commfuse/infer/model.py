@@ -321,12 +321,14 @@ class InferenceLlama(nn.Module):
             seq, batch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim, self.world, like,
             backward=False)
 
-    def _decode_method(self, B: int, like: torch.Tensor) -> str:
-        """Decode's method for B rows: "allreduce" or a fused-op method ("auto": the one the
-        cost model predicts faster, the same on every rank)."""
-        if self.group is None or self.decode_method not in ("auto", "allreduce"):
-            return self.decode_method
-        if self.decode_method == "allreduce":
+    def _decode_method(self, B: int, like: torch.Tensor, method: str | None = None) -> str:
+        """Decode's method for B rows under ``method`` (default ``decode_method``): "allreduce"
+        or a fused-op method ("auto": the one the cost model predicts faster, the same on
+        every rank)."""
+        method = self.decode_method if method is None else method
+        if self.group is None or method not in ("auto", "allreduce"):
+            return method
+        if method == "allreduce":
             return "allreduce"
         from commfuse.infer.predict import decode_choice
         from commfuse.ops.auto import _hardware
