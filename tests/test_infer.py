@@ -118,6 +118,13 @@ def _tp_rank(rank, world):
                     if got != want:
                         failures.append((kv, how.temperature, len(prompts), method, opts, qs,
                                          dec, got, want))
+                for chunks in (2, 3):  # interleaved prefill, decode on the fused ops
+                    tp = InferenceLlama(m, dist.group.WORLD, "none", prefill_chunks=chunks,
+                                        timeout=60)
+                    got = generate(tp, prompts, NEW, how)
+                    if got != want:
+                        failures.append((kv, how.temperature, len(prompts), "chunks", chunks,
+                                         got, want))
         tokens, lengths = pad_prompts(PROMPTS[0])
         a = ref.prefill(tokens, lengths, ref.new_cache(3, 8))
         tp = InferenceLlama(m, dist.group.WORLD, "commfuse")
@@ -155,7 +162,7 @@ def _prefill_gemm_rank(rank, world):
     for prompts in (PROMPTS[2], PROMPTS[0]):
         tokens, lengths = pad_prompts(prompts)
         want = ref.prefill(tokens, lengths, ref.new_cache(len(prompts), tokens.shape[1]))
-        for method, opts in METHODS:
+        for method, opts in METHODS + [("none", {"prefill_chunks": n}) for n in (2, 3, 4, 30)]:
             tp = InferenceLlama(m, dist.group.WORLD, method, timeout=60, **opts)
             with AtenLog() as log:
                 got = tp.prefill(tokens, lengths, tp.new_cache(len(prompts), tokens.shape[1]))
@@ -169,6 +176,92 @@ def _prefill_gemm_rank(rank, world):
 def test_prefill_exact_with_no_batched_gemm(world):
     results = run_local(_prefill_gemm_rank, world, timeout=600, pg_timeout_s=120)
     assert results == [[]] * world, results[0][:2]
+
+
+def test_interleaved_prefill_in_one_process():
+    """The chunked prefill without a group (every collective the identity) gives the
+    unchunked logits and cache, for every chunk count up to one position per chunk (and
+    more chunks than positions)."""
+    m = model()
+    ref = InferenceLlama(m)
+    for prompts in PROMPTS:
+        tokens, lengths = pad_prompts(prompts)
+        want_cache = ref.new_cache(len(prompts), tokens.shape[1])
+        want = ref.prefill(tokens, lengths, want_cache)
+        for chunks in (2, 3, 5, tokens.shape[1], tokens.shape[1] + 4):
+            tp = InferenceLlama(m, prefill_chunks=chunks)
+            cache = tp.new_cache(len(prompts), tokens.shape[1])
+            got = tp.prefill(tokens, lengths, cache)
+            assert (got - want).abs().max() < 1e-12, (len(prompts), chunks)
+            for a, b in zip(cache.k + cache.v, want_cache.k + want_cache.v):
+                assert (a - b).abs().max() < 1e-12
+            assert torch.equal(cache.lengths_B, want_cache.lengths_B)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="prefill_chunks"):
+            InferenceLlama(m, prefill_chunks=bad)
+
+
+def _interleaved_timeout_rank(rank, world):
+    """A peer that never joins the interleaved prefill: the waiting rank fails within its
+    timeout, naming the chunk and collective, instead of hanging."""
+    import time
+
+    import torch.distributed as dist
+
+    from commfuse.errors import CommFuseError
+
+    if rank == 1:
+        time.sleep(8)
+        return "absent"
+    tp = InferenceLlama(model(), dist.group.WORLD, "none", prefill_chunks=2, timeout=2)
+    tokens, lengths = pad_prompts(PROMPTS[2])
+    t0 = time.monotonic()
+    try:
+        tp.prefill(tokens, lengths, tp.new_cache(1, tokens.shape[1]))
+    except CommFuseError as e:
+        return (str(e), time.monotonic() - t0)
+    return "no error"
+
+
+def test_interleaved_prefill_times_out_naming_the_chunk():
+    results = run_local(_interleaved_timeout_rank, 2, timeout=120, pg_timeout_s=30)
+    message, took = results[0]
+    assert "interleaved prefill, rank 0 of 2: chunk 0's all-gather" in message, message
+    assert took < 6, took
+
+
+def test_interleaved_prefill_prediction():
+    """`interleaved_prefill_s` on its limits: no link time leaves the compute alone (the same
+    for any chunk count), no compute leaves the transfers back to back; and `prefill_choice`
+    picks the fused ops on one rank or with nothing to hide, and chunks where the transfers
+    are twice the compute."""
+    import dataclasses
+
+    from commfuse.infer import predict
+    from commfuse.sim.hardware import preset
+
+    cfg = LlamaConfig.preset("small")
+    hw = preset("cpu-testbed")
+    fast_link = dataclasses.replace(hw, link_bandwidth=1e18, link_latency=0.0)
+    compute = [predict.interleaved_prefill_s(cfg, 2, 2048, n, fast_link) for n in (2, 4)]
+    assert compute[0] == pytest.approx(compute[1], rel=0.05)
+    assert compute[0] == pytest.approx(predict.prefill_s(cfg, 2, "none", 2048, fast_link),
+                                       rel=0.05)
+    free = dataclasses.replace(hw, gemm_flops=1e30, mem_bandwidth=1e30,
+                               attention_efficiency=(0.0, 0.0), host_collective_s=0.0)
+    moves = 4 * cfg.n_layers * 2 * hw.collective_time("all_gather", 1024 * cfg.dim * 4, 2)
+    assert predict.interleaved_prefill_s(cfg, 2, 2048, 2, free) == pytest.approx(moves,
+                                                                                  rel=1e-3)
+    both = predict.interleaved_prefill_s(cfg, 2, 2048, 4, hw)
+    assert max(compute[1], moves) < both < compute[1] + moves
+    assert predict.prefill_choice(cfg, 1, 2048, 1, hw, 4) == 1
+    assert predict.best_chunks(cfg, 2, 3, 1, hw, 4) == (1, float("inf"))  # no rows to cut
+    assert predict.prefill_choice(cfg, 2, 2048, 1, fast_link, 4) == 1  # nothing to hide
+    slow_link = dataclasses.replace(hw, link_bandwidth=hw.link_bandwidth / 4)
+    n = predict.prefill_choice(cfg, 2, 2048, 1, slow_link, 4)  # transfers 2x the compute
+    assert n in predict.CHUNK_CANDIDATES
+    assert predict.best_chunks(cfg, 2, 2048, 1, slow_link, 4) == (
+        n, predict.interleaved_prefill_s(cfg, 2, 2048, n, slow_link))
 
 
 def test_divisibility_is_checked():
@@ -252,12 +345,14 @@ def test_cli_generate_end_to_end(tmp_path):
     assert "hardware model:" in p.stderr
     rows = out["rows"]
     assert [r["method"] for r in rows] == ["none", "sliced", "decompose", "commfuse", "auto",
-                                           "allreduce", "compute alone"]
+                                           "interleaved", "allreduce", "compute alone"]
     assert all(r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
     # the simulator predicts every row but the bound (no prediction for compute alone)
-    assert [r["sim_prefill_ms"] != r["sim_prefill_ms"] for r in rows] == [False] * 6 + [True]
+    assert [r["sim_prefill_ms"] != r["sim_prefill_ms"] for r in rows] == [False] * 7 + [True]
+    # 5 tokens on 2 ranks: 2 chunks is the only count that gives every rank rows
+    assert rows[5]["prefill_chunks"] == 2 and rows[3]["prefill_chunks"] == 1
     # auto decodes one sequence with allreduce's step, and its prediction is that step's
-    auto, allreduce = rows[4], rows[5]
+    auto, allreduce = rows[4], rows[6]
     assert (auto["decode_ran"], allreduce["decode_ran"]) == ("allreduce", "allreduce")
     assert auto["sim_decode_tokens_per_s"] == allreduce["sim_decode_tokens_per_s"]
     assert rows[3]["decode_ran"] == "commfuse"
@@ -266,6 +361,8 @@ def test_cli_generate_end_to_end(tmp_path):
              "loopback")
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.startswith("[0] a|") and "\n[1] bb b|" in p.stdout
+    bad = _cli("--prompt", "x", "--random-init", "--prefill-chunks", "0", "--link", "loopback")
+    assert bad.returncode == 2 and "--prefill-chunks: must be at least 1" in bad.stderr
     bad = _cli("--prompt", "x", "--random-init", "--top-p", "0", "--link", "loopback")
     assert bad.returncode == 2 and "top_p" in bad.stderr
     bad = _cli("--prompt", "x", "--random-init", "--hardware", "a-laptop", "--link", "loopback")
@@ -276,34 +373,44 @@ def test_cli_generate_end_to_end(tmp_path):
 
 def _auto_query_split_rank(rank, world):
     """Method auto on a hardware model where query-split attention wins (the SLOW of
-    test_query_split_choice): each prefill runs query-split iff `choose_query_split` says so,
-    and the tokens are the single process's. (chosen, predicted, tokens equal) per prompt set."""
+    test_query_split_choice), its prefill chunks forced to 1 and then the cost model's: each
+    prefill runs query-split iff `choose_query_split` says so (and no chunks are chosen), and
+    interleaved iff `prefill_choice` picks chunks; the tokens are the single process's.
+    (chunks forced, ran query-split, predicted, ran interleaved, predicted, tokens equal) per
+    prompt set."""
     import torch.distributed as dist
 
     from commfuse.infer import model as infer_model
+    from commfuse.infer.predict import prefill_choice
     from commfuse.ops import auto
     from test_query_split_choice import SLOW
 
     auto.set_hardware(SLOW)
     m = model()
     ref = InferenceLlama(m)
-    ran = []
-    real = infer_model.query_split_attention
+    ran, chunked = [], []
+    real, real_chunked = (infer_model.query_split_attention,
+                          InferenceLlama._prefill_interleaved)
     infer_model.query_split_attention = lambda *a, **k: ran.append(True) or real(*a, **k)
+    InferenceLlama._prefill_interleaved = (lambda *a, **k: chunked.append(a[-1])
+                                           or real_chunked(*a, **k))
     out = []
     try:
-        for prompts in PROMPTS:
-            ran.clear()
-            tp = InferenceLlama(m, dist.group.WORLD, "auto", timeout=60)
-            got = generate(tp, prompts, NEW)
-            S = max(len(p) for p in prompts)
-            c = m.cfg
-            predicted = auto.choose_query_split(S, len(prompts), c.n_heads, c.n_kv_heads,
-                                                c.head_dim, c.dim, world, m.tok_emb.weight,
-                                                backward=False)
-            out.append((bool(ran), predicted, got == generate(ref, prompts, NEW)))
+        for forced in (1, None):
+            for prompts in PROMPTS:
+                ran.clear(), chunked.clear()
+                tp = InferenceLlama(m, dist.group.WORLD, "auto", timeout=60,
+                                    prefill_chunks=forced)
+                got = generate(tp, prompts, NEW)
+                S, B, c = max(len(p) for p in prompts), len(prompts), m.cfg
+                qs = auto.choose_query_split(S, B, c.n_heads, c.n_kv_heads, c.head_dim,
+                                             c.dim, world, m.tok_emb.weight, backward=False)
+                n = forced or prefill_choice(c, world, S, B, SLOW, 8, qs)
+                out.append((forced, bool(ran), qs and n == 1, chunked[0] if chunked else 1,
+                            n, got == generate(ref, prompts, NEW)))
     finally:
         infer_model.query_split_attention = real
+        InferenceLlama._prefill_interleaved = real_chunked
     return out
 
 
@@ -311,6 +418,8 @@ def _auto_query_split_rank(rank, world):
 def test_auto_prefill_runs_query_split_where_the_model_predicts_it(world):
     results = run_local(_auto_query_split_rank, world, timeout=600, pg_timeout_s=120)
     for rank, rows in enumerate(results):
-        assert all(chosen == predicted and same for chosen, predicted, same in rows), (rank, rows)
-    if world == 2:  # the model picks it for the longer prompts here: the test is not vacuous
-        assert [chosen for chosen, _, _ in results[0]] == [True, False, True]
+        assert all(qs == want_qs and n == want_n and same
+                   for _, qs, want_qs, n, want_n, same in rows), (rank, rows)
+    if world == 2:  # the model picks each for some prompts here: the test is not vacuous
+        assert [qs for _, qs, *_ in results[0]] == [True, False, True] + [False] * 3
+        assert [n for _, _, _, n, *_ in results[0]][3:] == [2, 1, 2]

@@ -13,7 +13,8 @@ cluster (`commfuse launch`: a network namespace and shaped link per rank), else 
 under torchrun / commfuse launch the RANK / WORLD_SIZE environment is used.
 
 --bench: generate again with every method (none, sliced, decompose, commfuse, auto; allreduce:
-prefill as none, decode replicated; compute alone: none moving no bytes), after a warm-up,
+prefill as none, decode replicated; interleaved: prefill in --prefill-chunks chunks, default
+the count the cost model predicts fastest, decode as none; compute alone: none moving no bytes), after a warm-up,
 interleaved, --iters times; per method and prompt length the median prefill latency, time to
 first token and decode tokens/s (per sequence), their ratio to none, and the simulator's
 prediction (commfuse.infer.predict, on auto's hardware model).
@@ -38,11 +39,15 @@ from commfuse.runtime import modes
 
 METHODS = ("none", "sliced", "decompose", "commfuse", "auto")
 DECODE_METHODS = METHODS + ("allreduce",)
-# --bench rows: (label, prefill method, decode method, executor mode); "allreduce" prefills as
-# none; "compute alone" is none with every transfer skipped (commfuse.runtime.modes)
-BENCH = [(m, m, m, "normal") for m in METHODS] + [("allreduce", "none", "allreduce", "normal"),
-                                                  ("compute alone", "none", "none",
-                                                   "compute_only")]
+# --bench rows: (label, prefill method, decode method, executor mode, prefill chunks);
+# "allreduce" prefills as none; "interleaved" prefills in chunks (None: --prefill-chunks, or
+# the model's best count, `commfuse.infer.predict.best_chunks`); "compute alone" is none with every transfer skipped (commfuse.runtime.modes). auto's
+# chunks are --prefill-chunks, or (None) the cost model's
+BENCH = ([(m, m, m, "normal", 1) for m in METHODS if m != "auto"]
+         + [("auto", "auto", "auto", "normal", "auto"),
+            ("interleaved", "none", "none", "normal", None),
+            ("allreduce", "none", "allreduce", "normal", 1),
+            ("compute alone", "none", "none", "compute_only", 1)])
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -67,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Prefill attention and out-projection per query slice inside the "
                         "reduce-scatter ring (balanced order), or never (--no-query-split); "
                         "default: where the cost model predicts it faster under --method auto")
+    p.add_argument("--prefill-chunks", type=_positive, default=None, metavar="N",
+                   help="Prefill interleaved in N chunks of the prompt: each chunk's plain "
+                        "all-gathers and reduce-scatters move while the next chunk computes "
+                        "(1: the fused ops; default: the cost model's choice under --method "
+                        "auto, else 1)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR",
                      help="A commfuse train --checkpoint-dir (its latest) or step directory")
@@ -191,7 +201,15 @@ def build(args, rank: int, world: int, max_len: int):
     group = dist.group.WORLD if world > 1 else None
     opts = {"timeout": args.timeout} if world > 1 else {}
     return InferenceLlama(model.to(dtype), group, args.method, args.query_split,
-                          args.decode_method, **opts), load_tokenizer()
+                          args.decode_method, prefill_chunks=args.prefill_chunks,
+                          **opts), load_tokenizer()
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def rank_main(rank: int, world: int, args) -> int:
@@ -249,7 +267,7 @@ def _predict(model, world: int, method: str, decode: str, S: int, context: int,
     hardware model ``auto`` uses (`commfuse.ops.auto.set_hardware`; cpu-testbed on CPU), and
     the decode method that ran ("decode_ran": decode "auto" runs allreduce's step or the
     fused ops', `commfuse.infer.predict.decode_choice`), whose step the prediction times."""
-    from commfuse.infer.predict import decode_s, prefill_s
+    from commfuse.infer.predict import decode_s, interleaved_prefill_s, prefill_s
     from commfuse.ops.auto import _hardware
 
     w = model.tok_emb.weight
@@ -258,10 +276,14 @@ def _predict(model, world: int, method: str, decode: str, S: int, context: int,
     if method == "compute alone":
         return {"sim_prefill_ms": float("nan"), "sim_decode_tokens_per_s": float("nan"),
                 "decode_ran": decode}
-    qs = model.runs_query_split(method, S, batch, w)
-    return {"decode_ran": decode,
-            "sim_prefill_ms": prefill_s(model.cfg, world, method, S, hw, nbytes, batch=batch,
-                                        query_split=qs) * 1e3,
+    chunks = min(model.runs_chunks(method, S, batch, w), S)
+    if chunks > 1:
+        prefill = interleaved_prefill_s(model.cfg, world, S, chunks, hw, nbytes, batch)
+    else:
+        prefill = prefill_s(model.cfg, world, method, S, hw, nbytes, batch=batch,
+                            query_split=model.runs_query_split(method, S, batch, w))
+    return {"decode_ran": decode, "prefill_chunks": chunks,
+            "sim_prefill_ms": prefill * 1e3,
             "sim_decode_tokens_per_s":
                 1 / decode_s(model.cfg, world, decode, batch, context, hw, nbytes)}
 
@@ -271,12 +293,29 @@ def _bench(model, prompts, args, how: Sampling, rank: int, world: int, hardware:
     ``hardware``: the cost model's)."""
     torch.set_flush_denormal(True)  # compute_only buffers hold garbage; keep it off slow paths
     rows = []
+    chosen = model.prefill_chunks  # --prefill-chunks, or None
+
+    def chunks(row_chunks, S: int, batch: int):  # the row's prefill chunks (see BENCH)
+        if row_chunks == "auto":
+            return chosen
+        if row_chunks is not None:
+            return row_chunks
+        if chosen and chosen > 1:
+            return chosen
+        from commfuse.infer.predict import best_chunks
+        from commfuse.ops.auto import _hardware
+
+        w = model.tok_emb.weight
+        return best_chunks(model.cfg, world, S, batch, _hardware(w.device.type),
+                           w.element_size())[0]
+
     for batch in prompts:
         S = max(len(p) for p in batch)
         times: dict[str, list[Timings]] = {v[0]: [] for v in BENCH}
         for it in range(args.iters + 1):  # round 0 warms up (and makes auto's choices)
-            for label, prefill, decode, how_run in BENCH:
+            for label, prefill, decode, how_run, n in BENCH:
                 model.method, model.decode_method = prefill, decode
+                model.prefill_chunks = chunks(n, S, len(batch))
                 t = Timings()
                 with modes.mode(how_run):
                     generate(model, batch, args.max_new_tokens, how, None, t)
@@ -286,7 +325,8 @@ def _bench(model, prompts, args, how: Sampling, rank: int, world: int, hardware:
                    "first_token_ms": statistics.median(t.first_token_s for t in ts) * 1e3,
                    "decode_tokens_per_s": statistics.median(t.decode_tokens_per_s for t in ts)}
                for m, ts in times.items()}
-        for label, prefill, decode, how_run in BENCH:
+        for label, prefill, decode, how_run, n in BENCH:
+            model.method, model.prefill_chunks = prefill, chunks(n, S, len(batch))
             sim = _predict(model, world, label if how_run == "compute_only" else prefill,
                            decode, S, S + args.max_new_tokens // 2, len(batch))
             rows.append({"prompt_tokens": S, "method": label, **med[label], **sim,

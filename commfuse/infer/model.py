@@ -13,6 +13,15 @@ weights and the same per-block code:
                   inside the reduce-scatter ring), k and v written to the cache
                   [GEMM -> RS] out-proj, summed over the group, my rows back
                   [AG -> GEMM] gate|up, SwiGLU, [GEMM -> RS] down
+              Or interleaved (``prefill_chunks`` n > 1): the prompt cut into n chunks of
+              positions, each sequence-parallel on its own, run as n coroutines that yield
+              at every collective (plain all-gather / reduce-scatter, posted async): while
+              one chunk's collective moves, the next chunk computes, so the transfers hide
+              behind all of a block's compute (attention and the memory-bound kernels
+              too), not only the GEMM beside them. Chunk c attends to the cache's keys of
+              chunks <= c (the diagonal block causal, merged with the prefix block by their
+              log-sum-exp, `commfuse.ops.attn_blocks.run_forward`); the chunks run in order
+              within each step, so chunk c's keys are in the cache before chunk c+1 reads.
     decode    one new token per sequence: the B tokens are the rows the fused ops split
               (`even_sizes(B, T)`, a rank may have none), each attends to its own sequence's
               cache up to its position. Or (decode method "allreduce") every rank holds all B
@@ -41,7 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from commfuse.errors import CommFuseError
 from commfuse.models.llama import Llama, rope_cos_sin
+from commfuse.ops import attn_blocks
 from commfuse.ops.attention import query_split_attention
 from commfuse.ops.auto import choose_query_split
 from commfuse.ops.binding import even_sizes
@@ -49,6 +60,7 @@ from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scat
 from commfuse.parallel.layout import SeqLayout
 
 TAG = 7101  # P2P tag of decode's all-reduce (method "allreduce")
+CHUNK_TAG = 7200  # interleaved prefill: chunk c's collectives use tag CHUNK_TAG + c
 
 
 class KVCache:
@@ -104,11 +116,16 @@ class InferenceLlama(nn.Module):
     under method "auto" where the cost model predicts it faster for the prompt's shape
     (`commfuse.ops.auto.choose_query_split` on the forward alone, CPU only, as in training),
     else not.
+    ``prefill_chunks``: n > 1 prefills interleaved in n chunks (see the module's doc; the
+    fused ops' method and ``query_split`` do not apply to it); 1: never; None (default): under
+    method "auto" the count the cost model predicts fastest for the prompt's shape, 1 being
+    the fused-op prefill (`commfuse.infer.predict.prefill_choice`), else 1.
     """
 
     def __init__(self, model: Llama, group=None, method: str = "auto",
                  query_split: bool | None = None,
-                 decode_method: str | None = None, **opts):
+                 decode_method: str | None = None, *, prefill_chunks: int | None = None,
+                 **opts):
         super().__init__()
         cfg = self.cfg = model.cfg
         self.group = group if group is not None and group.size() > 1 else None
@@ -121,6 +138,12 @@ class InferenceLlama(nn.Module):
         self.kv_heads = cfg.n_kv_heads // T
         self.method, self.decode_method, self.opts = method, decode_method or method, dict(opts)
         self.query_split = query_split
+        if prefill_chunks is not None and (isinstance(prefill_chunks, bool) or
+                                           not isinstance(prefill_chunks, int) or
+                                           prefill_chunks < 1):
+            raise ValueError(f"prefill_chunks must be a positive int or None, got "
+                             f"{prefill_chunks!r}")
+        self.prefill_chunks = prefill_chunks
         self.blocks = nn.ModuleList(_Block(layer, r, T) for layer in model.layers)
         self.tok_emb, self.norm, self.output = model.tok_emb, model.norm, model.output
         cos, sin = rope_cos_sin(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta,
@@ -188,6 +211,9 @@ class InferenceLlama(nn.Module):
                 (lengths_B >= 1) & (lengths_B <= S)).all():
             raise ValueError(f"prompts [{B}, {S}] with lengths {lengths_B.tolist()} do not fit "
                              f"a cache of {cache.max_len} positions")
+        chunks = min(self.runs_chunks(self.method, S, B, self.tok_emb.weight), S)
+        if chunks > 1:
+            return self._prefill_interleaved(tokens_BS, lengths_B, cache, chunks)
         # query-split runs on the balanced order (`SeqLayout`): the prompt permuted so that
         # each rank's rows are chunk r and chunk 2T-1-r of 2T, every ring step costing the same
         layout = SeqLayout(self.rank, self.world)
@@ -229,12 +255,103 @@ class InferenceLlama(nn.Module):
         last_B = lengths_B - 1  # each sequence's last token: its row in the layout's order,
         if layout.inverse is not None:
             last_B = layout.inverse[last_B]
-        last_B = last_B - off  # then in my rows
-        mine_B = (last_B >= 0) & (last_B < sizes[self.rank])
         h_BD = x_BsD.new_zeros(B, x_BsD.shape[-1])
-        idx = mine_B.nonzero().flatten()
-        h_BD[idx] = x_BsD[idx, last_B[idx]]
+        self._take_last(h_BD, x_BsD, last_B - off)  # then in my rows
         return self._logits(h_BD)
+
+    @staticmethod
+    def _take_last(h_BD: torch.Tensor, x_BsD: torch.Tensor, last_B: torch.Tensor) -> None:
+        """Copy into ``h_BD`` each sequence's row ``last_B`` of ``x_BsD`` where this rank
+        holds it (0 <= last_B < s)."""
+        idx = ((last_B >= 0) & (last_B < x_BsD.shape[1])).nonzero().flatten()
+        h_BD[idx] = x_BsD[idx, last_B[idx]]
+
+    def _prefill_interleaved(self, tokens_BS, lengths_B, cache: KVCache, chunks: int):
+        """`prefill` in ``chunks`` chunks of positions, interleaved at every collective (the
+        module's doc): each chunk a coroutine (`_chunk`) that yields a collective and is sent
+        its result; this loop posts each as it is yielded and resumes the chunks in order,
+        each after waiting for its own, so chunk c's transfer moves while the others
+        compute."""
+        from commfuse.runtime import modes
+
+        B, S = tokens_BS.shape
+        bounds = [0]
+        for n in even_sizes(S, chunks):
+            bounds.append(bounds[-1] + n)
+        device = tokens_BS.device
+        transport = None
+        if self.group is not None:
+            timeout = self.opts.get("timeout")
+            transport = modes.transport_class(device)(self.group, device, timeout)
+        coros = [self._chunk(tokens_BS, cache, a, b) for a, b in zip(bounds, bounds[1:])]
+        posted: list = [None] * chunks
+        outs: list = [None] * chunks
+
+        def advance(c: int, result) -> None:
+            try:
+                kind, inp, sizes = coros[c].send(result)
+            except StopIteration as done:
+                outs[c], posted[c] = done.value, None
+                return
+            inp = inp.contiguous()
+            if transport is None:  # one process: the collective of one rank is the identity
+                posted[c] = (None, inp, kind)
+                return
+            rows = sum(sizes) if kind == "all_gather" else sizes[self.rank]
+            out = inp.new_empty((rows, *inp.shape[1:]))
+            work = transport.launch(kind, out, inp, CHUNK_TAG + c, sizes=sizes)
+            posted[c] = (work, out, kind)
+
+        for c in range(chunks):
+            advance(c, None)
+        while any(p is not None for p in posted):
+            for c in range(chunks):
+                if posted[c] is None:
+                    continue
+                work, out, kind = posted[c]
+                if work is not None:
+                    try:
+                        transport.wait(work)
+                    except Exception as e:
+                        raise CommFuseError(
+                            f"interleaved prefill, rank {self.rank} of {self.world}: chunk {c}'s "
+                            f"{kind.replace('_', '-')} did not complete: {e}") from e
+                advance(c, out)
+        cache.lengths_B.copy_(lengths_B)
+        h_BD = outs[0].new_zeros(B, self.cfg.dim)
+        T = self.world
+        for c, (a, b) in enumerate(zip(bounds, bounds[1:])):  # my rows of each chunk
+            start = a + sum(even_sizes(b - a, T)[:self.rank])
+            self._take_last(h_BD, outs[c].transpose(0, 1), lengths_B - 1 - start)
+        return self._logits(h_BD)
+
+    def _chunk(self, tokens_BS: torch.Tensor, cache: KVCache, c0: int, c1: int):
+        """Positions c0..c1 of every prompt through the blocks, sequence-parallel (this rank
+        holds ``even_sizes(c1 - c0, T)[rank]`` rows of the chunk, [s, B, D]: rows first, the
+        dim the collectives split), as a coroutine: it yields each collective as ``(kind,
+        tensor, sizes)``, is sent back the result (all-gather: the chunk's n rows, [n, B, D];
+        reduce-scatter: my s rows, summed), and returns its rows after the last block."""
+        B, T = tokens_BS.shape[0], self.world
+        n, sizes = c1 - c0, even_sizes(c1 - c0, self.world)
+        a = c0 + sum(sizes[:self.rank])
+        x_sBD = self.tok_emb(tokens_BS[:, a:a + sizes[self.rank]]).transpose(0, 1)
+        cos, sin = self.cos_LK[None, c0:c1], self.sin_LK[None, c0:c1]
+        heads = lambda t_nBX: self._heads(t_nBX.transpose(0, 1), B, n)  # [B, n, heads, K]
+        for i, blk in enumerate(self.blocks):
+            g_nBD = yield "all_gather", blk.attn_norm(x_sBD), sizes
+            q, k, v = (heads(g_nBD @ w.t()) for w in (blk.wq, blk.wk, blk.wv))
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            cache.k[i][:, :, c0:c1] = k.transpose(1, 2)
+            cache.v[i][:, :, c0:c1] = v.transpose(1, 2)
+            k_BHLK, v_BHLK = self._expand(cache.k[i][:, :, :c1], cache.v[i][:, :, :c1],
+                                          q.size(2), 1)
+            o_BHnK = attn_blocks.run_forward(q.transpose(1, 2), k_BHLK, v_BHLK, c0, True)[0]
+            p_nBD = o_BHnK.permute(2, 0, 1, 3).reshape(n, B, -1) @ blk.wo.t()
+            x_sBD = x_sBD + (yield "reduce_scatter", p_nBD, sizes)
+            g_nBD = yield "all_gather", blk.mlp_norm(x_sBD), sizes
+            h_nBf = F.silu(g_nBD @ blk.w_gate.t()) * (g_nBD @ blk.w_up.t())
+            x_sBD = x_sBD + (yield "reduce_scatter", h_nBf @ blk.w_down.t(), sizes)
+        return x_sBD
 
     @torch.no_grad()
     def decode(self, tokens_B: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -320,6 +437,22 @@ class InferenceLlama(nn.Module):
         return method == "auto" and choose_query_split(
             seq, batch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim, self.world, like,
             backward=False)
+
+    def runs_chunks(self, method: str, seq: int, batch: int, like: torch.Tensor) -> int:
+        """The chunks the prefill of ``batch`` prompts of ``seq`` tokens with ``method`` runs
+        in: ``prefill_chunks``, or under "auto" the cost model's count (1: the fused ops)."""
+        if self.group is None and self.prefill_chunks is None:
+            return 1
+        if self.prefill_chunks is not None:
+            return self.prefill_chunks
+        if method != "auto":
+            return 1
+        from commfuse.infer.predict import prefill_choice
+        from commfuse.ops.auto import _hardware
+
+        qs = self.runs_query_split(method, seq, batch, like)
+        return prefill_choice(self.cfg, self.world, seq, batch, _hardware(like.device.type),
+                              like.element_size(), qs)
 
     def _decode_method(self, B: int, like: torch.Tensor, method: str | None = None) -> str:
         """Decode's method for B rows under ``method`` (default ``decode_method``): "allreduce"

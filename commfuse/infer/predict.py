@@ -10,11 +10,21 @@ model times them (`commfuse.sim.work.block_elementwise_bytes` over the preset's 
 bandwidth), on the rank's share of the tokens. What is not modelled: the cache writes,
 sampling and Python overhead (the measured times include them), and the one small
 all-reduce of the last hidden states.
+
+The interleaved prefill (`interleaved_prefill_s`, ``prefill_chunks`` n > 1) is timed as it
+runs: each chunk's stages in order (all-gather, q|k|v + attention + out-proj, reduce-scatter,
+all-gather, gate|up + down, reduce-scatter per block), the chunks resumed in turn as
+`InferenceLlama._prefill_interleaved` does, on one compute lane and one link that carries
+one collective at a time (gloo sends to a peer in order); compute runs at 1 / (1 +
+`Hardware.interference`) of its speed while the link is busy, and each collective's launch
+costs `Hardware.host_collective_s` of host time, as in the op simulator.
 """
 
 from __future__ import annotations
 
 from commfuse.models.config import LlamaConfig
+from commfuse.ops.binding import even_sizes
+from commfuse.sim.attention import attention_s
 from commfuse.sim.model_ops import StepOp, block_ops
 from commfuse.sim.step import OpTimer
 from commfuse.sim.work import block_elementwise_bytes, mem_time
@@ -48,6 +58,100 @@ def prefill_s(cfg: LlamaConfig, tp: int, method: str, prompt_tokens: int, hw,
     ``query_split``: attention inside the out-projection's reduce-scatter ring."""
     return _blocks_s(cfg, tp, method, prompt_tokens, hw, dtype_bytes, timer=timer, batch=batch,
                      query_split=query_split)
+
+
+CHUNK_CANDIDATES = (2, 3, 4)  # the interleaved prefill's chunk counts `prefill_choice` times
+
+
+def interleaved_prefill_s(cfg: LlamaConfig, tp: int, prompt_tokens: int, chunks: int, hw,
+                          dtype_bytes: float = 4, batch: int = 1) -> float:
+    """Predicted seconds of the prefill of ``batch`` prompts of ``prompt_tokens`` tokens
+    interleaved in ``chunks`` chunks (module doc)."""
+    D, K, F, H = cfg.dim, cfg.head_dim, cfg.ffn_hidden, cfg.n_heads
+    qkv = (H + 2 * cfg.n_kv_heads) * K // tp
+    bounds = [0]
+    for n in even_sizes(prompt_tokens, chunks):
+        bounds.append(bounds[-1] + n)
+    stages = []  # per chunk: compute, then (transfer, compute) per collective
+    for a, b in zip(bounds, bounds[1:]):
+        rows = batch * (b - a)
+        move = hw.collective_time("all_gather", rows * D * dtype_bytes, tp)
+        half = _elementwise_s(cfg, rows / tp, hw, dtype_bytes) / cfg.n_layers / 2
+        attn = hw.gemm_time(rows, D, qkv) + hw.gemm_time(rows, H * K // tp, D) + half + \
+            attention_s(hw, range(a, b), batch * H / tp, K)
+        mlp = hw.gemm_time(rows, D, 2 * F // tp) + hw.gemm_time(rows, F // tp, D) + half
+        stages.append([0.0] + [x for _ in range(cfg.n_layers)
+                               for x in (move, attn, move, 0.0, move, mlp, move, 0.0)])
+    now = link = 0.0
+    ready = [0.0] * chunks
+    at = [0] * chunks  # the index of each chunk's next stage
+    busy: list[list[float]] = []  # the link's busy intervals, in order (merged)
+    slow = 1.0 / (1.0 + hw.interference)  # compute's speed while a transfer runs
+
+    def compute(t: float, work: float) -> float:  # when ``work`` started at t is done
+        for s, e in busy:
+            if e <= t:
+                continue
+            if s > t:
+                if work <= s - t:
+                    return t + work
+                work, t = work - (s - t), s
+            if work <= (e - t) * slow:
+                return t + work / slow
+            work, t = work - (e - t) * slow, e
+        return t + work
+
+    def run(c: int) -> None:  # compute the next stage, then post the transfer after it
+        nonlocal now, link
+        now = compute(max(now, ready[c]), stages[c][at[c]])
+        if at[c] + 1 < len(stages[c]):
+            now += hw.host_collective_s  # the launch's host time, as the op simulator's
+            start = max(now, link)
+            link = start + stages[c][at[c] + 1]
+            if busy and busy[-1][1] >= start:
+                busy[-1][1] = link
+            else:
+                busy.append([start, link])
+            ready[c] = link
+        at[c] += 2
+
+    for c in range(chunks):
+        run(c)
+    while any(i < len(st) for i, st in zip(at, stages)):
+        for c in range(chunks):
+            if at[c] < len(stages[c]):
+                run(c)
+    head = hw.gemm_time(batch, D, cfg.vocab_size)
+    return now + head
+
+
+def best_chunks(cfg: LlamaConfig, tp: int, prompt_tokens: int, batch: int, hw,
+                dtype_bytes: float) -> tuple[int, float]:
+    """(chunks, predicted s) of the fastest interleaved prefill among `CHUNK_CANDIDATES`
+    whose chunks give every rank rows ((1, inf) if none does)."""
+    times = {n: interleaved_prefill_s(cfg, tp, prompt_tokens, n, hw, dtype_bytes, batch)
+             for n in CHUNK_CANDIDATES if tp > 1 and prompt_tokens // n >= tp}
+    if not times:
+        return 1, float("inf")
+    n = min(times, key=times.get)
+    return n, times[n]
+
+
+_PREFILL: dict[tuple, int] = {}
+
+
+def prefill_choice(cfg: LlamaConfig, tp: int, prompt_tokens: int, batch: int, hw,
+                   dtype_bytes: float, query_split: bool = False) -> int:
+    """The chunk count the model predicts fastest for a prefill: 1 (the fused ops under
+    "auto", with ``query_split`` as given) or `best_chunks`'s (a function of what every
+    rank shares)."""
+    key = (repr(cfg), tp, prompt_tokens, batch, repr(hw), dtype_bytes, query_split)
+    if key not in _PREFILL:
+        fused = prefill_s(cfg, tp, "auto", prompt_tokens, hw, dtype_bytes, batch=batch,
+                          query_split=query_split)
+        n, t = best_chunks(cfg, tp, prompt_tokens, batch, hw, dtype_bytes)
+        _PREFILL[key] = n if t < fused else 1
+    return _PREFILL[key]
 
 
 def decode_s(cfg: LlamaConfig, tp: int, method: str, batch: int, context: int, hw,
