@@ -14,7 +14,9 @@ weights and the same per-block code:
                   [GEMM -> RS] out-proj, summed over the group, my rows back
                   [AG -> GEMM] gate|up, SwiGLU, [GEMM -> RS] down
               Or interleaved (``prefill_chunks`` n > 1): the prompt cut into n chunks of
-              positions, each sequence-parallel on its own, run as n coroutines that yield
+              positions, each sequence-parallel on its own (on 2 ranks replicated: every
+              rank all of the chunk's rows, an all-reduce after the out-proj and down, the
+              same bytes in half the collectives; `_chunk`), run as n coroutines that yield
               at every collective (plain all-gather / reduce-scatter, posted async): while
               one chunk's collective moves, the next chunk computes, so the transfers hide
               behind all of a block's compute (attention and the memory-bound kernels
@@ -271,10 +273,12 @@ class InferenceLlama(nn.Module):
         module's doc): each chunk a coroutine (`_chunk`) that yields a collective and is sent
         its result; this loop posts each as it is yielded and resumes the chunks in order,
         each after waiting for its own, so chunk c's transfer moves while the others
-        compute."""
+        compute. On 2 ranks the chunks run replicated (`_chunk`)."""
         from commfuse.runtime import modes
 
         B, S = tokens_BS.shape
+        T, r = self.world, self.rank
+        replicated = T == 2
         bounds = [0]
         for n in even_sizes(S, chunks):
             bounds.append(bounds[-1] + n)
@@ -283,7 +287,8 @@ class InferenceLlama(nn.Module):
         if self.group is not None:
             timeout = self.opts.get("timeout")
             transport = modes.transport_class(device)(self.group, device, timeout)
-        coros = [self._chunk(tokens_BS, cache, a, b) for a, b in zip(bounds, bounds[1:])]
+        coros = [self._chunk(tokens_BS, cache, a, b, replicated)
+                 for a, b in zip(bounds, bounds[1:])]
         posted: list = [None] * chunks
         outs: list = [None] * chunks
 
@@ -297,9 +302,13 @@ class InferenceLlama(nn.Module):
             if transport is None:  # one process: the collective of one rank is the identity
                 posted[c] = (None, inp, kind)
                 return
-            rows = sum(sizes) if kind == "all_gather" else sizes[self.rank]
+            if kind == "all_reduce":  # every rank's partial to every rank, summed on wait
+                sizes, gather = [inp.shape[0]] * T, "all_gather"
+            else:
+                gather = kind
+            rows = sum(sizes) if gather == "all_gather" else sizes[r]
             out = inp.new_empty((rows, *inp.shape[1:]))
-            work = transport.launch(kind, out, inp, CHUNK_TAG + c, sizes=sizes)
+            work = transport.launch(gather, out, inp, CHUNK_TAG + c, sizes=sizes)
             posted[c] = (work, out, kind)
 
         for c in range(chunks):
@@ -314,31 +323,52 @@ class InferenceLlama(nn.Module):
                         transport.wait(work)
                     except Exception as e:
                         raise CommFuseError(
-                            f"interleaved prefill, rank {self.rank} of {self.world}: chunk {c}'s "
+                            f"interleaved prefill, rank {r} of {T}: chunk {c}'s "
                             f"{kind.replace('_', '-')} did not complete: {e}") from e
+                    if kind == "all_reduce":  # in rank order: the same bits on every rank,
+                        parts = out.chunk(T)  # and those of the reduce-scatter's sum
+                        out = parts[0].clone()
+                        for part in parts[1:]:
+                            out += part
                 advance(c, out)
         cache.lengths_B.copy_(lengths_B)
         h_BD = outs[0].new_zeros(B, self.cfg.dim)
-        T = self.world
         for c, (a, b) in enumerate(zip(bounds, bounds[1:])):  # my rows of each chunk
-            start = a + sum(even_sizes(b - a, T)[:self.rank])
+            start = a if replicated else a + sum(even_sizes(b - a, T)[:r])
             self._take_last(h_BD, outs[c].transpose(0, 1), lengths_B - 1 - start)
+        if replicated:  # every rank holds every row: bitwise the same logits already
+            return self.output(self.norm(h_BD))
         return self._logits(h_BD)
 
-    def _chunk(self, tokens_BS: torch.Tensor, cache: KVCache, c0: int, c1: int):
-        """Positions c0..c1 of every prompt through the blocks, sequence-parallel (this rank
-        holds ``even_sizes(c1 - c0, T)[rank]`` rows of the chunk, [s, B, D]: rows first, the
-        dim the collectives split), as a coroutine: it yields each collective as ``(kind,
-        tensor, sizes)``, is sent back the result (all-gather: the chunk's n rows, [n, B, D];
-        reduce-scatter: my s rows, summed), and returns its rows after the last block."""
+    def _chunk(self, tokens_BS: torch.Tensor, cache: KVCache, c0: int, c1: int,
+               replicated: bool = False):
+        """Positions c0..c1 of every prompt through the blocks, as a coroutine: it yields each
+        collective as ``(kind, tensor, sizes)``, is sent back the result, and returns its rows
+        after the last block, rows first ([s, B, D]: the dim the collectives split).
+
+        Sequence-parallel (``replicated`` False): this rank holds ``even_sizes(c1 - c0,
+        T)[rank]`` rows of the chunk; each block all-gathers them before q|k|v and gate|up
+        ([n, B, D] back) and reduce-scatters the out-projection's and down's partial sums (my
+        s rows back). Replicated: every rank holds all n rows, q|k|v and gate|up are local
+        GEMMs, and the two partial sums are all-reduced ([n, B, D] back, summed in rank
+        order: the reduce-scatter's sums, so the same bits as sequence-parallel). Per block
+        that is two collectives instead of four, each followed by compute (the all-gather
+        after a reduce-scatter waits for it with no compute between), for the same bytes on
+        2 ranks ((T-1) n D each way per all-reduce, against 2 (T-1) / T n D for a
+        reduce-scatter and an all-gather), at the cost of the norms and residual adds over
+        all n rows."""
         B, T = tokens_BS.shape[0], self.world
         n, sizes = c1 - c0, even_sizes(c1 - c0, self.world)
-        a = c0 + sum(sizes[:self.rank])
-        x_sBD = self.tok_emb(tokens_BS[:, a:a + sizes[self.rank]]).transpose(0, 1)
+        a, s = (c0, n) if replicated else (c0 + sum(sizes[:self.rank]), sizes[self.rank])
+        # rows first and contiguous: a strided [s, B, D] @ W would run as a batched GEMM
+        x_sBD = self.tok_emb(tokens_BS[:, a:a + s].t())
         cos, sin = self.cos_LK[None, c0:c1], self.sin_LK[None, c0:c1]
         heads = lambda t_nBX: self._heads(t_nBX.transpose(0, 1), B, n)  # [B, n, heads, K]
+        reduce = "all_reduce" if replicated else "reduce_scatter"
         for i, blk in enumerate(self.blocks):
-            g_nBD = yield "all_gather", blk.attn_norm(x_sBD), sizes
+            g_nBD = blk.attn_norm(x_sBD)
+            if not replicated:
+                g_nBD = yield "all_gather", g_nBD, sizes
             q, k, v = (heads(g_nBD @ w.t()) for w in (blk.wq, blk.wk, blk.wv))
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             cache.k[i][:, :, c0:c1] = k.transpose(1, 2)
@@ -347,10 +377,12 @@ class InferenceLlama(nn.Module):
                                           q.size(2), 1)
             o_BHnK = attn_blocks.run_forward(q.transpose(1, 2), k_BHLK, v_BHLK, c0, True)[0]
             p_nBD = o_BHnK.permute(2, 0, 1, 3).reshape(n, B, -1) @ blk.wo.t()
-            x_sBD = x_sBD + (yield "reduce_scatter", p_nBD, sizes)
-            g_nBD = yield "all_gather", blk.mlp_norm(x_sBD), sizes
+            x_sBD = x_sBD + (yield reduce, p_nBD, sizes)
+            g_nBD = blk.mlp_norm(x_sBD)
+            if not replicated:
+                g_nBD = yield "all_gather", g_nBD, sizes
             h_nBf = F.silu(g_nBD @ blk.w_gate.t()) * (g_nBD @ blk.w_up.t())
-            x_sBD = x_sBD + (yield "reduce_scatter", h_nBf @ blk.w_down.t(), sizes)
+            x_sBD = x_sBD + (yield reduce, h_nBf @ blk.w_down.t(), sizes)
         return x_sBD
 
     @torch.no_grad()

@@ -12,8 +12,9 @@ sampling and Python overhead (the measured times include them), and the one smal
 all-reduce of the last hidden states.
 
 The interleaved prefill (`interleaved_prefill_s`, ``prefill_chunks`` n > 1) is timed as it
-runs: each chunk's stages in order (all-gather, q|k|v + attention + out-proj, reduce-scatter,
-all-gather, gate|up + down, reduce-scatter per block), the chunks resumed in turn as
+runs: each chunk's stages in order (per block all-gather, q|k|v + attention + out-proj,
+reduce-scatter, all-gather, gate|up + down, reduce-scatter; on 2 ranks q|k|v + attention +
+out-proj, all-reduce, gate|up + down, all-reduce), the chunks resumed in turn as
 `InferenceLlama._prefill_interleaved` does, on one compute lane and one link that carries
 one collective at a time (gloo sends to a peer in order); compute runs at 1 / (1 +
 `Hardware.interference`) of its speed while the link is busy, and each collective's launch
@@ -27,7 +28,7 @@ from commfuse.ops.binding import even_sizes
 from commfuse.sim.attention import attention_s
 from commfuse.sim.model_ops import StepOp, block_ops
 from commfuse.sim.step import OpTimer
-from commfuse.sim.work import block_elementwise_bytes, mem_time
+from commfuse.sim.work import block_elementwise_bytes, block_width_bytes, mem_time
 
 
 def _elementwise_s(cfg: LlamaConfig, tokens: float, hw, dtype_bytes: float) -> float:
@@ -75,13 +76,21 @@ def interleaved_prefill_s(cfg: LlamaConfig, tp: int, prompt_tokens: int, chunks:
     stages = []  # per chunk: compute, then (transfer, compute) per collective
     for a, b in zip(bounds, bounds[1:]):
         rows = batch * (b - a)
-        move = hw.collective_time("all_gather", rows * D * dtype_bytes, tp)
         half = _elementwise_s(cfg, rows / tp, hw, dtype_bytes) / cfg.n_layers / 2
+        if tp == 2:  # replicated: the norms and residual adds over all rows, not rows / T
+            half += mem_time(hw, block_width_bytes(cfg, dtype_bytes) * rows * (1 - 1 / tp)) / 2
         attn = hw.gemm_time(rows, D, qkv) + hw.gemm_time(rows, H * K // tp, D) + half + \
             attention_s(hw, range(a, b), batch * H / tp, K)
         mlp = hw.gemm_time(rows, D, 2 * F // tp) + hw.gemm_time(rows, F // tp, D) + half
-        stages.append([0.0] + [x for _ in range(cfg.n_layers)
-                               for x in (move, attn, move, 0.0, move, mlp, move, 0.0)])
+        if tp == 2:  # an all-reduce after out-proj and down: my partial to the peer
+            move = hw.collective_time("all_gather", tp * rows * D * dtype_bytes, tp)
+            block = (attn, move, mlp, move)
+        else:  # all-gather, reduce-scatter of the chunk's rows, twice
+            move = hw.collective_time("all_gather", rows * D * dtype_bytes, tp)
+            block = (move, attn, move, 0.0, move, mlp, move, 0.0)
+        # compute first and last, a transfer between each two
+        stages.append(list(block) * cfg.n_layers + [0.0] if tp == 2 else
+                      [0.0] + list(block) * cfg.n_layers)
     now = link = 0.0
     ready = [0.0] * chunks
     at = [0] * chunks  # the index of each chunk's next stage

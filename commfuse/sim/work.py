@@ -101,25 +101,35 @@ def recomputed_linears(cfg, ac: str) -> list[tuple[str, int, int]]:
     return {"none": [], "selective": lin[1::2], "full": lin}[ac]
 
 
-def block_elementwise_bytes(cfg, a: float = 2, backward: bool = False) -> float:
-    """Bytes the memory-bound kernels of one block's forward (or, ``backward``, of its
-    backward) move per token (module doc)."""
-    D, G, F = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_hidden
-    Hd = cfg.n_heads * cfg.head_dim
+def block_width_bytes(cfg, a: float = 2, backward: bool = False) -> float:
+    """The part of `block_elementwise_bytes` over the model width D: the two RMSNorms and
+    the two residual adds (what a rank runs on its own rows, where the rest is on its
+    heads' and FFN shard's columns of every row)."""
     f = F32
     if not backward:
         norm = (a + f) + 2 * f + f + 2 * f + (f + a) + 2 * a  # cast, pow, mean, *, cast, *w
-        rope = (a + f) + 2 * f + (f + a)  # cast, complex mul, cast back; per element
-        swiglu = 2 * a + 3 * a  # silu, mul
     else:
         # RMSNorm: d(n*w) -> dn (2a) and dw (g*n, then the sum over tokens: 4a); the casts
         # (a+f each); d(x*r) -> dx (2f) and dr (g*x, then the sum over D: 4f); d mean (f);
         # d pow (2x: 2f, then *g: 3f); the two paths into x summed (3f)
         norm = 2 * a + 4 * a + 2 * (a + f) + 2 * f + 4 * f + f + 2 * f + 3 * f + 3 * f
+    return (2 * norm + 2 * 3 * a) * cfg.dim  # two RMSNorms, two residual adds (grad sums)
+
+
+def block_elementwise_bytes(cfg, a: float = 2, backward: bool = False) -> float:
+    """Bytes the memory-bound kernels of one block's forward (or, ``backward``, of its
+    backward) move per token (module doc)."""
+    G, F = cfg.n_kv_heads * cfg.head_dim, cfg.ffn_hidden
+    Hd = cfg.n_heads * cfg.head_dim
+    f = F32
+    if not backward:
+        rope = (a + f) + 2 * f + (f + a)  # cast, complex mul, cast back; per element
+        swiglu = 2 * a + 3 * a  # silu, mul
+    else:
         rope = (a + f) + 2 * f + (f + a)  # cast, mul by conj(freqs), cast
         swiglu = 3 * a + 3 * a + 3 * a  # d(silu*up) -> two muls; silu's backward
     repeat = 2 * a * (G + Hd) if G < Hd else 0  # k and v expanded (backward: summed back)
-    return (2 * norm * D + 2 * 3 * a * D  # two RMSNorms, two residual adds (grad sums)
+    return (block_width_bytes(cfg, a, backward)
             + rope * (Hd + G) + repeat
             + 2 * a * Hd  # attention output transposed back, contiguous
             + swiglu * F)
