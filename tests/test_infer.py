@@ -273,6 +273,72 @@ def test_interleaved_prefill_prediction():
         n, predict.interleaved_prefill_s(cfg, 2, 2048, n, slow_link))
 
 
+def test_plan_tuner():
+    """Warm-up first (the model's pick, untimed), then each plan once, timed, then the
+    faster for good; one plan: never timed; buckets by power of two and batch."""
+    from commfuse.infer.tune import PlanTuner
+
+    t = PlanTuner()
+    key = PlanTuner.bucket(1500, 2)
+    assert key == (2048, 2) and PlanTuner.bucket(2048, 2) == key
+    assert PlanTuner.bucket(2049, 2) == (4096, 2) and PlanTuner.bucket(1, 1) == (1, 1)
+    plans = ["fused", "interleaved"]
+    assert t.next(key, plans) == ("fused", False)
+    assert t.decided(key, plans) is None
+    assert t.next(key, plans) == ("fused", True)
+    t.record(key, "fused", 2.0)
+    assert t.next(key, plans) == ("interleaved", True)
+    t.record(key, "interleaved", 1.5)
+    assert t.decided(key, plans) == "interleaved"
+    assert [t.next(key, plans) for _ in range(3)] == [("interleaved", False)] * 3
+    assert t.next((8, 1), ["fused"]) == ("fused", False)
+    assert t.next((8, 1), ["fused"]) == ("fused", False)
+
+
+def _tuned_rank(rank, world):
+    """auto's measured plan choice on a group: the prefills of one shape run warm-up, both
+    plans timed, then the faster, the same on every rank, each with the single process's
+    tokens; runs_chunks reports the winner."""
+    import torch.distributed as dist
+
+    from commfuse.infer.tune import PlanTuner
+
+    m = model()
+    ref = InferenceLlama(m)
+    prompts = PROMPTS[2]
+    want = generate(ref, prompts, NEW)
+    tp = InferenceLlama(m, dist.group.WORLD, "auto", timeout=60)
+    ran = []
+    real = InferenceLlama._prefill_interleaved
+    InferenceLlama._prefill_interleaved = lambda *a, **k: ran.append(len(ran)) or real(*a, **k)
+    try:
+        same = []
+        for _ in range(5):
+            before = len(ran)
+            same.append((generate(tp, prompts, NEW) == want, len(ran) > before))
+    finally:
+        InferenceLlama._prefill_interleaved = real
+    S, w = len(prompts[0]), m.tok_emb.weight
+    key = PlanTuner.bucket(S, 1)
+    return (same, dict(tp.tuner.buckets[key]["times"]), tp._auto_plans(S, 1, w),
+            tp.runs_chunks("auto", S, 1, w))
+
+
+def test_auto_prefill_plan_is_measured():
+    results = run_local(_tuned_rank, 2, timeout=300, pg_timeout_s=60)
+    (same, times, plans, chunks), other = results[0], results[1]
+    assert other[1] == times  # the slowest rank's times: every rank decides alike
+    assert all(ok for ok, _ in same)
+    labels = [p for p, _ in plans]
+    assert sorted(times) == sorted(labels) == ["fused", "interleaved"]
+    winner = min(labels, key=lambda p: times[p])
+    interleaved = [ran for _, ran in same]
+    # warm-up on the model's pick, then each plan in the model's order, then the winner
+    order = [labels[0], labels[0], labels[1], winner, winner]
+    assert interleaved == [p == "interleaved" for p in order], (interleaved, labels, times)
+    assert chunks == dict(plans)[winner]
+
+
 def test_divisibility_is_checked():
     class G:
         def size(self):

@@ -48,11 +48,14 @@ h / g this rank's query / kv heads, K head dim, f = F/T, V vocab.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from commfuse.errors import CommFuseError
+from commfuse.infer.tune import PlanTuner
 from commfuse.models.llama import Llama, rope_cos_sin
 from commfuse.ops import attn_blocks
 from commfuse.ops.attention import query_split_attention
@@ -120,14 +123,16 @@ class InferenceLlama(nn.Module):
     else not.
     ``prefill_chunks``: n > 1 prefills interleaved in n chunks (see the module's doc; the
     fused ops' method and ``query_split`` do not apply to it); 1: never; None (default): under
-    method "auto" the count the cost model predicts fastest for the prompt's shape, 1 being
-    the fused-op prefill (`commfuse.infer.predict.prefill_choice`), else 1.
+    method "auto" the faster of the fused-op prefill and the interleaved one (at the cost
+    model's best count), measured on the first prompts of each shape (``tune``,
+    `commfuse.infer.tune.PlanTuner`), or with ``tune=False`` the cost model's pick
+    (`commfuse.infer.predict.prefill_choice`); else 1.
     """
 
     def __init__(self, model: Llama, group=None, method: str = "auto",
                  query_split: bool | None = None,
                  decode_method: str | None = None, *, prefill_chunks: int | None = None,
-                 **opts):
+                 tune: bool = True, **opts):
         super().__init__()
         cfg = self.cfg = model.cfg
         self.group = group if group is not None and group.size() > 1 else None
@@ -146,6 +151,7 @@ class InferenceLlama(nn.Module):
             raise ValueError(f"prefill_chunks must be a positive int or None, got "
                              f"{prefill_chunks!r}")
         self.prefill_chunks = prefill_chunks
+        self.tuner = PlanTuner() if tune else None
         self.blocks = nn.ModuleList(_Block(layer, r, T) for layer in model.layers)
         self.tok_emb, self.norm, self.output = model.tok_emb, model.norm, model.output
         cos, sin = rope_cos_sin(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta,
@@ -213,9 +219,31 @@ class InferenceLlama(nn.Module):
                 (lengths_B >= 1) & (lengths_B <= S)).all():
             raise ValueError(f"prompts [{B}, {S}] with lengths {lengths_B.tolist()} do not fit "
                              f"a cache of {cache.max_len} positions")
-        chunks = min(self.runs_chunks(self.method, S, B, self.tok_emb.weight), S)
+        w = self.tok_emb.weight
+        plans = self._auto_plans(S, B, w)
+        if plans is None:  # no choice to measure
+            chunks, timed = min(self.runs_chunks(self.method, S, B, w), S), False
+        else:
+            key = PlanTuner.bucket(S, B)
+            plan, timed = self.tuner.next(key, [label for label, _ in plans])
+            chunks = dict(plans)[plan]
+        if timed:
+            if w.device.type == "cuda":
+                torch.cuda.synchronize(w.device)
+            t0 = time.perf_counter()
         if chunks > 1:
-            return self._prefill_interleaved(tokens_BS, lengths_B, cache, chunks)
+            logits = self._prefill_interleaved(tokens_BS, lengths_B, cache, chunks)
+        else:
+            logits = self._prefill_fused(tokens_BS, lengths_B, cache)
+        if timed:
+            if w.device.type == "cuda":
+                torch.cuda.synchronize(w.device)
+            self.tuner.record(key, plan, self._slowest(time.perf_counter() - t0))
+        return logits
+
+    def _prefill_fused(self, tokens_BS, lengths_B, cache: KVCache):
+        """`prefill` on the fused ops (sequence-parallel, query-split where it runs)."""
+        B, S = tokens_BS.shape
         # query-split runs on the balanced order (`SeqLayout`): the prompt permuted so that
         # each rank's rows are chunk r and chunk 2T-1-r of 2T, every ring step costing the same
         layout = SeqLayout(self.rank, self.world)
@@ -472,19 +500,67 @@ class InferenceLlama(nn.Module):
 
     def runs_chunks(self, method: str, seq: int, batch: int, like: torch.Tensor) -> int:
         """The chunks the prefill of ``batch`` prompts of ``seq`` tokens with ``method`` runs
-        in: ``prefill_chunks``, or under "auto" the cost model's count (1: the fused ops)."""
+        in (1: the fused ops): ``prefill_chunks``, or under "auto" the measured faster plan
+        of the shape's bucket once `PlanTuner` has timed both, else the cost model's."""
         if self.group is None and self.prefill_chunks is None:
             return 1
         if self.prefill_chunks is not None:
             return self.prefill_chunks
         if method != "auto":
             return 1
+        plans = self._auto_plans(seq, batch, like, method)
+        if plans is not None:
+            won = self.tuner.decided(PlanTuner.bucket(seq, batch), [p for p, _ in plans])
+            return dict(plans)[won if won is not None else plans[0][0]]
+        return self._model_chunks(seq, batch, like)
+
+    def _model_chunks(self, seq: int, batch: int, like: torch.Tensor) -> int:
+        """The cost model's chunk count under "auto" (`commfuse.infer.predict.prefill_choice`;
+        1: the fused ops, query-split where it predicts it faster)."""
         from commfuse.infer.predict import prefill_choice
         from commfuse.ops.auto import _hardware
 
-        qs = self.runs_query_split(method, seq, batch, like)
+        qs = self.runs_query_split("auto", seq, batch, like)
         return prefill_choice(self.cfg, self.world, seq, batch, _hardware(like.device.type),
                               like.element_size(), qs)
+
+    def _auto_plans(self, seq: int, batch: int, like: torch.Tensor,
+                    method: str | None = None) -> list[tuple[str, int]] | None:
+        """The plans `PlanTuner` measures for this prefill, the model's pick first:
+        [("fused", 1), ("interleaved", n)] in some order, n the model's best count; None
+        where nothing is measured (not "auto", chunks given, tuning off, one rank, or a
+        prompt too short to cut)."""
+        method = self.method if method is None else method
+        if (method != "auto" or self.prefill_chunks is not None or self.tuner is None
+                or self.group is None):
+            return None
+        from commfuse.infer.predict import best_chunks
+        from commfuse.ops.auto import _hardware
+
+        n = best_chunks(self.cfg, self.world, seq, batch, _hardware(like.device.type),
+                        like.element_size())[0]
+        if n <= 1:
+            return None
+        plans = [("fused", 1), ("interleaved", n)]
+        return plans[::-1] if self._model_chunks(seq, batch, like) > 1 else plans
+
+    def _slowest(self, seconds: float) -> float:
+        """The largest of every rank's ``seconds`` (one small exchange)."""
+        from datetime import timedelta
+
+        from commfuse.runtime import collectives
+        from commfuse.runtime.transport import group_timeout
+
+        like = self.tok_emb.weight
+        mine = torch.tensor([seconds], dtype=torch.float64, device=like.device)
+        every = mine.new_empty(self.world)
+        work = collectives.launch("all_gather", every, mine, self.group, TAG + 1, "p2p")
+        try:
+            work.wait(timedelta(seconds=self.opts.get("timeout") or
+                                group_timeout(self.group, like.device)))
+        except Exception as e:
+            raise CommFuseError(f"prefill timing exchange on rank {self.rank}: {e}") from e
+        return float(every.max())
 
     def _decode_method(self, B: int, like: torch.Tensor, method: str | None = None) -> str:
         """Decode's method for B rows under ``method`` (default ``decode_method``): "allreduce"
