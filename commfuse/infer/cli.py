@@ -14,10 +14,10 @@ under torchrun / commfuse launch the RANK / WORLD_SIZE environment is used.
 
 --bench: generate again with every method (none, sliced, decompose, commfuse, auto; allreduce:
 prefill as none, decode replicated; interleaved: prefill in --prefill-chunks chunks, default
-the count the cost model predicts fastest, decode as none; compute alone: none moving no bytes), after a warm-up,
-interleaved, --iters times; per method and prompt length the median prefill latency, time to
-first token and decode tokens/s (per sequence), their ratio to none, and the simulator's
-prediction (commfuse.infer.predict, on auto's hardware model).
+the count the cost model predicts fastest, decode as none; compute alone: none moving no
+bytes), after a warm-up, the rows in turn, --iters times; per method and prompt length the median
+prefill latency, time to first token and decode tokens/s (per sequence), their ratio to none,
+and the simulator's prediction (commfuse.infer.predict, on auto's hardware model).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ METHODS = ("none", "sliced", "decompose", "commfuse", "auto")
 DECODE_METHODS = METHODS + ("allreduce",)
 # --bench rows: (label, prefill method, decode method, executor mode, prefill chunks);
 # "allreduce" prefills as none; "interleaved" prefills in chunks (None: --prefill-chunks, or
-# the model's best count, `commfuse.infer.predict.best_chunks`); "compute alone" is none with every transfer skipped (commfuse.runtime.modes). auto's
-# chunks are --prefill-chunks, or (None) the cost model's
+# the model's best count, `commfuse.infer.predict.best_chunks`); "compute alone" is none
+# with every transfer skipped (commfuse.runtime.modes). auto's chunks ("auto") are
+# --prefill-chunks, or auto's own choice (measured, `commfuse.infer.tune`)
 BENCH = ([(m, m, m, "normal", 1) for m in METHODS if m != "auto"]
          + [("auto", "auto", "auto", "normal", "auto"),
             ("interleaved", "none", "none", "normal", None),

@@ -2,13 +2,14 @@
 ran faster on this group for prompts of this shape.
 
 The cost model picks between the two (`commfuse.infer.predict.prefill_choice`), but on the
-CPU testbed it times the fused ops 10-30 % too fast and the interleaved prefill within 10 %
-(docs/benchmarks/2026-12-02-inference.md), so its pick lost by 4-13 %. `PlanTuner` measures
-instead, on the prompts themselves: per shape bucket (the prompt length rounded up to a power
-of two, and the batch size), the first prefill runs the model's pick untimed (warm-up), the
-next one each plan once, timed, and every later one the faster. A plan's time is the slowest
-rank's (exchanged after each timed prefill), so every rank decides alike. No extra prefill
-runs: exploring costs at most one prefill on the slower plan per bucket.
+CPU testbed it times the fused ops 7-30 % too fast and the interleaved prefill 2-10 % too
+fast (docs/benchmarks/2026-12-02-inference.md), so its pick lost by 4-13 %. `PlanTuner`
+measures instead, on the prompts themselves. Per shape bucket (the prompt length rounded up
+to a power of two, and the batch size), the first prefill runs the model's pick untimed
+(warm-up), the next two each plan once, timed, and every later one the faster. A plan's
+time is the slowest rank's (exchanged after each timed prefill), so every rank decides
+alike. No extra prefill runs: exploring costs at most one prefill on the slower plan per
+bucket.
 """
 
 from __future__ import annotations
