@@ -276,7 +276,7 @@ def test_interleaved_prefill_prediction():
 def test_plan_tuner():
     """Warm-up first (the model's pick, untimed), then each plan once, timed, then the
     faster for good; one plan: never timed; buckets by power of two and batch."""
-    from commfuse.infer.tune import PlanTuner
+    from commfuse.infer.plans import PlanTuner
 
     t = PlanTuner()
     key = PlanTuner.bucket(1500, 2)
@@ -301,27 +301,29 @@ def _tuned_rank(rank, world):
     tokens; runs_chunks reports the winner."""
     import torch.distributed as dist
 
-    from commfuse.infer.tune import PlanTuner
+    from commfuse.infer.plans import PlanTuner
 
     m = model()
     ref = InferenceLlama(m)
     prompts = PROMPTS[2]
     want = generate(ref, prompts, NEW)
+    from commfuse.infer import interleave, plans
+
     tp = InferenceLlama(m, dist.group.WORLD, "auto", timeout=60)
     ran = []
-    real = InferenceLlama._prefill_interleaved
-    InferenceLlama._prefill_interleaved = lambda *a, **k: ran.append(len(ran)) or real(*a, **k)
+    real = interleave.prefill
+    interleave.prefill = lambda *a, **k: ran.append(len(ran)) or real(*a, **k)
     try:
         same = []
         for _ in range(5):
             before = len(ran)
             same.append((generate(tp, prompts, NEW) == want, len(ran) > before))
     finally:
-        InferenceLlama._prefill_interleaved = real
+        interleave.prefill = real
     S, w = len(prompts[0]), m.tok_emb.weight
     key = PlanTuner.bucket(S, 1)
-    return (same, dict(tp.tuner.buckets[key]["times"]), tp._auto_plans(S, 1, w),
-            tp.runs_chunks("auto", S, 1, w))
+    return (same, dict(tp.tuner.buckets[key]["times"]), plans.auto_plans(tp, S, 1, w),
+            plans.runs_chunks(tp, "auto", S, 1, w))
 
 
 def test_auto_prefill_plan_is_measured():
@@ -455,6 +457,7 @@ def _auto_query_split_rank(rank, world):
     prompt set."""
     import torch.distributed as dist
 
+    from commfuse.infer import interleave
     from commfuse.infer import model as infer_model
     from commfuse.infer.predict import prefill_choice
     from commfuse.ops import auto
@@ -464,11 +467,9 @@ def _auto_query_split_rank(rank, world):
     m = model()
     ref = InferenceLlama(m)
     ran, chunked = [], []
-    real, real_chunked = (infer_model.query_split_attention,
-                          InferenceLlama._prefill_interleaved)
+    real, real_chunked = infer_model.query_split_attention, interleave.prefill
     infer_model.query_split_attention = lambda *a, **k: ran.append(True) or real(*a, **k)
-    InferenceLlama._prefill_interleaved = (lambda *a, **k: chunked.append(a[-1])
-                                           or real_chunked(*a, **k))
+    interleave.prefill = lambda *a, **k: chunked.append(a[-1]) or real_chunked(*a, **k)
     out = []
     try:
         for forced in (1, None):
@@ -485,7 +486,7 @@ def _auto_query_split_rank(rank, world):
                             n, got == generate(ref, prompts, NEW)))
     finally:
         infer_model.query_split_attention = real
-        InferenceLlama._prefill_interleaved = real_chunked
+        interleave.prefill = real_chunked
     return out
 
 

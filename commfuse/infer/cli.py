@@ -39,14 +39,12 @@ from commfuse.runtime import modes
 
 METHODS = ("none", "sliced", "decompose", "commfuse", "auto")
 DECODE_METHODS = METHODS + ("allreduce",)
-# --bench rows: (label, prefill method, decode method, executor mode, prefill chunks);
-# "allreduce" prefills as none; "interleaved" prefills in chunks (None: --prefill-chunks, or
-# the model's best count, `commfuse.infer.predict.best_chunks`); "compute alone" is none
-# with every transfer skipped (commfuse.runtime.modes). auto's chunks ("auto") are
-# --prefill-chunks, or auto's own choice (measured, `commfuse.infer.tune`)
-BENCH = ([(m, m, m, "normal", 1) for m in METHODS if m != "auto"]
-         + [("auto", "auto", "auto", "normal", "auto"),
-            ("interleaved", "none", "none", "normal", None),
+# --bench rows: (label, prefill method, decode method, executor mode, prefill chunks: "auto"
+# --prefill-chunks or auto's own choice, `commfuse.infer.plans`; None --prefill-chunks or the
+# model's best count, `commfuse.infer.predict.best_chunks`); "allreduce" prefills as none;
+# "compute alone" is none with every transfer skipped (commfuse.runtime.modes)
+BENCH = ([(m, m, m, "normal", "auto" if m == "auto" else 1) for m in METHODS]
+         + [("interleaved", "none", "none", "normal", None),
             ("allreduce", "none", "allreduce", "normal", 1),
             ("compute alone", "none", "none", "compute_only", 1)])
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -75,9 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default: where the cost model predicts it faster under --method auto")
     p.add_argument("--prefill-chunks", type=_positive, default=None, metavar="N",
                    help="Prefill interleaved in N chunks of the prompt: each chunk's plain "
-                        "all-gathers and reduce-scatters move while the next chunk computes "
-                        "(1: the fused ops; default: the cost model's choice under --method "
-                        "auto, else 1)")
+                        "collectives (on 2 ranks two all-reduces per block) move while the "
+                        "next chunk computes (1: the fused ops; default: under --method auto "
+                        "the faster of the fused-op and interleaved prefill, timed on the "
+                        "first prompts of each length, else 1)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR",
                      help="A commfuse train --checkpoint-dir (its latest) or step directory")
@@ -207,8 +206,7 @@ def build(args, rank: int, world: int, max_len: int):
 
 
 def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
+    if (n := int(text)) < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
 
@@ -268,16 +266,17 @@ def _predict(model, world: int, method: str, decode: str, S: int, context: int,
     hardware model ``auto`` uses (`commfuse.ops.auto.set_hardware`; cpu-testbed on CPU), and
     the decode method that ran ("decode_ran": decode "auto" runs allreduce's step or the
     fused ops', `commfuse.infer.predict.decode_choice`), whose step the prediction times."""
+    from commfuse.infer import plans
     from commfuse.infer.predict import decode_s, interleaved_prefill_s, prefill_s
     from commfuse.ops.auto import _hardware
 
     w = model.tok_emb.weight
     hw, nbytes = _hardware(w.device.type), w.element_size()
-    decode = model._decode_method(batch, w, decode)  # the step that ran ("auto" resolved)
+    decode = plans.decode_method(model, batch, w, decode)  # the step that ran (auto resolved)
     if method == "compute alone":
         return {"sim_prefill_ms": float("nan"), "sim_decode_tokens_per_s": float("nan"),
                 "decode_ran": decode}
-    chunks = min(model.runs_chunks(method, S, batch, w), S)
+    chunks = min(plans.runs_chunks(model, method, S, batch, w), S)
     if chunks > 1:
         prefill = interleaved_prefill_s(model.cfg, world, S, chunks, hw, nbytes, batch)
     else:
@@ -292,20 +291,18 @@ def _predict(model, world: int, method: str, decode: str, S: int, context: int,
 def _bench(model, prompts, args, how: Sampling, rank: int, world: int, hardware: dict) -> int:
     """Every method, interleaved, after a warm-up; rank 0 prints a table (and --json, with
     ``hardware``: the cost model's)."""
+    from commfuse.infer.predict import best_chunks
+    from commfuse.ops.auto import _hardware
+
     torch.set_flush_denormal(True)  # compute_only buffers hold garbage; keep it off slow paths
     rows = []
     chosen = model.prefill_chunks  # --prefill-chunks, or None
 
-    def chunks(row_chunks, S: int, batch: int):  # the row's prefill chunks (see BENCH)
-        if row_chunks == "auto":
+    def chunks(row, S: int, batch: int):  # the row's prefill chunks (see BENCH)
+        if row == "auto" or (row is None and (chosen or 1) > 1):
             return chosen
-        if row_chunks is not None:
-            return row_chunks
-        if chosen and chosen > 1:
-            return chosen
-        from commfuse.infer.predict import best_chunks
-        from commfuse.ops.auto import _hardware
-
+        if row is not None:
+            return row
         w = model.tok_emb.weight
         return best_chunks(model.cfg, world, S, batch, _hardware(w.device.type),
                            w.element_size())[0]

@@ -13,17 +13,10 @@ weights and the same per-block code:
                   inside the reduce-scatter ring), k and v written to the cache
                   [GEMM -> RS] out-proj, summed over the group, my rows back
                   [AG -> GEMM] gate|up, SwiGLU, [GEMM -> RS] down
-              Or interleaved (``prefill_chunks`` n > 1): the prompt cut into n chunks of
-              positions, each sequence-parallel on its own (on 2 ranks replicated: every
-              rank all of the chunk's rows, an all-reduce after the out-proj and down, the
-              same bytes in half the collectives; `_chunk`), run as n coroutines that yield
-              at every collective (plain all-gather / reduce-scatter, posted async): while
-              one chunk's collective moves, the next chunk computes, so the transfers hide
-              behind all of a block's compute (attention and the memory-bound kernels
-              too), not only the GEMM beside them. Chunk c attends to the cache's keys of
-              chunks <= c (the diagonal block causal, merged with the prefix block by their
-              log-sum-exp, `commfuse.ops.attn_blocks.run_forward`); the chunks run in order
-              within each step, so chunk c's keys are in the cache before chunk c+1 reads.
+              Or interleaved (``prefill_chunks`` n > 1): the prompt in n chunks, one
+              chunk's collectives moving while the next computes
+              (`commfuse.infer.interleave`); under "auto" the faster, measured
+              (`commfuse.infer.plans`).
     decode    one new token per sequence: the B tokens are the rows the fused ops split
               (`even_sizes(B, T)`, a rank may have none), each attends to its own sequence's
               cache up to its position. Or (decode method "allreduce") every rank holds all B
@@ -48,16 +41,13 @@ h / g this rank's query / kv heads, K head dim, f = F/T, V vocab.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from commfuse.errors import CommFuseError
-from commfuse.infer.tune import PlanTuner
+from commfuse.infer import plans
 from commfuse.models.llama import Llama, rope_cos_sin
-from commfuse.ops import attn_blocks
 from commfuse.ops.attention import query_split_attention
 from commfuse.ops.auto import choose_query_split
 from commfuse.ops.binding import even_sizes
@@ -65,7 +55,6 @@ from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scat
 from commfuse.parallel.layout import SeqLayout
 
 TAG = 7101  # P2P tag of decode's all-reduce (method "allreduce")
-CHUNK_TAG = 7200  # interleaved prefill: chunk c's collectives use tag CHUNK_TAG + c
 
 
 class KVCache:
@@ -121,12 +110,9 @@ class InferenceLlama(nn.Module):
     under method "auto" where the cost model predicts it faster for the prompt's shape
     (`commfuse.ops.auto.choose_query_split` on the forward alone, CPU only, as in training),
     else not.
-    ``prefill_chunks``: n > 1 prefills interleaved in n chunks (see the module's doc; the
-    fused ops' method and ``query_split`` do not apply to it); 1: never; None (default): under
-    method "auto" the faster of the fused-op prefill and the interleaved one (at the cost
-    model's best count), measured on the first prompts of each shape (``tune``,
-    `commfuse.infer.tune.PlanTuner`), or with ``tune=False`` the cost model's pick
-    (`commfuse.infer.predict.prefill_choice`); else 1.
+    ``prefill_chunks``: n > 1 prefills interleaved in n chunks (the fused ops' method and
+    ``query_split`` do not apply); 1: never; None: under "auto" the faster of the two, timed
+    on the first prompts of each shape (`commfuse.infer.plans`; ``tune=False``: the model's).
     """
 
     def __init__(self, model: Llama, group=None, method: str = "auto",
@@ -145,13 +131,8 @@ class InferenceLlama(nn.Module):
         self.kv_heads = cfg.n_kv_heads // T
         self.method, self.decode_method, self.opts = method, decode_method or method, dict(opts)
         self.query_split = query_split
-        if prefill_chunks is not None and (isinstance(prefill_chunks, bool) or
-                                           not isinstance(prefill_chunks, int) or
-                                           prefill_chunks < 1):
-            raise ValueError(f"prefill_chunks must be a positive int or None, got "
-                             f"{prefill_chunks!r}")
-        self.prefill_chunks = prefill_chunks
-        self.tuner = PlanTuner() if tune else None
+        self.prefill_chunks = plans.checked_chunks(prefill_chunks)
+        self.tuner = plans.PlanTuner() if tune else None
         self.blocks = nn.ModuleList(_Block(layer, r, T) for layer in model.layers)
         self.tok_emb, self.norm, self.output = model.tok_emb, model.norm, model.output
         cos, sin = rope_cos_sin(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta,
@@ -219,27 +200,7 @@ class InferenceLlama(nn.Module):
                 (lengths_B >= 1) & (lengths_B <= S)).all():
             raise ValueError(f"prompts [{B}, {S}] with lengths {lengths_B.tolist()} do not fit "
                              f"a cache of {cache.max_len} positions")
-        w = self.tok_emb.weight
-        plans = self._auto_plans(S, B, w)
-        if plans is None:  # no choice to measure
-            chunks, timed = min(self.runs_chunks(self.method, S, B, w), S), False
-        else:
-            key = PlanTuner.bucket(S, B)
-            plan, timed = self.tuner.next(key, [label for label, _ in plans])
-            chunks = dict(plans)[plan]
-        if timed:
-            if w.device.type == "cuda":
-                torch.cuda.synchronize(w.device)
-            t0 = time.perf_counter()
-        if chunks > 1:
-            logits = self._prefill_interleaved(tokens_BS, lengths_B, cache, chunks)
-        else:
-            logits = self._prefill_fused(tokens_BS, lengths_B, cache)
-        if timed:
-            if w.device.type == "cuda":
-                torch.cuda.synchronize(w.device)
-            self.tuner.record(key, plan, self._slowest(time.perf_counter() - t0))
-        return logits
+        return plans.run_prefill(self, tokens_BS, lengths_B, cache)
 
     def _prefill_fused(self, tokens_BS, lengths_B, cache: KVCache):
         """`prefill` on the fused ops (sequence-parallel, query-split where it runs)."""
@@ -296,123 +257,6 @@ class InferenceLlama(nn.Module):
         idx = ((last_B >= 0) & (last_B < x_BsD.shape[1])).nonzero().flatten()
         h_BD[idx] = x_BsD[idx, last_B[idx]]
 
-    def _prefill_interleaved(self, tokens_BS, lengths_B, cache: KVCache, chunks: int):
-        """`prefill` in ``chunks`` chunks of positions, interleaved at every collective (the
-        module's doc): each chunk a coroutine (`_chunk`) that yields a collective and is sent
-        its result; this loop posts each as it is yielded and resumes the chunks in order,
-        each after waiting for its own, so chunk c's transfer moves while the others
-        compute. On 2 ranks the chunks run replicated (`_chunk`)."""
-        from commfuse.runtime import modes
-
-        B, S = tokens_BS.shape
-        T, r = self.world, self.rank
-        replicated = T == 2
-        bounds = [0]
-        for n in even_sizes(S, chunks):
-            bounds.append(bounds[-1] + n)
-        device = tokens_BS.device
-        transport = None
-        if self.group is not None:
-            timeout = self.opts.get("timeout")
-            transport = modes.transport_class(device)(self.group, device, timeout)
-        coros = [self._chunk(tokens_BS, cache, a, b, replicated)
-                 for a, b in zip(bounds, bounds[1:])]
-        posted: list = [None] * chunks
-        outs: list = [None] * chunks
-
-        def advance(c: int, result) -> None:
-            try:
-                kind, inp, sizes = coros[c].send(result)
-            except StopIteration as done:
-                outs[c], posted[c] = done.value, None
-                return
-            inp = inp.contiguous()
-            if transport is None:  # one process: the collective of one rank is the identity
-                posted[c] = (None, inp, kind)
-                return
-            if kind == "all_reduce":  # every rank's partial to every rank, summed on wait
-                sizes, gather = [inp.shape[0]] * T, "all_gather"
-            else:
-                gather = kind
-            rows = sum(sizes) if gather == "all_gather" else sizes[r]
-            out = inp.new_empty((rows, *inp.shape[1:]))
-            work = transport.launch(gather, out, inp, CHUNK_TAG + c, sizes=sizes)
-            posted[c] = (work, out, kind)
-
-        for c in range(chunks):
-            advance(c, None)
-        while any(p is not None for p in posted):
-            for c in range(chunks):
-                if posted[c] is None:
-                    continue
-                work, out, kind = posted[c]
-                if work is not None:
-                    try:
-                        transport.wait(work)
-                    except Exception as e:
-                        raise CommFuseError(
-                            f"interleaved prefill, rank {r} of {T}: chunk {c}'s "
-                            f"{kind.replace('_', '-')} did not complete: {e}") from e
-                    if kind == "all_reduce":  # in rank order: the same bits on every rank,
-                        parts = out.chunk(T)  # and those of the reduce-scatter's sum
-                        out = parts[0].clone()
-                        for part in parts[1:]:
-                            out += part
-                advance(c, out)
-        cache.lengths_B.copy_(lengths_B)
-        h_BD = outs[0].new_zeros(B, self.cfg.dim)
-        for c, (a, b) in enumerate(zip(bounds, bounds[1:])):  # my rows of each chunk
-            start = a if replicated else a + sum(even_sizes(b - a, T)[:r])
-            self._take_last(h_BD, outs[c].transpose(0, 1), lengths_B - 1 - start)
-        if replicated:  # every rank holds every row: bitwise the same logits already
-            return self.output(self.norm(h_BD))
-        return self._logits(h_BD)
-
-    def _chunk(self, tokens_BS: torch.Tensor, cache: KVCache, c0: int, c1: int,
-               replicated: bool = False):
-        """Positions c0..c1 of every prompt through the blocks, as a coroutine: it yields each
-        collective as ``(kind, tensor, sizes)``, is sent back the result, and returns its rows
-        after the last block, rows first ([s, B, D]: the dim the collectives split).
-
-        Sequence-parallel (``replicated`` False): this rank holds ``even_sizes(c1 - c0,
-        T)[rank]`` rows of the chunk; each block all-gathers them before q|k|v and gate|up
-        ([n, B, D] back) and reduce-scatters the out-projection's and down's partial sums (my
-        s rows back). Replicated: every rank holds all n rows, q|k|v and gate|up are local
-        GEMMs, and the two partial sums are all-reduced ([n, B, D] back, summed in rank
-        order: the reduce-scatter's sums, so the same bits as sequence-parallel). Per block
-        that is two collectives instead of four, each followed by compute (the all-gather
-        after a reduce-scatter waits for it with no compute between), for the same bytes on
-        2 ranks ((T-1) n D each way per all-reduce, against 2 (T-1) / T n D for a
-        reduce-scatter and an all-gather), at the cost of the norms and residual adds over
-        all n rows."""
-        B, T = tokens_BS.shape[0], self.world
-        n, sizes = c1 - c0, even_sizes(c1 - c0, self.world)
-        a, s = (c0, n) if replicated else (c0 + sum(sizes[:self.rank]), sizes[self.rank])
-        # rows first and contiguous: a strided [s, B, D] @ W would run as a batched GEMM
-        x_sBD = self.tok_emb(tokens_BS[:, a:a + s].t())
-        cos, sin = self.cos_LK[None, c0:c1], self.sin_LK[None, c0:c1]
-        heads = lambda t_nBX: self._heads(t_nBX.transpose(0, 1), B, n)  # [B, n, heads, K]
-        reduce = "all_reduce" if replicated else "reduce_scatter"
-        for i, blk in enumerate(self.blocks):
-            g_nBD = blk.attn_norm(x_sBD)
-            if not replicated:
-                g_nBD = yield "all_gather", g_nBD, sizes
-            q, k, v = (heads(g_nBD @ w.t()) for w in (blk.wq, blk.wk, blk.wv))
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            cache.k[i][:, :, c0:c1] = k.transpose(1, 2)
-            cache.v[i][:, :, c0:c1] = v.transpose(1, 2)
-            k_BHLK, v_BHLK = self._expand(cache.k[i][:, :, :c1], cache.v[i][:, :, :c1],
-                                          q.size(2), 1)
-            o_BHnK = attn_blocks.run_forward(q.transpose(1, 2), k_BHLK, v_BHLK, c0, True)[0]
-            p_nBD = o_BHnK.permute(2, 0, 1, 3).reshape(n, B, -1) @ blk.wo.t()
-            x_sBD = x_sBD + (yield reduce, p_nBD, sizes)
-            g_nBD = blk.mlp_norm(x_sBD)
-            if not replicated:
-                g_nBD = yield "all_gather", g_nBD, sizes
-            h_nBf = F.silu(g_nBD @ blk.w_gate.t()) * (g_nBD @ blk.w_up.t())
-            x_sBD = x_sBD + (yield reduce, h_nBf @ blk.w_down.t(), sizes)
-        return x_sBD
-
     @torch.no_grad()
     def decode(self, tokens_B: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Append one token per sequence at its position ``cache.lengths_B``; the logits [B, V]
@@ -421,7 +265,7 @@ class InferenceLlama(nn.Module):
         pos_B = cache.lengths_B
         if int(pos_B.max()) >= cache.max_len:
             raise ValueError(f"the cache is full ({cache.max_len} positions)")
-        method = self._decode_method(B, tokens_B)
+        method = plans.decode_method(self, B, tokens_B)
         if method == "allreduce":  # every rank all B rows: local GEMMs, all-reduced partials
             sizes, off = (B,), 0
             col = lambda x, ws: [x @ w.t() for w in ws]
@@ -461,30 +305,36 @@ class InferenceLlama(nn.Module):
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group in one round: every rank's partial gathered point to point
-        (`commfuse.runtime.collectives`, "p2p": one exchange with each peer, where gloo's own
-        all-reduce took 3-4x longer for decode's few KiB here), then added in rank order, so
-        the sum is bitwise the same on every rank."""
-        from datetime import timedelta
-
-        from commfuse.errors import CommFuseError
-        from commfuse.runtime import collectives, modes
-        from commfuse.runtime.transport import group_timeout
+        (`_gather`; gloo's own all-reduce took 3-4x longer for decode's few KiB here), then
+        added in rank order, so the sum is bitwise the same on every rank."""
+        from commfuse.runtime import modes
 
         if self.group is None or modes.current() == "compute_only":
             return t
-        T = self.world
-        parts = t.new_empty((T, *t.shape))
+        parts = self._gather(t, TAG, "decode all-reduce")
+        out = parts[0].clone()
+        for p in range(1, self.world):
+            out += parts[p]
+        return out
+
+    def _gather(self, t: torch.Tensor, tag: int, what: str) -> torch.Tensor:
+        """Every rank's ``t``, [T, *t.shape], in one exchange with each peer
+        (`commfuse.runtime.collectives`, "p2p"), within the timeout; `CommFuseError` naming
+        ``what`` if a peer does not take part."""
+        from datetime import timedelta
+
+        from commfuse.runtime import collectives
+        from commfuse.runtime.transport import group_timeout
+
+        parts = t.new_empty((self.world, *t.shape))
         work = collectives.launch("all_gather", parts, t.unsqueeze(0).contiguous(), self.group,
-                                  TAG, "p2p")
+                                  tag, "p2p")
         try:
             work.wait(timedelta(seconds=self.opts.get("timeout") or
                                 group_timeout(self.group, t.device)))
         except Exception as e:
-            raise CommFuseError(f"decode all-reduce on rank {self.rank}: {e}") from e
-        out = parts[0].clone()
-        for p in range(1, T):
-            out += parts[p]
-        return out
+            raise CommFuseError(f"{what} on rank {self.rank}: {e}") from e
+        return parts
 
     def runs_query_split(self, method: str, seq: int, batch: int, like: torch.Tensor) -> bool:
         """Whether the prefill of ``batch`` prompts of ``seq`` tokens with ``method`` runs
@@ -497,82 +347,3 @@ class InferenceLlama(nn.Module):
         return method == "auto" and choose_query_split(
             seq, batch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim, self.world, like,
             backward=False)
-
-    def runs_chunks(self, method: str, seq: int, batch: int, like: torch.Tensor) -> int:
-        """The chunks the prefill of ``batch`` prompts of ``seq`` tokens with ``method`` runs
-        in (1: the fused ops): ``prefill_chunks``, or under "auto" the measured faster plan
-        of the shape's bucket once `PlanTuner` has timed both, else the cost model's."""
-        if self.group is None and self.prefill_chunks is None:
-            return 1
-        if self.prefill_chunks is not None:
-            return self.prefill_chunks
-        if method != "auto":
-            return 1
-        plans = self._auto_plans(seq, batch, like, method)
-        if plans is not None:
-            won = self.tuner.decided(PlanTuner.bucket(seq, batch), [p for p, _ in plans])
-            return dict(plans)[won if won is not None else plans[0][0]]
-        return self._model_chunks(seq, batch, like)
-
-    def _model_chunks(self, seq: int, batch: int, like: torch.Tensor) -> int:
-        """The cost model's chunk count under "auto" (`commfuse.infer.predict.prefill_choice`;
-        1: the fused ops, query-split where it predicts it faster)."""
-        from commfuse.infer.predict import prefill_choice
-        from commfuse.ops.auto import _hardware
-
-        qs = self.runs_query_split("auto", seq, batch, like)
-        return prefill_choice(self.cfg, self.world, seq, batch, _hardware(like.device.type),
-                              like.element_size(), qs)
-
-    def _auto_plans(self, seq: int, batch: int, like: torch.Tensor,
-                    method: str | None = None) -> list[tuple[str, int]] | None:
-        """The plans `PlanTuner` measures for this prefill, the model's pick first:
-        [("fused", 1), ("interleaved", n)] in some order, n the model's best count; None
-        where nothing is measured (not "auto", chunks given, tuning off, one rank, or a
-        prompt too short to cut)."""
-        method = self.method if method is None else method
-        if (method != "auto" or self.prefill_chunks is not None or self.tuner is None
-                or self.group is None):
-            return None
-        from commfuse.infer.predict import best_chunks
-        from commfuse.ops.auto import _hardware
-
-        n = best_chunks(self.cfg, self.world, seq, batch, _hardware(like.device.type),
-                        like.element_size())[0]
-        if n <= 1:
-            return None
-        plans = [("fused", 1), ("interleaved", n)]
-        return plans[::-1] if self._model_chunks(seq, batch, like) > 1 else plans
-
-    def _slowest(self, seconds: float) -> float:
-        """The largest of every rank's ``seconds`` (one small exchange)."""
-        from datetime import timedelta
-
-        from commfuse.runtime import collectives
-        from commfuse.runtime.transport import group_timeout
-
-        like = self.tok_emb.weight
-        mine = torch.tensor([seconds], dtype=torch.float64, device=like.device)
-        every = mine.new_empty(self.world)
-        work = collectives.launch("all_gather", every, mine, self.group, TAG + 1, "p2p")
-        try:
-            work.wait(timedelta(seconds=self.opts.get("timeout") or
-                                group_timeout(self.group, like.device)))
-        except Exception as e:
-            raise CommFuseError(f"prefill timing exchange on rank {self.rank}: {e}") from e
-        return float(every.max())
-
-    def _decode_method(self, B: int, like: torch.Tensor, method: str | None = None) -> str:
-        """Decode's method for B rows under ``method`` (default ``decode_method``): "allreduce"
-        or a fused-op method ("auto": the one the cost model predicts faster, the same on
-        every rank)."""
-        method = self.decode_method if method is None else method
-        if self.group is None or method not in ("auto", "allreduce"):
-            return method
-        if method == "allreduce":
-            return "allreduce"
-        from commfuse.infer.predict import decode_choice
-        from commfuse.ops.auto import _hardware
-
-        return decode_choice(self.cfg, self.world, B, _hardware(like.device.type),
-                             self.tok_emb.weight.element_size())

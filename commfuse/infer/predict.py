@@ -15,7 +15,7 @@ The interleaved prefill (`interleaved_prefill_s`, ``prefill_chunks`` n > 1) is t
 runs: each chunk's stages in order (per block all-gather, q|k|v + attention + out-proj,
 reduce-scatter, all-gather, gate|up + down, reduce-scatter; on 2 ranks q|k|v + attention +
 out-proj, all-reduce, gate|up + down, all-reduce), the chunks resumed in turn as
-`InferenceLlama._prefill_interleaved` does, on one compute lane and one link that carries
+`commfuse.infer.interleave.prefill` does, on one compute lane and one link that carries
 one collective at a time (gloo sends to a peer in order); compute runs at 1 / (1 +
 `Hardware.interference`) of its speed while the link is busy, and each collective's launch
 costs `Hardware.host_collective_s` of host time, as in the op simulator.
@@ -138,12 +138,16 @@ def best_chunks(cfg: LlamaConfig, tp: int, prompt_tokens: int, batch: int, hw,
                 dtype_bytes: float) -> tuple[int, float]:
     """(chunks, predicted s) of the fastest interleaved prefill among `CHUNK_CANDIDATES`
     whose chunks give every rank rows ((1, inf) if none does)."""
-    times = {n: interleaved_prefill_s(cfg, tp, prompt_tokens, n, hw, dtype_bytes, batch)
-             for n in CHUNK_CANDIDATES if tp > 1 and prompt_tokens // n >= tp}
-    if not times:
-        return 1, float("inf")
-    n = min(times, key=times.get)
-    return n, times[n]
+    key = (repr(cfg), tp, prompt_tokens, batch, repr(hw), dtype_bytes)
+    if key not in _BEST:
+        times = {n: interleaved_prefill_s(cfg, tp, prompt_tokens, n, hw, dtype_bytes, batch)
+                 for n in CHUNK_CANDIDATES if tp > 1 and prompt_tokens // n >= tp}
+        n = min(times, key=times.get) if times else 1
+        _BEST[key] = (n, times[n]) if times else (1, float("inf"))
+    return _BEST[key]
+
+
+_BEST: dict[tuple, tuple[int, float]] = {}
 
 
 _PREFILL: dict[tuple, int] = {}
