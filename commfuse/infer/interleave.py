@@ -96,6 +96,7 @@ def prefill(model, tokens_BS, lengths_B, cache, chunks: int):
         return model.output(model.norm(h_BD))
     return model._logits(h_BD)
 
+
 def _chunk(model, tokens_BS: torch.Tensor, cache, c0: int, c1: int, replicated: bool):
     """Positions c0..c1 of every prompt through the blocks, as a coroutine: it yields each
     collective as ``(kind, tensor, sizes)``, is sent back the result, and returns its rows
@@ -112,7 +113,7 @@ def _chunk(model, tokens_BS: torch.Tensor, cache, c0: int, c1: int, replicated: 
     2 ranks ((T-1) n D each way per all-reduce, against 2 (T-1) / T n D for a
     reduce-scatter and an all-gather), at the cost of the norms and residual adds over
     all n rows."""
-    B, T = tokens_BS.shape[0], model.world
+    B = tokens_BS.shape[0]
     n, sizes = c1 - c0, even_sizes(c1 - c0, model.world)
     a, s = (c0, n) if replicated else (c0 + sum(sizes[:model.rank]), sizes[model.rank])
     # rows first and contiguous: a strided [s, B, D] @ W would run as a batched GEMM
