@@ -29,21 +29,33 @@ from commfuse.runtime import modes
 TAG = 7200  # chunk c's collectives use tag TAG + c
 
 
+def chunk_bounds(seq: int, chunks: int) -> list[int]:
+    """The chunks' first positions and the end: ``chunks + 1`` numbers, 0 to ``seq``."""
+    bounds = [0]
+    for n in even_sizes(seq, chunks):
+        bounds.append(bounds[-1] + n)
+    return bounds
+
+
+def replicated(world: int) -> bool:
+    """Whether the chunks run replicated (all-reduces; `_chunk`): on 2 ranks, where an
+    all-reduce moves the bytes of a reduce-scatter and an all-gather."""
+    return world == 2
+
+
 def prefill(model, tokens_BS, lengths_B, cache, chunks: int):
     """``model``'s prefill (`InferenceLlama.prefill`) in ``chunks`` chunks of positions,
     interleaved at every collective (module doc); the logits."""
     B, S = tokens_BS.shape
     T, r = model.world, model.rank
-    replicated = T == 2
-    bounds = [0]
-    for n in even_sizes(S, chunks):
-        bounds.append(bounds[-1] + n)
+    rep = replicated(T)
+    bounds = chunk_bounds(S, chunks)
     device = tokens_BS.device
     transport = None
     if model.group is not None:
         timeout = model.opts.get("timeout")
         transport = modes.transport_class(device)(model.group, device, timeout)
-    coros = [_chunk(model, tokens_BS, cache, a, b, replicated)
+    coros = [_chunk(model, tokens_BS, cache, a, b, rep)
              for a, b in zip(bounds, bounds[1:])]
     posted: list = [None] * chunks
     outs: list = [None] * chunks
@@ -90,9 +102,9 @@ def prefill(model, tokens_BS, lengths_B, cache, chunks: int):
     cache.lengths_B.copy_(lengths_B)
     h_BD = outs[0].new_zeros(B, model.cfg.dim)
     for c, (a, b) in enumerate(zip(bounds, bounds[1:])):  # my rows of each chunk
-        start = a if replicated else a + sum(even_sizes(b - a, T)[:r])
+        start = a if rep else a + sum(even_sizes(b - a, T)[:r])
         model._take_last(h_BD, outs[c].transpose(0, 1), lengths_B - 1 - start)
-    if replicated:  # every rank holds every row: bitwise the same logits already
+    if rep:  # every rank holds every row: bitwise the same logits already
         return model.output(model.norm(h_BD))
     return model._logits(h_BD)
 

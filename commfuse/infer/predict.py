@@ -24,7 +24,6 @@ costs `Hardware.host_collective_s` of host time, as in the op simulator.
 from __future__ import annotations
 
 from commfuse.models.config import LlamaConfig
-from commfuse.ops.binding import even_sizes
 from commfuse.sim.attention import attention_s
 from commfuse.sim.model_ops import StepOp, block_ops
 from commfuse.sim.step import OpTimer
@@ -68,37 +67,38 @@ def interleaved_prefill_s(cfg: LlamaConfig, tp: int, prompt_tokens: int, chunks:
                           dtype_bytes: float = 4, batch: int = 1) -> float:
     """Predicted seconds of the prefill of ``batch`` prompts of ``prompt_tokens`` tokens
     interleaved in ``chunks`` chunks (module doc)."""
+    from commfuse.infer.interleave import chunk_bounds, replicated
+
     D, K, F, H = cfg.dim, cfg.head_dim, cfg.ffn_hidden, cfg.n_heads
     qkv = (H + 2 * cfg.n_kv_heads) * K // tp
-    bounds = [0]
-    for n in even_sizes(prompt_tokens, chunks):
-        bounds.append(bounds[-1] + n)
+    bounds, rep = chunk_bounds(prompt_tokens, chunks), replicated(tp)
     stages = []  # per chunk: compute, then (transfer, compute) per collective
     for a, b in zip(bounds, bounds[1:]):
         rows = batch * (b - a)
         half = _elementwise_s(cfg, rows / tp, hw, dtype_bytes) / cfg.n_layers / 2
-        if tp == 2:  # replicated: the norms and residual adds over all rows, not rows / T
+        if rep:  # the norms and residual adds over all rows, not rows / T
             half += mem_time(hw, block_width_bytes(cfg, dtype_bytes) * rows * (1 - 1 / tp)) / 2
         attn = hw.gemm_time(rows, D, qkv) + hw.gemm_time(rows, H * K // tp, D) + half + \
             attention_s(hw, range(a, b), batch * H / tp, K)
         mlp = hw.gemm_time(rows, D, 2 * F // tp) + hw.gemm_time(rows, F // tp, D) + half
-        if tp == 2:  # an all-reduce after out-proj and down: my partial to the peer
+        if rep:  # an all-reduce after out-proj and down: my partial to the peer
             move = hw.collective_time("all_gather", tp * rows * D * dtype_bytes, tp)
             block = (attn, move, mlp, move)
         else:  # all-gather, reduce-scatter of the chunk's rows, twice
             move = hw.collective_time("all_gather", rows * D * dtype_bytes, tp)
             block = (move, attn, move, 0.0, move, mlp, move, 0.0)
         # compute first and last, a transfer between each two
-        stages.append(list(block) * cfg.n_layers + [0.0] if tp == 2 else
+        stages.append(list(block) * cfg.n_layers + [0.0] if rep else
                       [0.0] + list(block) * cfg.n_layers)
     now = link = 0.0
     ready = [0.0] * chunks
     at = [0] * chunks  # the index of each chunk's next stage
     busy: list[list[float]] = []  # the link's busy intervals, in order (merged)
+    first = 0  # the first of them that ends after ``now`` (compute never starts before it)
     slow = 1.0 / (1.0 + hw.interference)  # compute's speed while a transfer runs
 
     def compute(t: float, work: float) -> float:  # when ``work`` started at t is done
-        for s, e in busy:
+        for s, e in busy[first:]:
             if e <= t:
                 continue
             if s > t:
@@ -111,8 +111,10 @@ def interleaved_prefill_s(cfg: LlamaConfig, tp: int, prompt_tokens: int, chunks:
         return t + work
 
     def run(c: int) -> None:  # compute the next stage, then post the transfer after it
-        nonlocal now, link
+        nonlocal now, link, first
         now = compute(max(now, ready[c]), stages[c][at[c]])
+        while first < len(busy) and busy[first][1] <= now:
+            first += 1
         if at[c] + 1 < len(stages[c]):
             now += hw.host_collective_s  # the launch's host time, as the op simulator's
             start = max(now, link)
