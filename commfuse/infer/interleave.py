@@ -70,13 +70,13 @@ def prefill(model, tokens_BS, lengths_B, cache, chunks: int):
         if transport is None:  # one process: the collective of one rank is the identity
             posted[c] = (None, inp, kind)
             return
-        if kind == "all_reduce":  # every rank's partial to every rank, summed on wait
-            sizes, gather = [inp.shape[0]] * T, "all_gather"
+        if kind == "all_reduce":  # in place: the sum in rank order, the same on every rank
+            out = inp
         else:
-            gather = kind
-        rows = sum(sizes) if gather == "all_gather" else sizes[r]
-        out = inp.new_empty((rows, *inp.shape[1:]))
-        work = transport.launch(gather, out, inp, TAG + c, sizes=sizes)
+            rows = sum(sizes) if kind == "all_gather" else sizes[r]
+            out = inp.new_empty((rows, *inp.shape[1:]))
+        work = transport.launch(kind, out, inp, TAG + c,
+                                sizes=None if kind == "all_reduce" else sizes)
         posted[c] = (work, out, kind)
 
     for c in range(chunks):
@@ -93,11 +93,6 @@ def prefill(model, tokens_BS, lengths_B, cache, chunks: int):
                     raise CommFuseError(
                         f"interleaved prefill, rank {r} of {T}: chunk {c}'s "
                         f"{kind.replace('_', '-')} did not complete: {e}") from e
-                if kind == "all_reduce":  # in rank order: the same bits on every rank,
-                    parts = out.chunk(T)  # and those of the reduce-scatter's sum
-                    out = parts[0].clone()
-                    for part in parts[1:]:
-                        out += part
             advance(c, out)
     cache.lengths_B.copy_(lengths_B)
     h_BD = outs[0].new_zeros(B, model.cfg.dim)
@@ -145,10 +140,10 @@ def _chunk(model, tokens_BS: torch.Tensor, cache, c0: int, c1: int, replicated: 
                                       q.size(2), 1)
         o_BHnK = attn_blocks.run_forward(q.transpose(1, 2), k_BHLK, v_BHLK, c0, True)[0]
         p_nBD = o_BHnK.permute(2, 0, 1, 3).reshape(n, B, -1) @ blk.wo.t()
-        x_sBD = x_sBD + (yield reduce, p_nBD, sizes)
+        x_sBD = (yield reduce, p_nBD, sizes).add_(x_sBD)  # y + x: the bits of x + y
         g_nBD = blk.mlp_norm(x_sBD)
         if not replicated:
             g_nBD = yield "all_gather", g_nBD, sizes
         h_nBf = F.silu(g_nBD @ blk.w_gate.t()) * (g_nBD @ blk.w_up.t())
-        x_sBD = x_sBD + (yield reduce, h_nBf @ blk.w_down.t(), sizes)
+        x_sBD = (yield reduce, h_nBf @ blk.w_down.t(), sizes).add_(x_sBD)
     return x_sBD

@@ -304,37 +304,38 @@ class InferenceLlama(nn.Module):
         return self._logits(h_BD)
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the group in one round: every rank's partial gathered point to point
-        (`_gather`; gloo's own all-reduce took 3-4x longer for decode's few KiB here), then
-        added in rank order, so the sum is bitwise the same on every rank."""
+        """Sum ``t`` over the group in one round, in place: every rank's partial sent point to
+        point (gloo's own all-reduce took 3-4x longer for decode's few KiB here) and added in
+        rank order, so the sum is bitwise the same on every rank."""
         from commfuse.runtime import modes
 
         if self.group is None or modes.current() == "compute_only":
             return t
-        parts = self._gather(t, TAG, "decode all-reduce")
-        out = parts[0].clone()
-        for p in range(1, self.world):
-            out += parts[p]
-        return out
+        t = t.contiguous()
+        self._exchange("all_reduce", t, t, TAG, "decode all-reduce")
+        return t
 
     def _gather(self, t: torch.Tensor, tag: int, what: str) -> torch.Tensor:
-        """Every rank's ``t``, [T, *t.shape], in one exchange with each peer
-        (`commfuse.runtime.collectives`, "p2p"), within the timeout; `CommFuseError` naming
-        ``what`` if a peer does not take part."""
+        """Every rank's ``t``, [T, *t.shape], in one exchange with each peer."""
+        parts = t.new_empty((self.world, *t.shape))
+        self._exchange("all_gather", parts, t.unsqueeze(0).contiguous(), tag, what)
+        return parts
+
+    def _exchange(self, kind: str, out: torch.Tensor, inp: torch.Tensor, tag: int,
+                  what: str) -> None:
+        """The collective ``kind`` point to point (`commfuse.runtime.collectives`, "p2p"), within
+        the timeout; `CommFuseError` naming ``what`` if a peer does not take part."""
         from datetime import timedelta
 
         from commfuse.runtime import collectives
         from commfuse.runtime.transport import group_timeout
 
-        parts = t.new_empty((self.world, *t.shape))
-        work = collectives.launch("all_gather", parts, t.unsqueeze(0).contiguous(), self.group,
-                                  tag, "p2p")
+        work = collectives.launch(kind, out, inp, self.group, tag, "p2p")
         try:
             work.wait(timedelta(seconds=self.opts.get("timeout") or
-                                group_timeout(self.group, t.device)))
+                                group_timeout(self.group, inp.device)))
         except Exception as e:
             raise CommFuseError(f"{what} on rank {self.rank}: {e}") from e
-        return parts
 
     def runs_query_split(self, method: str, seq: int, batch: int, like: torch.Tensor) -> bool:
         """Whether the prefill of ``batch`` prompts of ``seq`` tokens with ``method`` runs

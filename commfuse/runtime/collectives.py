@@ -1,9 +1,10 @@
 """The collectives behind ``none`` and ``sliced``: the backend's own, or the same bytes as P2P.
 
-``collective="backend"`` calls torch.distributed's all-gather / reduce-scatter / all-to-all.
-``collective="p2p"`` moves exactly the bytes a ring or pairwise schedule moves, as one batch
-of isend/irecv to every peer (the reduce-scatter sums the received chunks in rank order when
-waited). ``"auto"`` (the default) takes the backend's on CUDA (NCCL's are the best there) and
+``collective="backend"`` calls torch.distributed's all-gather / reduce-scatter / all-to-all /
+all-reduce. ``collective="p2p"`` moves exactly the bytes a ring or pairwise schedule moves, as
+one batch of isend/irecv to every peer (the reduce-scatter sums the received chunks in rank
+order when waited; the all-reduce sends the whole partial to every peer and sums all of them
+in rank order: one round, bitwise the same sum on every rank). ``"auto"`` (the default) takes the backend's on CUDA (NCCL's are the best there) and
 P2P elsewhere: on this project's CPU testbed (2 ranks, 4 MB each way, emulated 1 Gbit/s
 links) gloo's reduce-scatter took 80-119 ms where the same bytes exchanged point to point took
 60-69 ms (and 116 ms against 35-39 ms with the launcher's earlier, smaller tbf burst); its
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from commfuse.runtime import gloo
 
-KINDS = ("all_gather", "reduce_scatter", "all_to_all")
+KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 BACKEND = {  # torch.distributed's own, by kind (the *_single names where this torch has them)
     "all_gather": getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
     "reduce_scatter": getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
@@ -34,12 +35,19 @@ def launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, tag: int, pol
 
     Rows (dim 0) per rank may differ: ``sizes`` are the rows of each rank's part of the
     gathered side (all_gather's ``out``, reduce_scatter's ``inp``, all_to_all's ``out``) and
-    ``in_sizes`` those of all_to_all's ``inp``; None means equal parts.
+    ``in_sizes`` those of all_to_all's ``inp``; None means equal parts. all_reduce: ``out``
+    (``inp`` itself, or a tensor of its shape) gets the sum; no sizes.
     """
+    if kind not in KINDS:
+        raise ValueError(f"collective kind {kind!r}: one of {', '.join(KINDS)}")
     w = group.size()
     sizes = list(sizes) if sizes is not None else [_rows(out if kind != "reduce_scatter" else inp, w)] * w
     in_sizes = list(in_sizes) if in_sizes is not None else [_rows(inp, w)] * w
     if policy == "backend" or (policy == "auto" and out.device.type == "cuda"):
+        if kind == "all_reduce":
+            if out is not inp:
+                out.copy_(inp)
+            return dist.all_reduce(out, group=group, async_op=True)
         if kind == "all_to_all":
             return BACKEND[kind](out, inp, sizes, in_sizes, group=group, async_op=True)
         if len(set(sizes)) == 1:
@@ -96,6 +104,9 @@ class _P2PCollective:
             outs, ins = out.split(sizes), inp.split(in_sizes)
             outs[r].copy_(ins[r])
             sends, recvs = list(ins), list(outs)
+        elif kind == "all_reduce":  # my partial to everyone, theirs into buffers, summed later
+            sends = [inp] * w
+            recvs = [torch.empty_like(inp) if p != r else inp for p in range(w)]
         else:  # reduce_scatter: my partial of part p to rank p; theirs of mine, summed later
             ins = inp.split(sizes)
             sends = list(ins)
@@ -125,9 +136,22 @@ class _P2PCollective:
                     w.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             except Exception as e:
                 raise RuntimeError(f"{what}: {e}") from e
-        if self.kind == "reduce_scatter":
-            acc = self.parts[0].clone() if len(self.parts) > 1 else self.parts[0]
-            for part in self.parts[1:]:
-                acc.add_(part)  # rank order, own partial included: deterministic
-            self.out.copy_(acc)
+        if self.kind in ("reduce_scatter", "all_reduce"):
+            self._sum()
         return True
+
+    def _sum(self) -> None:
+        """``out`` = the parts' sum in rank order (own partial included: deterministic, and
+        the same bits on every rank), in one pass where there are two."""
+        parts, out = self.parts, self.out
+        if len(parts) == 1:
+            if out is not parts[0]:
+                out.copy_(parts[0])
+            return
+        if len(parts) == 2:  # out may be one of them: exact aliasing is fine for add
+            torch.add(parts[0], parts[1], out=out)
+            return
+        acc = parts[0].clone()
+        for part in parts[1:]:
+            acc.add_(part)
+        out.copy_(acc)
