@@ -261,6 +261,9 @@ def test_cli_generate_end_to_end(tmp_path):
     assert [r["method"] for r in rows] == ["none", "sliced", "decompose", "commfuse", "auto",
                                            "interleaved", "allreduce", "compute alone"]
     assert all(r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
+    assert all(len(r["prefill_ms_rounds"]) == 1 for r in rows)  # --iters 1
+    # auto's warm-up round: its first prefill, then each plan timed once (fused, interleaved)
+    assert len(rows[4]["warmup_prefill_ms"]) == 3 and rows[4]["prefill_chunks"] in (1, 2)
     # the simulator predicts every row but the bound (no prediction for compute alone)
     assert [r["sim_prefill_ms"] != r["sim_prefill_ms"] for r in rows] == [False] * 7 + [True]
     # 5 tokens on 2 ranks: 2 chunks is the only count that gives every rank rows

@@ -15,9 +15,10 @@ under torchrun / commfuse launch the RANK / WORLD_SIZE environment is used.
 --bench: generate again with every method (none, sliced, decompose, commfuse, auto; allreduce:
 prefill as none, decode replicated; interleaved: prefill in --prefill-chunks chunks, default
 the count the cost model predicts fastest, decode as none; compute alone: none moving no
-bytes), after a warm-up, the rows in turn, --iters times; per method and prompt length the median
-prefill latency, time to first token and decode tokens/s (per sequence), their ratio to none,
-and the simulator's prediction (commfuse.infer.predict, on auto's hardware model).
+bytes), after a warm-up (in which auto's prefill also tunes its plan to the end, each of
+those prefills listed), the rows in turn, --iters times; per method and prompt length the
+median prefill latency (--json: every round's too), time to first token and decode tokens/s
+(per sequence), their ratio to none, and the simulator's prediction (commfuse.infer.predict).
 """
 
 from __future__ import annotations
@@ -25,28 +26,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
+from commfuse.infer.bench import METHODS, bench
 from commfuse.infer.loop import Sampling, Timings, generate
 from commfuse.ops.auto import add_hardware_flag, use_hardware
-from commfuse.runtime import modes
 
-METHODS = ("none", "sliced", "decompose", "commfuse", "auto")
 DECODE_METHODS = METHODS + ("allreduce",)
-# --bench rows: (label, prefill method, decode method, executor mode, prefill chunks: "auto"
-# --prefill-chunks or auto's own choice, `commfuse.infer.plans`; None --prefill-chunks or the
-# model's best count, `commfuse.infer.predict.best_chunks`); "allreduce" prefills as none;
-# "compute alone" is none with every transfer skipped (commfuse.runtime.modes)
-BENCH = ([(m, m, m, "normal", "auto" if m == "auto" else 1) for m in METHODS]
-         + [("interleaved", "none", "none", "normal", None),
-            ("allreduce", "none", "allreduce", "normal", 1),
-            ("compute alone", "none", "none", "compute_only", 1)])
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -229,8 +219,8 @@ def rank_main(rank: int, world: int, args) -> int:
     else:
         prompts = [[tok.encode(t).ids or [0] for t in args.prompt]]
     if args.bench:
-        return _bench(model, prompts, args, how, rank, world,
-                      {"hardware": line, "gemm_flops": hw.gemm_flops})
+        return bench(model, prompts, args, how, rank, world,
+                     {"hardware": line, "gemm_flops": hw.gemm_flops})
     show = rank == 0
     batch = prompts[0]
     if show and len(batch) == 1:
@@ -257,94 +247,4 @@ def rank_main(rank: int, world: int, args) -> int:
         print(f"commfuse generate: tp={world} method={args.method}; prefill "
               f"{timings.prefill_s * 1e3:.1f} ms, first token {timings.first_token_s * 1e3:.1f} "
               f"ms, decode {timings.decode_tokens_per_s:.1f} tokens/s", file=sys.stderr)
-    return 0
-
-
-def _predict(model, world: int, method: str, decode: str, S: int, context: int,
-             batch: int) -> dict:
-    """The simulator's prefill ms and decode tokens/s (`commfuse.infer.predict`) on the
-    hardware model ``auto`` uses (`commfuse.ops.auto.set_hardware`; cpu-testbed on CPU), and
-    the decode method that ran ("decode_ran": decode "auto" runs allreduce's step or the
-    fused ops', `commfuse.infer.predict.decode_choice`), whose step the prediction times."""
-    from commfuse.infer import plans
-    from commfuse.infer.predict import decode_s, interleaved_prefill_s, prefill_s
-    from commfuse.ops.auto import _hardware
-
-    w = model.tok_emb.weight
-    hw, nbytes = _hardware(w.device.type), w.element_size()
-    decode = plans.decode_method(model, batch, w, decode)  # the step that ran (auto resolved)
-    if method == "compute alone":
-        return {"sim_prefill_ms": float("nan"), "sim_decode_tokens_per_s": float("nan"),
-                "decode_ran": decode}
-    chunks = min(plans.runs_chunks(model, method, S, batch, w), S)
-    if chunks > 1:
-        prefill = interleaved_prefill_s(model.cfg, world, S, chunks, hw, nbytes, batch)
-    else:
-        prefill = prefill_s(model.cfg, world, method, S, hw, nbytes, batch=batch,
-                            query_split=model.runs_query_split(method, S, batch, w))
-    return {"decode_ran": decode, "prefill_chunks": chunks,
-            "sim_prefill_ms": prefill * 1e3,
-            "sim_decode_tokens_per_s":
-                1 / decode_s(model.cfg, world, decode, batch, context, hw, nbytes)}
-
-
-def _bench(model, prompts, args, how: Sampling, rank: int, world: int, hardware: dict) -> int:
-    """Every method, interleaved, after a warm-up; rank 0 prints a table (and --json, with
-    ``hardware``: the cost model's)."""
-    from commfuse.infer.predict import best_chunks
-    from commfuse.ops.auto import _hardware
-
-    torch.set_flush_denormal(True)  # compute_only buffers hold garbage; keep it off slow paths
-    rows = []
-    chosen = model.prefill_chunks  # --prefill-chunks, or None
-
-    def chunks(row, S: int, batch: int):  # the row's prefill chunks (see BENCH)
-        if row == "auto" or (row is None and (chosen or 1) > 1):
-            return chosen
-        if row is not None:
-            return row
-        w = model.tok_emb.weight
-        return best_chunks(model.cfg, world, S, batch, _hardware(w.device.type),
-                           w.element_size())[0]
-
-    for batch in prompts:
-        S = max(len(p) for p in batch)
-        times: dict[str, list[Timings]] = {v[0]: [] for v in BENCH}
-        for it in range(args.iters + 1):  # round 0 warms up (and makes auto's choices)
-            for label, prefill, decode, how_run, n in BENCH:
-                model.method, model.decode_method = prefill, decode
-                model.prefill_chunks = chunks(n, S, len(batch))
-                t = Timings()
-                with modes.mode(how_run):
-                    generate(model, batch, args.max_new_tokens, how, None, t)
-                if it:
-                    times[label].append(t)
-        med = {m: {"prefill_ms": statistics.median(t.prefill_s for t in ts) * 1e3,
-                   "first_token_ms": statistics.median(t.first_token_s for t in ts) * 1e3,
-                   "decode_tokens_per_s": statistics.median(t.decode_tokens_per_s for t in ts)}
-               for m, ts in times.items()}
-        for label, prefill, decode, how_run, n in BENCH:
-            model.method, model.prefill_chunks = prefill, chunks(n, S, len(batch))
-            sim = _predict(model, world, label if how_run == "compute_only" else prefill,
-                           decode, S, S + args.max_new_tokens // 2, len(batch))
-            rows.append({"prompt_tokens": S, "method": label, **med[label], **sim,
-                         "prefill_vs_none": med[label]["prefill_ms"] / med["none"]["prefill_ms"],
-                         "decode_vs_none": med[label]["decode_tokens_per_s"]
-                         / med["none"]["decode_tokens_per_s"]})
-    if rank == 0:
-        link = os.environ.get("COMMFUSE_LINK", "loopback" if world > 1 else "none")
-        print(f"commfuse generate --bench: {model.cfg.n_layers} layers, dim {model.cfg.dim}, "
-              f"tp={world}, link {link}, {args.max_new_tokens} new tokens, median of "
-              f"{args.iters} rounds", flush=True)
-        print(f"{'tokens':>7} {'method':<13} {'prefill ms':>10} {'x none':>7} {'sim ms':>8} "
-              f"{'TTFT ms':>9} {'decode tok/s':>12} {'x none':>7} {'sim tok/s':>9}")
-        for r in rows:
-            print(f"{r['prompt_tokens']:>7} {r['method']:<13} {r['prefill_ms']:>10.1f} "
-                  f"{r['prefill_vs_none']:>7.3f} {r['sim_prefill_ms']:>8.1f} "
-                  f"{r['first_token_ms']:>9.1f} {r['decode_tokens_per_s']:>12.1f} "
-                  f"{r['decode_vs_none']:>7.3f} {r['sim_decode_tokens_per_s']:>9.1f}", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"argv": getattr(args, "argv", None), "world": world, "link": link,
-                           **hardware, "rows": rows}, f, indent=1)
     return 0

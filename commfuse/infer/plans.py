@@ -66,6 +66,14 @@ class PlanTuner:
         return min(plans, key=lambda p: times[p])
 
 
+def tuning(model, seq: int, batch: int) -> bool:
+    """Whether `PlanTuner` still explores the plans of this prefill shape under "auto"."""
+    like = model.tok_emb.weight
+    found = auto_plans(model, seq, batch, like)
+    return found is not None and model.tuner.decided(
+        PlanTuner.bucket(seq, batch), [p for p, _ in found]) is None
+
+
 def checked_chunks(n):
     """``prefill_chunks`` as given (None or a positive int), else ValueError."""
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
