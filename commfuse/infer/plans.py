@@ -4,9 +4,9 @@ Prefill: the fused ops (`InferenceLlama._prefill_fused`, query-split where the c
 predicts it faster) or the interleaved prefill (`commfuse.infer.interleave`). Under "auto"
 the choice is measured (`PlanTuner`, `run_prefill`). The cost model picks between the two
 (`commfuse.infer.predict.prefill_choice`), but on the CPU testbed it times the fused ops
-7-30 % too fast and the interleaved prefill 2-10 % too fast
-(docs/benchmarks/2026-12-02-inference.md), so its pick lost by 4-13 %. So the prompts
-themselves are timed. Per shape bucket (the prompt length rounded up to a power of two, and
+2-15 % too fast and the interleaved prefill up to 10 % too slow, so it picks the fused ops,
+which measured 10-31 % slower (docs/benchmarks/2026-12-02-inference.md, runs 8-11). So the
+prompts themselves are timed. Per shape bucket (the prompt length rounded up to a power of two, and
 the batch size):
 
 - the first prefill runs the model's pick, untimed (warm-up);
