@@ -6,8 +6,8 @@ the choice is measured (`PlanTuner`, `run_prefill`). The cost model picks betwee
 (`commfuse.infer.predict.prefill_choice`), but on the CPU testbed it times the fused ops at
 0.85-1.04 of measured and the interleaved prefill at 0.99-1.10, so it picks the fused ops,
 which measured 10-31 % slower (docs/benchmarks/2026-12-02-inference.md, runs 8-11). So the
-prompts themselves are timed. Per shape bucket (the prompt length rounded up to a power of two, and
-the batch size):
+prompts themselves are timed. Per shape bucket (the prompt length rounded up to a power of
+two, and the batch size):
 
 - the first prefill runs the model's pick, untimed (warm-up);
 - the next two run each plan once, timed;
