@@ -1,7 +1,7 @@
 """Inference: KV-cached prefill and decode of the Llama, tensor-parallel over heads with the
 fused ops (`commfuse.infer.model`), sampling and generation (`commfuse.infer.loop`),
-checkpoints of ``commfuse train`` read back whole (`commfuse.infer.load`), and the
-``commfuse generate`` command (`commfuse.infer.cli`)."""
+checkpoints of ``commfuse train`` and transformers Llamas read back whole
+(`commfuse.infer.load`), and the ``commfuse generate`` command (`commfuse.infer.cli`)."""
 
 from __future__ import annotations
 
@@ -10,5 +10,5 @@ from commfuse import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "commfuse.infer.model": ("InferenceLlama", "KVCache"),
     "commfuse.infer.loop": ("Sampling", "Timings", "generate", "pad_prompts", "sample"),
-    "commfuse.infer.load": ("load_llama",),
+    "commfuse.infer.load": ("load_hf", "load_llama"),
 })

@@ -1,8 +1,8 @@
 """``commfuse generate``: text from a Llama, tensor-parallel over --tp ranks with the fused ops.
 
 The model comes from a checkpoint of ``commfuse train --checkpoint-dir DIR`` (any TP/UP/DP
-layout: it is read back whole and cut again for --tp) or is a fresh one (--random-init,
---preset, --seed). The prompt is prefilled sequence-parallel (each rank embeds and keeps its
+layout: it is read back whole and cut again for --tp), from a transformers Llama saved with
+``save_pretrained`` (--hf-model DIR), or is a fresh one (--random-init, --preset, --seed). The prompt is prefilled sequence-parallel (each rank embeds and keeps its
 slice of the prompt; the fused all-gather -> GEMM and GEMM -> reduce-scatter run every block),
 then one token per step is decoded with the same weights and a KV cache
 (`commfuse.infer.model`). Rank 0 streams the text as it comes. Several --prompt flags make a
@@ -70,12 +70,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR",
                      help="A commfuse train --checkpoint-dir (its latest) or step directory")
+    src.add_argument("--hf-model", metavar="DIR",
+                     help="A transformers Llama saved with save_pretrained (its tokenizer if "
+                          "DIR has one, else commfuse's; needs transformers)")
     src.add_argument("--random-init", action="store_true",
                      help="A freshly initialised model of --preset (seeded by --seed)")
     p.add_argument("--preset", default="tiny", help="With --random-init: the model (default: "
                    "tiny; see commfuse.models.config.PRESETS)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                   help="Weights and activations (default: the checkpoint's, else float32)")
+                   help="Weights and activations (default: the checkpoint's or the saved "
+                        "model's, else float32)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; otherwise sample from softmax(logits / T) (default: 0)")
     p.add_argument("--top-k", type=int, default=0, metavar="K",
@@ -111,6 +115,10 @@ def run(args) -> int:
     try:
         Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         _lengths(args)
+        if args.hf_model:
+            from commfuse.infer.load import check_hf
+
+            check_hf(args.hf_model, tokenize=True)
     except ValueError as e:
         print(f"commfuse generate: {e}", file=sys.stderr)
         return 2
@@ -177,13 +185,17 @@ def _lengths(args) -> list[int]:
 def build(args, rank: int, world: int, max_len: int):
     """The `InferenceLlama` of this rank and the tokenizer."""
     from commfuse.data import load_tokenizer
-    from commfuse.infer.load import load_llama
+    from commfuse.infer.load import hf_tokenizer, load_hf, load_llama
     from commfuse.infer.model import InferenceLlama
     from commfuse.models.llama import Llama, LlamaConfig
 
+    tok = None
     if args.checkpoint:
         model, meta = load_llama(args.checkpoint)
         dtype = DTYPES[args.dtype or meta.get("dtype", "float32")]
+    elif args.hf_model:
+        model = load_hf(args.hf_model, DTYPES[args.dtype] if args.dtype else None)
+        dtype, tok = model.tok_emb.weight.dtype, hf_tokenizer(args.hf_model)
     else:
         torch.manual_seed(args.seed)  # the same model on every rank
         model, dtype = Llama(LlamaConfig.preset(args.preset)), DTYPES[args.dtype or "float32"]
@@ -192,7 +204,7 @@ def build(args, rank: int, world: int, max_len: int):
     opts = {"timeout": args.timeout} if world > 1 else {}
     return InferenceLlama(model.to(dtype), group, args.method, args.query_split,
                           args.decode_method, prefill_chunks=args.prefill_chunks,
-                          **opts), load_tokenizer()
+                          **opts), tok or load_tokenizer()
 
 
 def _positive(text: str) -> int:

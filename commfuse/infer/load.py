@@ -1,4 +1,5 @@
-"""A whole `Llama` from a checkpoint of ``commfuse train``, whatever its TP / UP / DP layout.
+"""A whole `Llama` from a checkpoint of ``commfuse train``, whatever its TP / UP / DP layout
+(`load_llama`), or from a transformers Llama saved with ``save_pretrained`` (`load_hf`).
 
 `commfuse.parallel.checkpoint` stores every rank's shards under its own key (``rank<i>.model.
 ...``) with the layout in ``meta.json``; this reads them all in one process (no process group)
@@ -131,3 +132,75 @@ def _assemble(name: str, shards, tp: int, up: int, dp: int, seq: int,
         mine = [shards[d * seq + s][name] for d in range(dp)]
         parts.append(torch.cat(mine, 0) if dp_split else mine[0])
     return torch.cat(parts, seq_dim) if seq_dim is not None else parts[0]
+
+
+def check_hf(path: str | Path, tokenize: bool = False):
+    """The `LlamaConfig` of the transformers model saved in ``path``; ValueError, saying why,
+    if it cannot be read or `commfuse.models.llama.from_hf` does not model it (other
+    architectures, biases, other RoPE), or (``tokenize``) if it has no tokenizer of its own
+    and its vocabulary is smaller than commfuse's tokenizer's."""
+    try:
+        from transformers import AutoConfig
+    except ImportError as e:
+        raise ValueError(f"reading {path} needs transformers (pip install transformers)") from e
+    from commfuse.models.llama import config_from_hf
+
+    try:
+        hf = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a transformers model directory ({e})") from e
+    try:
+        cfg = config_from_hf(hf)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    if tokenize and hf_tokenizer(path) is None:
+        from commfuse.data import load_tokenizer
+
+        have = load_tokenizer().get_vocab_size()
+        if cfg.vocab_size < have:
+            raise ValueError(f"{path} has no tokenizer and a vocabulary of {cfg.vocab_size} "
+                             f"tokens, below commfuse's tokenizer's {have}: save its "
+                             f"tokenizer there (save_pretrained)")
+    return cfg
+
+
+def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> Llama:
+    """Our `Llama` with the weights of the transformers Llama saved in ``path``
+    (``save_pretrained``: config.json and its weights), by `commfuse.models.llama.from_hf`:
+    the same weights and rotate-half RoPE, so its logits are the transformers model's
+    (`check_hf` first)."""
+    check_hf(path)
+    from transformers import AutoModelForCausalLM
+
+    from commfuse.models.llama import from_hf
+
+    return from_hf(AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype or "auto"))
+
+
+class HFTokenizer:
+    """A transformers tokenizer behind the `tokenizers.Tokenizer` calls `commfuse generate`
+    makes (``encode(text).ids``, ``decode(ids)``)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def encode(self, text: str):
+        return _Encoding(self.tok.encode(text, add_special_tokens=True))
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+class _Encoding:
+    def __init__(self, ids):
+        self.ids = list(ids)
+
+
+def hf_tokenizer(path: str | Path) -> HFTokenizer | None:
+    """The tokenizer saved beside the model in ``path``, or None if there is none."""
+    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                   "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(path))
