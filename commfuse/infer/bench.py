@@ -99,7 +99,7 @@ def bench(model, prompts, args, how: Sampling, rank: int, world: int, hardware: 
         for label, prefill, decode, how_run, n in BENCH:
             model.method, model.prefill_chunks = prefill, chunks(n, S, len(batch))
             sim = predict(model, world, label if how_run == "compute_only" else prefill,
-                           decode, S, S + args.max_new_tokens // 2, len(batch))
+                          decode, S, S + args.max_new_tokens // 2, len(batch))
             rows.append({"prompt_tokens": S, "method": label, **med[label], **sim,
                          **({"warmup_prefill_ms": tuning} if label == "auto" else {}),
                          "prefill_vs_none": med[label]["prefill_ms"] / med["none"]["prefill_ms"],
