@@ -6,8 +6,9 @@ layout: it is read back whole and cut again for --tp), from a transformers Llama
 The prompt is prefilled sequence-parallel (each rank embeds and keeps its slice of the
 prompt; the fused all-gather -> GEMM and GEMM -> reduce-scatter run every block), or
 interleaved in chunks (--prefill-chunks), then one token per step is decoded with the same
-weights and a KV cache (`commfuse.infer.model`). Rank 0 streams the text as it comes. Several --prompt flags make a
-batch of prompts of different lengths (right-padded), printed when done.
+weights and a KV cache (`commfuse.infer.model`). Rank 0 streams the text as it comes.
+Several --prompt flags make a batch of prompts of different lengths (right-padded), printed
+when done.
 
 Local mode spawns --tp ranks; with --link auto (the default) as root they run on the emulated
 cluster (`commfuse launch`: a network namespace and shaped link per rank), else on loopback;
