@@ -17,14 +17,17 @@ PROMPTS = [[3, 17, 99, 5, 250, 8, 41], [200], [9, 9, 1, 77, 130]]
 NEW = 6
 
 
-def hf_model(**over):
-    """A tiny random transformers Llama (GQA: 12 heads, 4 kv heads), float64."""
+def hf_model(arch="Llama", **over):
+    """A tiny random transformers Llama (or Mistral, no sliding window; GQA: 12 heads, 4 kv
+    heads), float64."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**{
+    if arch == "Mistral":
+        over = {"sliding_window": None, **over}
+    cfg = getattr(transformers, f"{arch}Config")(**{
         "vocab_size": 256, "hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2,
         "num_attention_heads": 12, "num_key_value_heads": 4, "max_position_embeddings": 64,
         "rope_theta": 10000.0, "tie_word_embeddings": False, **over})
-    return transformers.LlamaForCausalLM(cfg).to(torch.float64).eval()
+    return getattr(transformers, f"{arch}ForCausalLM")(cfg).to(torch.float64).eval()
 
 
 def _reference(hf):
@@ -43,7 +46,8 @@ def _reference(hf):
 def _hf_rank(rank, world, path):
     import torch.distributed as dist
 
-    hf = transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float64).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float64)
+    hf.eval()
     want_tokens, want_logits = _reference(hf)
     group = dist.group.WORLD if world > 1 else None
     got = {}
@@ -58,11 +62,12 @@ def _hf_rank(rank, world, path):
     return want_tokens, got, (logits - want_logits).abs().max().item()
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_hf_llama_tokens_equal_transformers(tmp_path, world):
+@pytest.mark.parametrize("arch,world", [("Llama", 1), ("Llama", 2), ("Llama", 4),
+                                        ("Mistral", 2)])
+def test_hf_llama_tokens_equal_transformers(tmp_path, arch, world):
     """Every rank's greedy tokens (none, commfuse, auto) are transformers' ``generate``'s,
     and the prefill's logits its forward's within float64 rounding."""
-    hf_model().save_pretrained(tmp_path / "m")
+    hf_model(arch).save_pretrained(tmp_path / "m")
     if world == 1:
         results = [_hf_rank(0, 1, str(tmp_path / "m"))]
     else:
@@ -93,8 +98,10 @@ def test_cli_generate_hf_model(tmp_path):
     assert len(json.loads((tmp_path / "b.json").read_text())["rows"]) == 8
     hf_model().save_pretrained(tmp_path / "small-vocab")
     hf_model(vocab_size=4096, attention_bias=True).save_pretrained(tmp_path / "bias")
+    hf_model("Mistral", vocab_size=4096, sliding_window=16).save_pretrained(tmp_path / "window")
     for path, why in ((tmp_path / "small-vocab", "below commfuse's tokenizer's 4096"),
                       (tmp_path / "bias", "attention_bias"),
+                      (tmp_path / "window", "sliding-window attention is not modelled"),
                       (tmp_path / "nothing", "not a transformers model directory")):
         p = _cli("--hf-model", str(path), "--prompt", "a", "--tp", "2", "--link", "loopback")
         assert p.returncode == 2 and why in p.stderr, p.stderr[-2000:]

@@ -73,8 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--checkpoint", metavar="DIR",
                      help="A commfuse train --checkpoint-dir (its latest) or step directory")
     src.add_argument("--hf-model", metavar="DIR",
-                     help="A transformers Llama saved with save_pretrained (its tokenizer if "
-                          "DIR has one, else commfuse's; needs transformers)")
+                     help="A transformers Llama (or Mistral without a sliding window) saved "
+                          "with save_pretrained (its tokenizer if DIR has one, else "
+                          "commfuse's; needs transformers)")
     src.add_argument("--random-init", action="store_true",
                      help="A freshly initialised model of --preset (seeded by --seed)")
     p.add_argument("--preset", default="tiny", help="With --random-init: the model (default: "

@@ -179,9 +179,10 @@ def _name_map(cfg: LlamaConfig) -> dict[str, str]:
 
 
 def config_from_hf(hf_config) -> LlamaConfig:
-    """Our LlamaConfig from a transformers LlamaConfig; ValueError for what we do not model
-    (other architectures: Qwen2's q/k/v biases are for `commfuse.tp`, which shards transformers
-    models as they are)."""
+    """Our LlamaConfig from a transformers LlamaConfig (or a MistralConfig without a sliding
+    window: the same architecture and weight names); ValueError for what we do not model
+    (other architectures: Qwen2's q/k/v biases are for `commfuse.tp`, which shards
+    transformers models as they are)."""
     # transformers >= 5 keeps RoPE settings in rope_parameters, 4.x in rope_theta / rope_scaling
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     rope = dict(rope or {})
@@ -189,7 +190,10 @@ def config_from_hf(hf_config) -> LlamaConfig:
     theta = rope.get("rope_theta") or getattr(hf_config, "rope_theta", 10000.0)
     model_type = getattr(hf_config, "model_type", "llama")
     unsupported = {
-        f"model_type {model_type!r} (only 'llama')": model_type != "llama",
+        f"model_type {model_type!r} (only 'llama', 'mistral')": model_type not in ("llama",
+                                                                                  "mistral"),
+        "sliding_window (sliding-window attention is not modelled)":
+            getattr(hf_config, "sliding_window", None) is not None,
         "hidden_act != 'silu'": hf_config.hidden_act != "silu",
         "attention_bias": getattr(hf_config, "attention_bias", False),
         "mlp_bias": getattr(hf_config, "mlp_bias", False),
@@ -201,7 +205,8 @@ def config_from_hf(hf_config) -> LlamaConfig:
             (None, hf_config.hidden_size // hf_config.num_attention_heads),
     }
     if any(unsupported.values()):
-        raise ValueError(f"unsupported HF Llama config: {[k for k, v in unsupported.items() if v]}")
+        raise ValueError(f"unsupported HF Llama config: "
+                         f"{[k for k, v in unsupported.items() if v]}")
     scaling = None
     if rope_type == "llama3":
         scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
