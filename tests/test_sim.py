@@ -204,6 +204,26 @@ def test_host_costs_are_work_before_each_launch():
         HW.with_(host_p2p_s=-1)
 
 
+@pytest.mark.parametrize("method", ["none", "commfuse"])
+def test_first_touch_of_fresh_buffers_is_compute(method):
+    """Fresh buffers of first_touch_bytes or more cost their bytes at first_touch_bandwidth,
+    as compute (in compute alone too); smaller ones, and the default (0), nothing."""
+    w, d, bw = 2, 4, 1e9
+    big, small = (4096, 1024, 4096), (512, 256, 512)  # AG: gathered [M, K], product [M, N]
+    for shape, charged in ((big, (4096 * 1024 + 4096 * 4096) * d), (small, 0)):
+        base = sim.simulate_op("ag_matmul", method, w, shape, d, HW)
+        touched = sim.simulate_op("ag_matmul", method, w, shape, d,
+                                  HW.with_(first_touch_bandwidth=bw, first_touch_bytes=2 ** 24))
+        assert touched.compute_s == pytest.approx(base.compute_s + charged / bw, rel=1e-9)
+        if method == "none":  # the gather, then the GEMM: nothing hides it
+            assert touched.total_s == pytest.approx(base.total_s + charged / bw, rel=1e-9)
+        else:  # beside transfers some of it may hide
+            assert base.total_s <= touched.total_s <= base.total_s + charged / bw * (1 + 1e-9)
+    assert HW.first_touch_time([2 ** 40]) == 0.0
+    with pytest.raises(ValueError):
+        HW.with_(first_touch_bandwidth=-1)
+
+
 def test_links_of_another_hardware():
     inter = sim.preset("multinode-100g")
     mixed = HW.with_links_of(inter)

@@ -53,6 +53,13 @@ class Hardware:
     asynchronous and cheap next to the kernels (the GPU presets)."""
     host_p2p_s: float = 0.0
     """Host time to post one batch of P2P transfers (a schedule's ``Post``), likewise."""
+    first_touch_bandwidth: float = 0.0
+    """Bytes/s at which an op's fresh buffers of ``first_touch_bytes`` or more are first
+    written (page faults: glibc hands buffers of 32 MiB and more back to the kernel, so each
+    one faults again); charged to the op's compute. 0: free (a caching allocator, GPUs)."""
+    first_touch_bytes: float = 32 * 2 ** 20
+    """Smallest buffer that `first_touch_bandwidth` charges."""
+
     serial_p2p: bool = False
     """A rank's P2P batches (a schedule's ``Post`` steps) run one after another, in post
     order, each once the previous one is done: NCCL runs every P2P batch of a process group
@@ -94,7 +101,7 @@ class Hardware:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("link_latency", "m0", "n0", "k0", "interference", "host_collective_s",
-                     "host_p2p_s"):
+                     "host_p2p_s", "first_touch_bandwidth", "first_touch_bytes"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("memory_gib", "tdp_w", "power_limit_w"):
@@ -156,6 +163,13 @@ class Hardware:
         """Seconds to copy ``nbytes`` into a freshly allocated buffer on ``rank`` (2 x bytes
         moved; on the CPU testbed the page faults of the new buffer are part of the rate)."""
         return 2.0 * nbytes / self.mem_bandwidth * self.compute_straggler.get(rank, 1.0)
+
+    def first_touch_time(self, buffers, rank: int = 0) -> float:
+        """Seconds of first writes into fresh buffers of these byte sizes on ``rank``."""
+        if not self.first_touch_bandwidth:
+            return 0.0
+        big = sum(b for b in buffers if b >= self.first_touch_bytes)
+        return big / self.first_touch_bandwidth * self.compute_straggler.get(rank, 1.0)
 
     def bandwidth(self, rank: int) -> float:
         """``rank``'s link bandwidth each direction, straggler included (bytes/s)."""
@@ -259,14 +273,16 @@ PRESETS: dict[str, Hardware] = {
     # (fifo_per_peer). See docs/sim-vs-measured.md. Attention: ATen's CPU flash kernel on one
     # thread of this VM (same day, causal, head dim 64) ran at 38 / 64 / 74 GFLOP/s forward at
     # S = 512 / 2048 / 4096 and 37 / 64 / 68 backward (counting 2.5x the forward's FLOPs):
-    # 0.90 (0.87) x K/(K + 300) of gemm_flops for K mean keys per query row.
+    # 0.90 (0.87) x K/(K + 300) of gemm_flops for K mean keys per query row. A GEMM into a
+    # fresh output of 32-64 MiB took 0.38-0.45 s/GB longer than into a reused one (2026-12-02,
+    # scripts/first_touch.py and docs/sim-vs-measured.md): first_touch_bandwidth 2.4 GB/s.
     "cpu-testbed": Hardware(gemm_flops=92.6e9, link_bandwidth=1.204e9 / 8, link_latency=50e-6,
                             mem_bandwidth=5e9, gemm_max_efficiency=1.0, m0=8.0, n0=8.0,
                             k0=32.0, interference=0.3, duplex_efficiency=0.75,
                             collective_efficiency=0.75, host_collective_s=0.65e-3,
                             host_p2p_s=0.0, fifo_per_peer=True,
                             attention_efficiency=(0.90, 0.87), attention_k0=300.0,
-                            attention_q0=32.0),
+                            attention_q0=32.0, first_touch_bandwidth=2.4e9),
 }
 
 

@@ -74,12 +74,16 @@ def _compile(prog, coll_time, hw, world, job, spec, sched, d, comm, symmetric) -
         # a collective writes them itself): work on the rank, before the first post
         own = hw.copy_time(spec.shape[0] / world * spec.shape[1] * d, rank=r)
         prog.append(("work", own, "compute", f"{job}:{spec.op} copy own rows"))
+    # the op's fresh buffers are first written by its GEMMs (and the receives into them)
+    slots = sum(isinstance(st, S.Compute) for st in sched.steps)
+    touch = hw.first_touch_time(fresh_buffers(spec, world, d), r) / max(slots, 1)
     for st in sched.steps:
         if isinstance(st, S.Compute):
             attn = attention.slot_attention_s(hw, spec, world, st.slot, sched.chunks if
                                               sched.method in ("none", "sliced") else 0, r) \
                 if spec.attention else 0.0
-            prog.append(("work", gemm + attn, "compute", f"{job}:{spec.op} slot {st.slot}"))
+            prog.append(("work", gemm + attn + touch, "compute",
+                         f"{job}:{spec.op} slot {st.slot}"))
         elif isinstance(st, S.Reduce):
             prog.append(("work", add * (len(st.peers) - 1), "reduce",
                          f"{job}:{spec.op} add slot {st.slot}"))
@@ -101,3 +105,12 @@ def _compile(prog, coll_time, hw, world, job, spec, sched, d, comm, symmetric) -
             prog.append(("coll", k))
         else:
             prog.append(("wcoll", (job, st.slot)))
+
+
+def fresh_buffers(spec, world: int, d: float) -> tuple[float, ...]:
+    """Bytes of the buffers one rank's op allocates (conventions of `op_costs`): what it
+    gathers or receives, and what its GEMM writes (and keeps, reduced)."""
+    (M, K, N), w = spec.shape, world
+    rows = {"ag_matmul": (M * K, M * N), "matmul_rs": (M * N, M / w * N),
+            "matmul_a2a": (M / w * N, M * N / w), "a2a_matmul": (M / w * K, M / w * N)}
+    return tuple(b * d for b in rows.get(spec.op, ()))
