@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from commfuse.infer import InferenceLlama, generate, load_hf  # noqa: E402
+from commfuse.infer import InferenceLlama, generate, load_hf, pad_prompts  # noqa: E402
 from commfuse.testbed.spawn import run_local  # noqa: E402
 from test_infer import _cli  # noqa: E402
 
@@ -54,8 +54,6 @@ def _hf_rank(rank, world, path):
     for method in ("none", "commfuse", "auto"):
         m = InferenceLlama(load_hf(path), group, method)
         got[method] = generate(m, PROMPTS, NEW)
-    from commfuse.infer import pad_prompts
-
     m = InferenceLlama(load_hf(path), group, "commfuse")
     tokens, lengths = pad_prompts(PROMPTS)
     logits = m.prefill(tokens, lengths, m.new_cache(len(PROMPTS), tokens.shape[1]))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -185,15 +186,10 @@ class HFTokenizer:
         self.tok = tok
 
     def encode(self, text: str):
-        return _Encoding(self.tok.encode(text, add_special_tokens=True))
+        return SimpleNamespace(ids=list(self.tok.encode(text, add_special_tokens=True)))
 
     def decode(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
-
-
-class _Encoding:
-    def __init__(self, ids):
-        self.ids = list(ids)
 
 
 def hf_tokenizer(path: str | Path) -> HFTokenizer | None:

@@ -68,10 +68,13 @@ class PlanTuner:
 
 def tuning(model, seq: int, batch: int) -> bool:
     """Whether `PlanTuner` still explores the plans of this prefill shape under "auto"."""
-    like = model.tok_emb.weight
-    found = auto_plans(model, seq, batch, like)
-    return found is not None and model.tuner.decided(
-        PlanTuner.bucket(seq, batch), [p for p, _ in found]) is None
+    plans = auto_plans(model, seq, batch, model.tok_emb.weight)
+    return plans is not None and _won(model, plans, seq, batch) is None
+
+
+def _won(model, plans: list[tuple[str, int]], seq: int, batch: int):
+    """The label of the faster of ``plans`` in this shape's bucket, None until both ran."""
+    return model.tuner.decided(PlanTuner.bucket(seq, batch), [p for p, _ in plans])
 
 
 def checked_chunks(n):
@@ -124,7 +127,7 @@ def runs_chunks(model, method: str, seq: int, batch: int, like: torch.Tensor) ->
         return 1
     plans = auto_plans(model, seq, batch, like, method)
     if plans is not None:
-        won = model.tuner.decided(PlanTuner.bucket(seq, batch), [p for p, _ in plans])
+        won = _won(model, plans, seq, batch)
         return dict(plans)[won if won is not None else plans[0][0]]
     return model_chunks(model, seq, batch, like)
 
