@@ -104,40 +104,49 @@ def _runs(pos: list[int]) -> list[tuple[int, int, int]]:
 
 
 def _bhsd(t_SBHd: torch.Tensor) -> torch.Tensor:
-    """[B, H, S, d], each head's rows contiguous: the blocks read k, v once per run (strided
-    reads cost ~15 %). No copy where they already are (a view of a [B, H, L, d] tensor, such
-    as `SeqLayout.natural_heads`' or a KV cache's first S positions)."""
+    """[B, H, S, d], each head's rows contiguous: every run's blocks read all of k and v
+    (strided reads cost ~15 %). No copy where they already are (a view of a [B, H, L, d]
+    tensor, such as `SeqLayout.natural_heads`', a KV cache's first S positions, or the copies
+    the forward saves for the backward)."""
     t_BHSd = t_SBHd.permute(1, 2, 0, 3)
     if t_BHSd.stride(3) == 1 and t_BHSd.stride(2) == t_BHSd.shape[3]:
         return t_BHSd
     return t_BHSd.contiguous()
 
 
+def _heads(t_SBHd: torch.Tensor) -> torch.Tensor:
+    """The [B, H, S, d] view of [S, B, H, d] rows, no copy: q, dO and o are read once per run,
+    and for B = 1 this is the fused kernels' own [B, S, H, d] layout."""
+    return t_SBHd.permute(1, 2, 0, 3)
+
+
 def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, order: str, sizes, group, spec):
-    """(out [sizes[rank], B, D], o [B, H, S, d], lse [B, H, S]): the result, and the attention
-    output and log-sum-exp of every row (natural order) that the backward reads."""
+    """(out [sizes[rank], B, D], k, v [S, B, H, d], o [S, B, H, d], lse [B, H, S]): the result,
+    and what the backward reads: k and v as the contiguous [B, H, S, d] copies the blocks read
+    (viewed as [S, B, H, d]; `_bhsd` takes them as they are), the attention output and the
+    log-sum-exp of every row (natural order)."""
     S, B, H, d = q_SBHd.shape
-    q_BHSd, k_BHSd, v_BHSd = _bhsd(q_SBHd), _bhsd(k_SBHd), _bhsd(v_SBHd)
-    o_BHSd = q_BHSd.new_empty((B, H, S, d))
-    lse_BHS = q_BHSd.new_empty((B, H, S), dtype=blocks.lse_dtype(q_SBHd.dtype))
+    D = wo_XD.shape[1]
+    q_BHSd, k_BHSd, v_BHSd = _heads(q_SBHd), _bhsd(k_SBHd), _bhsd(v_SBHd)
+    o_SBHd = q_SBHd.new_empty((S, B, H, d))
+    lse_BHS = q_SBHd.new_empty((B, H, S), dtype=blocks.lse_dtype(q_SBHd.dtype))
     pos_S = _positions(order, sizes, group.size())
 
     def partial(view) -> torch.Tensor:
         pos = view(pos_S)  # [s] (a slot or uneven chunk) or [W, n] (an even chunk)
+        out_RBD = q_SBHd.new_empty((*pos.shape, B, D))
         if modes.current() == "comm_only":
-            return q_SBHd.new_empty((*pos.shape, B, wo_XD.shape[1]))
-        outs = []
-        for _, a, n in _runs(pos.reshape(-1).tolist()):  # each run: prefix + diagonal block
+            return out_RBD
+        out_XD = out_RBD.view(-1, D)
+        for i, a, n in _runs(pos.reshape(-1).tolist()):  # each run: prefix + diagonal block
             o, lse = blocks.run_forward(q_BHSd[:, :, a:a + n], k_BHSd, v_BHSd, a, causal)
-            o_BHSd[:, :, a:a + n], lse_BHS[:, :, a:a + n] = o, lse
-            outs.append(o)
-        if not outs:  # a slot of no rows (S < ranks)
-            outs = [q_BHSd[:, :, :0]]
-        o_RBX = torch.cat(outs, 2).permute(2, 0, 1, 3).reshape(-1, B, H * d)
-        return modes.gemm(o_RBX, wo_XD).reshape(*pos.shape, B, wo_XD.shape[1])
+            o_SBHd[a:a + n], lse_BHS[:, :, a:a + n] = o.permute(2, 0, 1, 3), lse
+            # the out-projection of the run's rows, straight from o (no gather of the runs)
+            modes.gemm(o_SBHd[a:a + n].view(n * B, H * d), wo_XD, out=out_XD[i * B:(i + n) * B])
+        return out_RBD
 
-    out = reduce_scatter_of(partial, sizes, (B, wo_XD.shape[1]), q_SBHd, group, spec)
-    return out, o_BHSd, lse_BHS
+    out = reduce_scatter_of(partial, sizes, (B, D), q_SBHd, group, spec)
+    return out, k_BHSd.permute(2, 0, 1, 3), v_BHSd.permute(2, 0, 1, 3), o_SBHd, lse_BHS
 
 
 class QuerySplitAttention(torch.autograd.Function):
@@ -147,14 +156,15 @@ class QuerySplitAttention(torch.autograd.Function):
     wo [H*d, D] (this rank's rows); returns [sizes[rank], B, D] (this rank's rows of the
     order). Grads, per slot as dOut's gather brings it: dO = dOut[slot] @ wo^T, dq, dk, dv of
     the slot's query rows (flash-attention backward from the saved o, lse), dwo += O[slot]^T
-    @ dOut[slot]. Saved: q, k, v, wo, o [S, B, H*d] and lse [B, H, S] (what SDPA's backward
-    keeps too). Extra memory: the forward's reduce-scatter partials (as GEMM -> RS); the
+    @ dOut[slot]. Saved: q, wo, k and v as the forward's [B, H, S, d] copies (in place of the
+    inputs, so not read twice), o [S, B, H, d] and lse [B, H, S] (what SDPA's backward keeps
+    too). Extra memory: the forward's reduce-scatter partials (as GEMM -> RS); the
     backward the gathered dOut and dk, dv accumulators.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, wo, causal, order, sizes, group, spec, prefetcher=None):
-        out, o, lse = _forward(q, k, v, wo, causal, order, sizes, group, spec)
+        out, k, v, o, lse = _forward(q, k, v, wo, causal, order, sizes, group, spec)
         ctx.save_for_backward(q, k, v, wo, o, lse)
         ctx.args = causal, order, sizes, group, spec
         # the AG->GEMM just before this op (q|k|v): its re-gather is posted by this backward
@@ -169,16 +179,18 @@ class QuerySplitAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def query_split_backward(q, k, v, wo, o_BHSd, lse_BHS, g_sBD, causal: bool, order: str, sizes,
+def query_split_backward(q, k, v, wo, o_SBHd, lse_BHS, g_sBD, causal: bool, order: str, sizes,
                          group, spec, after_posts=None):
-    """(dq, dk, dv, dwo) of `QuerySplitAttention`, fused with the all-gather of dOut: each
-    arriving slot's rows feed dO = dOut[slot] @ wo^T, the attention backward of those query
-    rows and dwo += O[slot]^T dOut[slot] (slots summed in this rank's gather order).
-    ``after_posts()`` runs right after that gather's last post (`commfuse.ops.prefetch`)."""
+    """(dq, dk, dv [S, B, H, d], dwo) of `QuerySplitAttention`, fused with the all-gather of
+    dOut: each arriving slot's rows feed dO = dOut[slot] @ wo^T, the attention backward of
+    those query rows and dwo += O[slot]^T dOut[slot] (slots summed in this rank's gather
+    order). ``after_posts()`` runs right after that gather's last post
+    (`commfuse.ops.prefetch`)."""
     S, B, H, d = q.shape
-    q_BHSd, k_BHSd, v_BHSd = _bhsd(q), _bhsd(k), _bhsd(v)
-    dq_BHSd = torch.zeros_like(q_BHSd)
-    dk_BHSd, dv_BHSd = torch.zeros_like(k_BHSd), torch.zeros_like(v_BHSd)
+    q_BHSd, k_BHSd, v_BHSd, o_BHSd = _heads(q), _bhsd(k), _bhsd(v), _heads(o_SBHd)
+    dq_SBHd = q.new_empty((S, B, H, d))  # every row is written once: by its run
+    dk_SBHd, dv_SBHd = q.new_zeros((S, B, H, d)), q.new_zeros((S, B, H, d))
+    dk_BHSd, dv_BHSd = _heads(dk_SBHd), _heads(dv_SBHd)
     dwo = []
     pos_S = _positions(order, sizes, group.size())
     wo_DX = wo.t()
@@ -187,24 +199,22 @@ def query_split_backward(q, k, v, wo, o_BHSd, lse_BHS, g_sBD, causal: bool, orde
         if modes.current() == "comm_only" or g_RBD.shape[0] == 0:
             return
         runs = _runs(view(pos_S).reshape(-1).tolist())
-        go_BHRd = _bhsd(modes.gemm(g_RBD, wo_DX).view(-1, B, H, d))  # [B, H, rows, d]
-        o_RBX = torch.cat([o_BHSd[:, :, a:a + n] for _, a, n in runs], 2) \
-            .permute(2, 0, 1, 3).reshape(-1, H * d)
-        part = o_RBX.t() @ g_RBD.reshape(-1, g_RBD.shape[-1])
-        if dwo:
-            dwo[0].add_(part)
-        else:
-            dwo.append(part)
+        g_XD = g_RBD.reshape(-1, g_RBD.shape[-1])
+        go_BHRd = _heads(modes.gemm(g_RBD, wo_DX).view(-1, B, H, d))
         for i, a, n in runs:
-            dq_BHSd[:, :, a:a + n] = blocks.run_backward(
+            o_nX, g_nD = o_SBHd[a:a + n].view(n * B, H * d), g_XD[i * B:(i + n) * B]
+            if dwo:
+                dwo[0].addmm_(o_nX.t(), g_nD)
+            else:
+                dwo.append(o_nX.t() @ g_nD)
+            dq_SBHd[a:a + n] = blocks.run_backward(
                 go_BHRd[:, :, i:i + n], q_BHSd[:, :, a:a + n], k_BHSd, v_BHSd,
-                o_BHSd[:, :, a:a + n], lse_BHS[:, :, a:a + n], a, causal, dk_BHSd, dv_BHSd)
+                o_BHSd[:, :, a:a + n], lse_BHS[:, :, a:a + n], a, causal, dk_BHSd,
+                dv_BHSd).permute(2, 0, 1, 3)
 
     ag_matmul(g_sBD.contiguous(), [], sizes, group, spec, consume=consume,
               after_posts=after_posts)
-    unbhsd = lambda t: t.permute(2, 0, 1, 3)
-    return (unbhsd(dq_BHSd), unbhsd(dk_BHSd), unbhsd(dv_BHSd),
-            dwo[0] if dwo else torch.zeros_like(wo))
+    return dq_SBHd, dk_SBHd, dv_SBHd, dwo[0] if dwo else torch.zeros_like(wo)
 
 
 # --- torch.compile: the op as custom ops (see commfuse.ops.library) ------------------------
@@ -214,15 +224,16 @@ def query_split_op(q_SBHd: torch.Tensor, k_SBHd: torch.Tensor, v_SBHd: torch.Ten
                    wo_XD: torch.Tensor, causal: bool, order: str, sizes: list[int], group: str,
                    spec: str) -> list[torch.Tensor]:
     """[out, o, lse] (o and lse are saved for the backward)."""
-    return list(_forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal, order, tuple(sizes),
-                         library.group_of(group), library.parse_spec(spec)))
+    out, _, _, o, lse = _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal, order, tuple(sizes),
+                                 library.group_of(group), library.parse_spec(spec))
+    return [out, o, lse]
 
 
 @query_split_op.register_fake
 def _(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal, order, sizes, group, spec):
     S, B, H, d = q_SBHd.shape
     return [q_SBHd.new_empty((sizes[library.rank_of(group)], B, wo_XD.shape[1])),
-            q_SBHd.new_empty((B, H, S, d)),
+            q_SBHd.new_empty((S, B, H, d)),
             q_SBHd.new_empty((B, H, S), dtype=blocks.lse_dtype(q_SBHd.dtype))]
 
 
