@@ -111,8 +111,30 @@ def test_calibrate_alone_sets_the_model_that_choices_are_made_on():
         best_splits("ag_matmul", shape, 2, 4, hw, 50e-6, "ring")
 
 
-def _calibrated(rank, world, rates):
+def test_the_slowdown_beside_transfers_sets_the_models_interference():
+    hw = preset("cpu-testbed")
+    rates = probe.Rates(_rate(hw), _attention_rate(hw), _rate(hw, SMALL), 0.42)
+    assert probe.fit(hw, rates).interference == 0.42
+    assert probe.fit(hw, probe.Rates(_rate(hw), None, None, -0.03)).interference == 0.0
+    assert probe.fit(hw, probe.Rates(_rate(hw), None)).interference == hw.interference
+    assert "0.42 slower beside transfers" in rates.line()
+
+
+def _slowdown(rank, world):
+    return probe.transfer_slowdown(preset("cpu-testbed").with_(link_bandwidth=2e9))
+
+
+def test_the_slowdown_is_timed_over_a_real_exchange():
+    # 2 GB/s at the model's rate: ~120 messages of 4 MiB each way over loopback, so GEMMs run
+    # beside them; one process alone has no one to exchange with
+    out = run_local(_slowdown, 2, timeout=120)
+    assert all(isinstance(x, float) and x > -0.5 for x in out), out
+    assert probe.transfer_slowdown(preset("cpu-testbed")) is None
+
+
+def _calibrated(rank, world, rates, slowdowns=(None, None, None)):
     probe.measure = lambda *a, **k: rates[rank]  # this rank's "measurement"
+    probe.transfer_slowdown = lambda *a, **k: slowdowns[rank]
     hw, got = auto.calibrate(torch.empty(0))
     return got, hw, auto.choose_splits("ag_matmul", (4096, 512, 768), world, torch.empty(0))
 
@@ -127,6 +149,11 @@ def test_every_rank_ends_with_the_slowest_ranks_model(world):
     assert slowest.gemm_flops == 0.9e11
     assert slowest.attention_flops == (7.0e10 if world == 2 else 6.5e10)
     assert slowest.small_gemm_flops == (0.8e11 if world == 2 else 0.7e11)
+    assert slowest.interference is None and out[0][1].interference == \
+        preset("cpu-testbed").interference  # not timed anywhere: the preset's
+    out = run_local(_calibrated, world, rates, (0.2, 0.47, None)[:world], timeout=120)
+    assert all(o == out[0] for o in out), out
+    assert out[0][0].interference == out[0][1].interference == 0.47  # the slowest rank's
 
 
 def test_a_preset_by_name_and_its_log_line():

@@ -16,7 +16,15 @@ slowest rank's rate of each (one all-reduce of MIN over the group, 3 significant
 that every rank holds the same model and makes the same choices) and `fit` sets the model's
 GEMM peak and its row overhead ``m0`` (`Hardware.gemm_efficiency`) so that the model predicts
 exactly both GEMM rates, and its attention efficiency (forward and backward by the same
-factor: the backward is not timed) so that it predicts the attention's.
+factor: the backward is not timed) so that it predicts the attention's. On a CPU gloo group
+`transfer_slowdown` also times the GEMM while the ranks exchange messages, and `fit` sets
+the model's ``interference`` to the slowest rank's slowdown.
+
+Why the slowdown: on the emulated cluster the kernel's network stack runs on the rank's own
+core (softirqs, and the inter-processor interrupts that steer packets, each an exit to the
+hypervisor in a VM), and a GEMM beside an exchange at 1 Gbit/s ran 0.26-0.45 slower
+(scripts/transfer_tax.py), varying with the day's machine; the preset's fixed 0.3 left every
+overlapped method's prediction short of the measurement.
 
 Why two GEMMs: on a later day's VM (AMX), a GEMM of 128 rows ran at 0.72-0.80 of one of
 1024 rows (K, N 1024-4096; the preset's m0 = 8 gives 0.94), so a model fitted to the large
@@ -56,13 +64,18 @@ class Rates:
     """flop/s (causal FLOPs) of the ``ATTENTION_SHAPE`` fused attention; None: not timed."""
     small_gemm_flops: float | None = None
     """flop/s of the ``SMALL_GEMM_SHAPE`` GEMM; None: not timed (the model's m0 is kept)."""
+    interference: float | None = None
+    """How much longer the ``GEMM_SHAPE`` GEMM takes while the rank exchanges messages with
+    its neighbours (`transfer_slowdown`); None: not timed (the model's is kept)."""
 
     def line(self) -> str:
         small = f" ({self.small_gemm_flops / 1e9:.1f} at 1/8 the rows)" \
             if self.small_gemm_flops else ""
         attn = f", attention {self.attention_flops / 1e9:.1f} GFLOP/s" \
             if self.attention_flops else ""
-        return f"GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s{small}{attn}"
+        slow = "" if self.interference is None else \
+            f", GEMM {self.interference:.2f} slower beside transfers"
+        return f"GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s{small}{attn}{slow}"
 
 
 def _median_s(fn, device, repeats: int) -> float:
@@ -118,6 +131,71 @@ def measure(device="cpu", dtype=None, attention: bool = True, repeats: int = REP
     return Rates(gemm, attn, small)
 
 
+EXCHANGE_S = 0.25  # how long `transfer_slowdown`'s messages stream, at the model's link rate
+MESSAGE_BYTES = 4 * 2 ** 20
+_NONE = 1e9  # a figure not timed, in `probe`'s all-reduce of MIN
+
+
+def transfer_slowdown(hw: Hardware, group=None, dtype=None) -> float | None:
+    """The model's ``interference`` measured on this rank: the ``GEMM_SHAPE`` GEMM's median
+    time while the rank sends 4 MiB messages to the next rank of ``group`` and receives them
+    from the previous one (both directions at once, as the ops' exchanges run), over its
+    median with the link idle, minus 1. About `EXCHANGE_S` of messages at ``hw``'s link rate
+    move on a background thread over the communicators the ops use
+    (`commfuse.runtime.gloo.duplex`). Collective over a CPU gloo ``group`` of 2 or more ranks;
+    None for any other group (on a GPU the copy engine and NIC move the bytes: the preset's
+    figure stays) and where no GEMM ran whole beside the messages (a link far faster than
+    the model's)."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from commfuse.runtime import gloo
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2 \
+            or dist.get_backend(group) != "gloo":
+        return None
+    group = group or dist.group.WORLD
+    world, rank, me = dist.get_world_size(group), dist.get_rank(group), dist.get_rank()
+    to = dist.get_global_rank(group, (rank + 1) % world)
+    frm = dist.get_global_rank(group, (rank - 1) % world)
+    gen = torch.Generator().manual_seed(0)
+    m, k, n = GEMM_SHAPE["cpu"]
+    a, b = (torch.randn(*shape, generator=gen).to(dtype or torch.float32)
+            for shape in ((m, k), (k, n)))
+    idle = _median_s(lambda: a @ b, torch.device("cpu"), 7)
+    numel = MESSAGE_BYTES // 4
+    sent, got = torch.zeros(numel), torch.empty(numel)
+    count = max(2, round(EXCHANGE_S * hw.link_bandwidth / MESSAGE_BYTES))
+    failed = []
+
+    def exchange() -> None:
+        try:
+            for _ in range(count):
+                works = [dist.isend(sent, to, group=gloo._directed(group, me, to)),
+                         dist.irecv(got, frm, group=gloo._directed(group, frm, me))]
+                for w in works:
+                    w.wait(timedelta(seconds=60))
+        except Exception as e:  # re-raised below, on the caller's thread
+            failed.append(e)
+
+    dist.barrier(group)
+    mover = threading.Thread(target=exchange, name="commfuse-probe-exchange", daemon=True)
+    mover.start()
+    busy = []
+    while mover.is_alive():
+        t0 = time.perf_counter()
+        a @ b
+        if mover.is_alive():  # a GEMM the messages outlived: it ran beside them throughout
+            busy.append(time.perf_counter() - t0)
+    mover.join()
+    if failed:
+        raise failed[0]
+    return sorted(busy)[len(busy) // 2] / idle - 1 if busy else None
+
+
 def fit(hw: Hardware, rates: Rates, device_type: str = "cpu") -> Hardware:
     """``hw`` with its GEMM peak, row overhead m0 (where ``rates`` has the small GEMM) and
     attention efficiency set so that it predicts ``rates`` for the probe's shapes on
@@ -129,13 +207,14 @@ def fit(hw: Hardware, rates: Rates, device_type: str = "cpu") -> Hardware:
             raise ValueError(f"{name} must be > 0, got {v!r}")
     key = _key(device_type)
     m, k, n = GEMM_SHAPE[key]
-    out = hw
+    out = hw if rates.interference is None else replace(hw, interference=max(
+        0.0, rates.interference))
     if small is not None:
         # rate = peak * eff / (1 + m0/m + c) at both row counts, c = n0/n + k0/k: solve m0
         r, r_s, m_s, c = rates.gemm_flops, small, SMALL_GEMM_SHAPE[key][0], hw.n0 / n + hw.k0 / k
         if r_s / m_s <= r / m:  # slower per row than the large one's whole: not a row cost
             raise ValueError(f"small_gemm_flops {r_s!r} is below {m_s}/{m} of gemm_flops {r!r}")
-        out = replace(hw, m0=max(0.0, (r - r_s) * (1 + c) / (r_s / m_s - r / m)))
+        out = replace(out, m0=max(0.0, (r - r_s) * (1 + c) / (r_s / m_s - r / m)))
     gemm = rates.gemm_flops * out.gemm_time(m, k, n) / (2.0 * m * k * n)  # ratio to the model's
     out = replace(out, gemm_flops=out.gemm_flops * gemm)
     if rates.attention_flops and out.attention_efficiency[0]:
@@ -157,18 +236,22 @@ def probe(hw: Hardware, group=None, device="cpu", dtype=None) -> tuple[Hardware,
 
     device = torch.device(device)
     rates = measure(device, dtype, attention=bool(hw.attention_efficiency[0]))
-    values = [rates.gemm_flops, rates.attention_flops or 0.0, rates.small_gemm_flops or 0.0]
+    slowdown = transfer_slowdown(hw, group, dtype) if device.type == "cpu" else None
+    # the slowest rank's of each (the slowdown negated: its largest; NONE where not timed)
+    values = [rates.gemm_flops, rates.attention_flops or 0.0, rates.small_gemm_flops or 0.0,
+              _NONE if slowdown is None else -slowdown]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         t = torch.tensor(values, dtype=torch.float64,
                          device=device if dist.get_backend(group) == "nccl" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
         values = t.tolist()
-    g, a, s = (float(f"{v:.3g}") for v in values)
-    rates = Rates(g, a or None, s or None)
+    g, a, s = (float(f"{v:.3g}") for v in values[:3])
+    slowdown = None if values[3] >= _NONE else round(-values[3], 2)
+    rates = Rates(g, a or None, s or None, slowdown)
     return fit(hw, rates, device.type), rates
 
 
-FITTED = ("gemm_flops", "m0", "attention_efficiency")  # what `fit` changes
+FITTED = ("gemm_flops", "m0", "attention_efficiency", "interference")  # what `fit` changes
 
 
 def fitted_fields(hw: Hardware) -> dict:
