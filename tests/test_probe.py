@@ -73,6 +73,33 @@ def test_two_gemms_fit_the_peak_and_the_row_overhead():
         probe.fit(hw, probe.Rates(1e11, None, -1.0))
 
 
+NARROW = probe.NARROW_SHAPES["cpu"]
+
+
+def test_narrow_gemms_run_in_their_own_regime_fitted_to_two_sizes_of_b():
+    hw = preset("cpu-testbed")
+    assert hw.narrow_rows and SMALL[0] >= hw.narrow_rows > NARROW[0][0]
+    wide = hw.with_(narrow_rows=0.0)
+    # 128 rows run at a step below the wide formula, not on its curve
+    assert _rate(hw, NARROW[0]) < 0.75 * _rate(wide, NARROW[0])
+    assert _rate(hw, SMALL) == _rate(wide, SMALL)
+    rates = probe.Rates(_rate(hw), None, _rate(hw, SMALL),
+                        narrow_flops=(0.6 * _rate(hw), 0.5 * _rate(hw)))
+    fitted = probe.fit(hw, rates)
+    for r, shape in zip(rates.narrow_flops, NARROW):
+        assert _rate(fitted, shape) == pytest.approx(r)
+    assert fitted.narrow_decay > hw.narrow_decay  # the larger B slower than the preset says
+    assert (fitted.gemm_flops, fitted.m0) == pytest.approx((hw.gemm_flops, hw.m0))
+    # a narrow GEMM with a B smaller than the probe's is no faster than the wide formula
+    assert _rate(fitted, (128, 64, 64)) <= _rate(fitted.with_(narrow_rows=0.0), (128, 64, 64))
+    # no narrow regime in the model: the narrow rates leave it without one
+    plain = probe.fit(wide, rates)
+    assert (plain.narrow_efficiency, plain.narrow_decay) == (wide.narrow_efficiency,
+                                                             wide.narrow_decay)
+    with pytest.raises(ValueError, match="narrow_efficiency"):
+        hw.with_(narrow_efficiency=0.0)
+
+
 def test_attention_is_left_alone_where_the_model_times_it_as_gemms():
     hw = preset("cpu-testbed").with_(attention_efficiency=(0.0, 0.0))
     assert probe.fit(hw, probe.Rates(1e11, 5e10)).attention_efficiency == (0.0, 0.0)
@@ -96,6 +123,9 @@ def test_measured_rates_are_rates_of_this_machine():
     assert 1e8 < rates.gemm_flops < 1e13  # a core of any CPU this runs on, flop/s
     assert 1e8 < rates.attention_flops < 1e13
     assert 1e8 < rates.small_gemm_flops < 1e13
+    assert rates.narrow_flops is None
+    narrow = probe.measure("cpu", torch.float32, attention=False, repeats=1, narrow=True)
+    assert len(narrow.narrow_flops) == 2 and all(1e8 < r < 1e13 for r in narrow.narrow_flops)
     assert probe.measure("cpu", torch.float32, attention=False, repeats=1).attention_flops is None
 
 
@@ -106,6 +136,9 @@ def test_calibrate_alone_sets_the_model_that_choices_are_made_on():
     assert _rate(hw) == pytest.approx(rates.gemm_flops, rel=1e-9)
     assert _attention_rate(hw) == pytest.approx(rates.attention_flops, rel=1e-9)
     assert _rate(hw, SMALL) == pytest.approx(rates.small_gemm_flops, rel=1e-9)
+    # (a narrow regime never faster than the wide formula: with more threads it can be)
+    assert _rate(hw, NARROW[0]) == pytest.approx(min(
+        rates.narrow_flops[0], _rate(hw.with_(narrow_rows=0.0), NARROW[0])), rel=1e-9)
     shape = (4096, 512, 768)
     assert auto.choose_splits("ag_matmul", shape, 2, like) == \
         best_splits("ag_matmul", shape, 2, 4, hw, 50e-6, "ring")
@@ -141,14 +174,16 @@ def _calibrated(rank, world, rates, slowdowns=(None, None, None)):
 
 @pytest.mark.parametrize("world", (2, 3))
 def test_every_rank_ends_with_the_slowest_ranks_model(world):
-    rates = [probe.Rates(1.5e11, 7.0e10, 1.1e11), probe.Rates(0.9e11, 8.0e10, 0.8e11),
-             probe.Rates(1.2e11, 6.5e10, 0.7e11)][:world]
+    rates = [probe.Rates(1.5e11, 7.0e10, 1.1e11, narrow_flops=(6e10, 5e10)),
+             probe.Rates(0.9e11, 8.0e10, 0.8e11, narrow_flops=(7e10, 4e10)),
+             probe.Rates(1.2e11, 6.5e10, 0.7e11, narrow_flops=(5e10, 6e10))][:world]
     out = run_local(_calibrated, world, rates, timeout=120)
     assert all(o == out[0] for o in out), out  # the same rates, model and choice on every rank
     slowest = out[0][0]
     assert slowest.gemm_flops == 0.9e11
     assert slowest.attention_flops == (7.0e10 if world == 2 else 6.5e10)
     assert slowest.small_gemm_flops == (0.8e11 if world == 2 else 0.7e11)
+    assert slowest.narrow_flops == ((6e10, 4e10) if world == 2 else (5e10, 4e10))
     assert slowest.interference is None and out[0][1].interference == \
         preset("cpu-testbed").interference  # not timed anywhere: the preset's
     out = run_local(_calibrated, world, rates, (0.2, 0.47, None)[:world], timeout=120)

@@ -9,11 +9,17 @@ direction for links. The GEMM model is a simple roofline-like one: a GEMM of m x
 so that small or thin GEMMs (the price of cutting a GEMM into slices or chunks) run at a
 lower fraction of peak; large ones approach ``gemm_max_efficiency``. This is a fit, not a
 kernel model: m0/n0/k0 play the role of the tile sizes below which a kernel wastes its tiles.
+Below ``narrow_rows`` rows a second regime takes over: a library that switches to another
+kernel for narrow shapes (the CPU testbed's, between 160 and 192 rows) runs them at
+``narrow_efficiency`` of that, less for a larger B (``narrow_decay``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+
+NARROW_KN = 1024 * 2048
+"""Elements of B at which ``Hardware.narrow_efficiency`` holds (the probe's narrow GEMM's)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,17 @@ class Hardware:
     """Columns, likewise."""
     k0: float = 0.0
     """Contraction length, likewise."""
+    narrow_rows: float = 0.0
+    """GEMMs of fewer rows than this run another kernel, at ``narrow_efficiency`` of the rate
+    above (0: one kernel for every shape). The CPU testbed's fp32 GEMM (MKL, one thread) runs
+    at a flat ~100-125 GFLOP/s from 64 to 160 rows and at 150-175 from 192 rows up."""
+    narrow_efficiency: float = 1.0
+    """Rate of a narrow GEMM (``narrow_rows``) whose B has ``NARROW_KN`` elements, as a
+    fraction of what the efficiency formula gives it."""
+    narrow_decay: float = 0.0
+    """How a narrow GEMM slows as its B grows: its rate goes as (k n / NARROW_KN)^-decay
+    (every call reads all of B; the testbed's 128-row rate falls from 125 to 104 GFLOP/s as
+    B grows from 4 to 64 MiB)."""
     interference: float = 0.0
     """Compute slowdown while a transfer or collective is in flight on the same rank: compute
     runs at 1 / (1 + interference) of its speed (0 = none; 1 = half speed)."""
@@ -100,7 +117,8 @@ class Hardware:
         for name in ("gemm_flops", "link_bandwidth", "mem_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("link_latency", "m0", "n0", "k0", "interference", "host_collective_s",
+        for name in ("link_latency", "m0", "n0", "k0", "narrow_rows", "narrow_decay",
+                     "interference", "host_collective_s",
                      "host_p2p_s", "first_touch_bandwidth", "first_touch_bytes"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -113,7 +131,8 @@ class Hardware:
                 0 <= e <= 1 for e in self.attention_efficiency):
             raise ValueError(f"attention_efficiency must be (forward, backward) in [0, 1], got "
                              f"{self.attention_efficiency!r}")
-        for name in ("gemm_max_efficiency", "duplex_efficiency", "collective_efficiency",
+        for name in ("gemm_max_efficiency", "narrow_efficiency", "duplex_efficiency",
+                     "collective_efficiency",
                      "mem_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
@@ -124,7 +143,10 @@ class Hardware:
 
     def gemm_efficiency(self, m: float, k: float, n: float) -> float:
         """Fraction of ``gemm_flops`` an m x k x n GEMM reaches (module doc)."""
-        return self.gemm_max_efficiency / (1 + self.m0 / m + self.n0 / n + self.k0 / k)
+        e = self.gemm_max_efficiency / (1 + self.m0 / m + self.n0 / n + self.k0 / k)
+        if m < self.narrow_rows:
+            e *= min(1.0, self.narrow_efficiency * (k * n / NARROW_KN) ** -self.narrow_decay)
+        return e
 
     def clock_factor(self) -> float:
         """Compute speed under ``power_limit_w`` relative to ``tdp_w``: dynamic power goes as
@@ -276,9 +298,13 @@ PRESETS: dict[str, Hardware] = {
     # 0.90 (0.87) x K/(K + 300) of gemm_flops for K mean keys per query row. A GEMM into a
     # fresh output of 32-64 MiB took 0.38-0.45 s/GB longer than into a reused one (2026-12-02,
     # scripts/first_touch.py and docs/sim-vs-measured.md): first_touch_bandwidth 2.4 GB/s.
+    # GEMMs of 64-160 rows ran at a flat 100-125 GFLOP/s against 150-175 from 192 rows up,
+    # walking slices of a [2048, K] buffer on both cores at once (2026-12-02, K x N
+    # 1024-4096): narrow_rows 176, narrow_efficiency 0.67 at B of 8 MiB, narrow_decay 0.06.
     "cpu-testbed": Hardware(gemm_flops=92.6e9, link_bandwidth=1.204e9 / 8, link_latency=50e-6,
                             mem_bandwidth=5e9, gemm_max_efficiency=1.0, m0=8.0, n0=8.0,
-                            k0=32.0, interference=0.3, duplex_efficiency=0.75,
+                            k0=32.0, narrow_rows=176.0, narrow_efficiency=0.67,
+                            narrow_decay=0.06, interference=0.3, duplex_efficiency=0.75,
                             collective_efficiency=0.75, host_collective_s=0.65e-3,
                             host_p2p_s=0.0, fifo_per_peer=True,
                             attention_efficiency=(0.90, 0.87), attention_k0=300.0,

@@ -18,7 +18,10 @@ GEMM peak and its row overhead ``m0`` (`Hardware.gemm_efficiency`) so that the m
 exactly both GEMM rates, and its attention efficiency (forward and backward by the same
 factor: the backward is not timed) so that it predicts the attention's. On a CPU gloo group
 `transfer_slowdown` also times the GEMM while the ranks exchange messages, and `fit` sets
-the model's ``interference`` to the slowest rank's slowdown.
+the model's ``interference`` to the slowest rank's slowdown. Where the model has a narrow
+regime (``Hardware.narrow_rows``), `measure` also times two ``NARROW_SHAPES`` GEMMs, slices
+walked through a buffer as a split op's pieces are, and `fit` sets the regime's rate and its
+fall with B's size to predict both.
 
 Why the slowdown: on the emulated cluster the kernel's network stack runs on the rank's own
 core (softirqs, and the inter-processor interrupts that steer packets, each an exit to the
@@ -26,12 +29,15 @@ hypervisor in a VM), and a GEMM beside an exchange at 1 Gbit/s ran 0.26-0.45 slo
 (scripts/transfer_tax.py), varying with the day's machine; the preset's fixed 0.3 left every
 overlapped method's prediction short of the measurement.
 
-Why two GEMMs: on a later day's VM (AMX), a GEMM of 128 rows ran at 0.72-0.80 of one of
+Why more than one GEMM: on a later day's VM (AMX), a GEMM of 128 rows ran at 0.72-0.80 of one of
 1024 rows (K, N 1024-4096; the preset's m0 = 8 gives 0.94), so a model fitted to the large
 GEMM alone rated ``splits=8``'s pieces 20-60 % too fast and ``auto`` split too finely: its
 picks were within 5 % of the best fixed method in 27 of the 36 cells of the K x N sweep; on
 the same measurements, the unfitted preset's picks in 33 and those with m0 fitted in 34
-(docs/sim-vs-measured.md). Why the median: the fastest of 10 was the rate of the machine's
+(docs/sim-vs-measured.md). Fitted to 128 rows, one m0 put 256-row pieces too slow and
+still left 128-row ones with a large B 15-25 % too fast: the rate is a step (flat ~100-125
+GFLOP/s from 64 to 160 rows, 150-175 from 192), not a curve, hence the narrow regime, and
+m0 fitted at 256 rows. Why the median: the fastest of 10 was the rate of the machine's
 best moments, 5-20 % above what the benchmarks' GEMMs sustained; a ~150 ms window at half
 speed covers a few of 20 runs, not half of them. The rest stays the model's: memory
 bandwidth (a fit that counts the page faults of new buffers; a probe
@@ -42,6 +48,7 @@ fit that one probe message would not improve).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -49,7 +56,10 @@ from commfuse.sim.hardware import Hardware  # (torch is imported where a device 
 
 # per device type: ~30 ms of a CPU core for the GEMM and the attention, ~1 ms of an H100
 GEMM_SHAPE = {"cpu": (1024, 1024, 2048), "cuda": (8192, 8192, 8192)}
-SMALL_GEMM_SHAPE = {"cpu": (128, 1024, 2048), "cuda": (1024, 8192, 8192)}  # fewer rows only
+SMALL_GEMM_SHAPE = {"cpu": (256, 1024, 2048), "cuda": (1024, 8192, 8192)}  # fewer rows only
+# where the model has a narrow regime (`Hardware.narrow_rows`): two narrow GEMMs, B of
+# NARROW_KN elements and of 4x that, for its rate and how it falls with B's size
+NARROW_SHAPES = {"cpu": ((128, 1024, 2048), (128, 2048, 4096)), "cuda": ()}
 ATTENTION_SHAPE = {"cpu": (1, 4, 2048, 64), "cuda": (4, 32, 4096, 128)}  # B, H, S, d
 REPEATS = 20
 
@@ -67,10 +77,15 @@ class Rates:
     interference: float | None = None
     """How much longer the ``GEMM_SHAPE`` GEMM takes while the rank exchanges messages with
     its neighbours (`transfer_slowdown`); None: not timed (the model's is kept)."""
+    narrow_flops: tuple | None = None
+    """flop/s of each ``NARROW_SHAPES`` GEMM; None: not timed (the model's narrow regime is
+    kept)."""
 
     def line(self) -> str:
-        small = f" ({self.small_gemm_flops / 1e9:.1f} at 1/8 the rows)" \
+        small = f" ({self.small_gemm_flops / 1e9:.1f} at fewer rows)" \
             if self.small_gemm_flops else ""
+        if self.narrow_flops:
+            small += " (narrow: " + ", ".join(f"{r / 1e9:.1f}" for r in self.narrow_flops) + ")"
         attn = f", attention {self.attention_flops / 1e9:.1f} GFLOP/s" \
             if self.attention_flops else ""
         slow = "" if self.interference is None else \
@@ -106,9 +121,10 @@ def attention_flops(B: int, H: int, S: int, d: int) -> float:
     return 4.0 * B * H * d * S * (S + 1) / 2
 
 
-def measure(device="cpu", dtype=None, attention: bool = True, repeats: int = REPEATS) -> Rates:
+def measure(device="cpu", dtype=None, attention: bool = True, repeats: int = REPEATS,
+            narrow: bool = False) -> Rates:
     """This device's `Rates` in ``dtype`` (default float32; ``attention``: time the fused
-    attention kernel too)."""
+    attention kernel too; ``narrow``: the ``NARROW_SHAPES`` GEMMs too)."""
     import torch
     import torch.nn.functional as F
 
@@ -128,7 +144,13 @@ def measure(device="cpu", dtype=None, attention: bool = True, repeats: int = REP
         q, kk, v = rand(B, H, S, d), rand(B, H, S, d), rand(B, H, S, d)
         attn = attention_flops(B, H, S, d) / _median_s(
             lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True), device, repeats)
-    return Rates(gemm, attn, small)
+    rates = []
+    for mn, kn, nn in NARROW_SHAPES[key] if narrow else ():
+        x, w = rand(8 * mn, kn), rand(kn, nn)  # slices walked through a buffer, as pieces are
+        slices = [x[i:i + mn] for i in range(0, 8 * mn, mn)]
+        t = _median_s(lambda: [s @ w for s in slices], device, max(3, repeats // 4))
+        rates.append(2.0 * mn * kn * nn * len(slices) / t)
+    return Rates(gemm, attn, small, narrow_flops=tuple(rates) or None)
 
 
 EXCHANGE_S = 0.25  # how long `transfer_slowdown`'s messages stream, at the model's link rate
@@ -217,6 +239,15 @@ def fit(hw: Hardware, rates: Rates, device_type: str = "cpu") -> Hardware:
         out = replace(out, m0=max(0.0, (r - r_s) * (1 + c) / (r_s / m_s - r / m)))
     gemm = rates.gemm_flops * out.gemm_time(m, k, n) / (2.0 * m * k * n)  # ratio to the model's
     out = replace(out, gemm_flops=out.gemm_flops * gemm)
+    if rates.narrow_flops and out.narrow_rows:
+        # each narrow rate over the wide formula's at its shape: the regime's factor at
+        # NARROW_KN, and its power law in k n from the two
+        wide = replace(out, narrow_rows=0.0)
+        (f1, kn1), (f2, kn2) = ((r * wide.gemm_time(ms, ks, ns) / (2.0 * ms * ks * ns), ks * ns)
+                                for r, (ms, ks, ns) in zip(rates.narrow_flops,
+                                                           NARROW_SHAPES[key]))
+        out = replace(out, narrow_efficiency=min(1.0, f1),
+                      narrow_decay=max(0.0, math.log(f1 / f2) / math.log(kn2 / kn1)))
     if rates.attention_flops and out.attention_efficiency[0]:
         B, H, S, d = ATTENTION_SHAPE[key]
         flops = attention_flops(B, H, S, d)
@@ -235,11 +266,13 @@ def probe(hw: Hardware, group=None, device="cpu", dtype=None) -> tuple[Hardware,
     import torch.distributed as dist
 
     device = torch.device(device)
-    rates = measure(device, dtype, attention=bool(hw.attention_efficiency[0]))
+    rates = measure(device, dtype, attention=bool(hw.attention_efficiency[0]),
+                    narrow=bool(hw.narrow_rows))
     slowdown = transfer_slowdown(hw, group, dtype) if device.type == "cpu" else None
     # the slowest rank's of each (the slowdown negated: its largest; NONE where not timed)
+    narrow = rates.narrow_flops or (0.0,) * len(NARROW_SHAPES[_key(device.type)])
     values = [rates.gemm_flops, rates.attention_flops or 0.0, rates.small_gemm_flops or 0.0,
-              _NONE if slowdown is None else -slowdown]
+              _NONE if slowdown is None else -slowdown, *narrow]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         t = torch.tensor(values, dtype=torch.float64,
                          device=device if dist.get_backend(group) == "nccl" else "cpu")
@@ -247,11 +280,13 @@ def probe(hw: Hardware, group=None, device="cpu", dtype=None) -> tuple[Hardware,
         values = t.tolist()
     g, a, s = (float(f"{v:.3g}") for v in values[:3])
     slowdown = None if values[3] >= _NONE else round(-values[3], 2)
-    rates = Rates(g, a or None, s or None, slowdown)
+    narrow = tuple(float(f"{v:.3g}") for v in values[4:])
+    rates = Rates(g, a or None, s or None, slowdown, narrow if all(narrow) else None)
     return fit(hw, rates, device.type), rates
 
 
-FITTED = ("gemm_flops", "m0", "attention_efficiency", "interference")  # what `fit` changes
+FITTED = ("gemm_flops", "m0", "attention_efficiency", "interference", "narrow_efficiency",
+          "narrow_decay")  # what `fit` changes
 
 
 def fitted_fields(hw: Hardware) -> dict:
