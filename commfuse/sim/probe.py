@@ -144,13 +144,18 @@ def measure(device="cpu", dtype=None, attention: bool = True, repeats: int = REP
         q, kk, v = rand(B, H, S, d), rand(B, H, S, d), rand(B, H, S, d)
         attn = attention_flops(B, H, S, d) / _median_s(
             lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True), device, repeats)
-    rates = []
-    for mn, kn, nn in NARROW_SHAPES[key] if narrow else ():
-        x, w = rand(8 * mn, kn), rand(kn, nn)  # slices walked through a buffer, as pieces are
-        slices = [x[i:i + mn] for i in range(0, 8 * mn, mn)]
-        t = _median_s(lambda: [s @ w for s in slices], device, max(3, repeats // 4))
-        rates.append(2.0 * mn * kn * nn * len(slices) / t)
-    return Rates(gemm, attn, small, narrow_flops=tuple(rates) or None)
+    narrow_rates = tuple(_walked_rate(rand(8 * mn, kn), rand(kn, nn), mn, device,
+                                      max(3, repeats // 4))
+                         for mn, kn, nn in (NARROW_SHAPES[key] if narrow else ()))
+    return Rates(gemm, attn, small, narrow_flops=narrow_rates or None)
+
+
+def _walked_rate(x, w, rows: int, device, repeats: int) -> float:
+    """flop/s of ``rows``-row slices of ``x`` times ``w``, the slices walked through ``x`` one
+    after another as a split op's pieces are."""
+    slices = [x[i:i + rows] for i in range(0, x.shape[0] - rows + 1, rows)]
+    t = _median_s(lambda: [s @ w for s in slices], device, repeats)
+    return 2.0 * rows * x.shape[1] * w.shape[1] * len(slices) / t
 
 
 EXCHANGE_S = 0.25  # how long `transfer_slowdown`'s messages stream, at the model's link rate
