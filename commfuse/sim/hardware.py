@@ -35,6 +35,11 @@ class Hardware:
     """Fixed cost of every point-to-point transfer and of every step of a collective (s)."""
     mem_bandwidth: float = 1e12
     """Memory bandwidth for elementwise adds (Reduce steps): an add of b bytes moves 3b (s)."""
+    add_bandwidth: float = 0.0
+    """Memory bandwidth of a split op's reduce adds (its pieces, into a buffer the op writes
+    once), same accounting as ``mem_bandwidth``; 0: ``mem_bandwidth``. On the CPU testbed
+    ``mem_bandwidth`` is a fit that counts fresh buffers' page faults, which the op model
+    charges on its own (``first_touch_bandwidth``)."""
     gemm_max_efficiency: float = 1.0
     """Fraction of ``gemm_flops`` that a large GEMM reaches (0..1]."""
     m0: float = 0.0
@@ -117,7 +122,8 @@ class Hardware:
         for name in ("gemm_flops", "link_bandwidth", "mem_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("link_latency", "m0", "n0", "k0", "narrow_rows", "narrow_decay",
+        for name in ("link_latency", "add_bandwidth", "m0", "n0", "k0", "narrow_rows",
+                     "narrow_decay",
                      "interference", "host_collective_s",
                      "host_p2p_s", "first_touch_bandwidth", "first_touch_bytes"):
             if not getattr(self, name) >= 0:
@@ -179,7 +185,8 @@ class Hardware:
 
     def add_time(self, nbytes: float, rank: int = 0) -> float:
         """Seconds to add two tensors of ``nbytes`` each into a third on ``rank``."""
-        return 3.0 * nbytes / self.mem_bandwidth * self.compute_straggler.get(rank, 1.0)
+        return 3.0 * nbytes / (self.add_bandwidth or self.mem_bandwidth) \
+            * self.compute_straggler.get(rank, 1.0)
 
     def copy_time(self, nbytes: float, rank: int = 0) -> float:
         """Seconds to copy ``nbytes`` into a freshly allocated buffer on ``rank`` (2 x bytes
@@ -301,9 +308,11 @@ PRESETS: dict[str, Hardware] = {
     # GEMMs of 64-160 rows ran at a flat 100-125 GFLOP/s against 150-175 from 192 rows up,
     # walking slices of a [2048, K] buffer on both cores at once (2026-12-02, K x N
     # 1024-4096): narrow_rows 176, narrow_efficiency 0.67 at B of 8 MiB, narrow_decay 0.06.
+    # Adds of [128-2048, 1024-4096] pieces walked through distinct buffers into a reused
+    # output ran at 15-26 GB/s (3x the bytes; 16-18 at 16-32 MiB): add_bandwidth 17 GB/s.
     "cpu-testbed": Hardware(gemm_flops=92.6e9, link_bandwidth=1.204e9 / 8, link_latency=50e-6,
-                            mem_bandwidth=5e9, gemm_max_efficiency=1.0, m0=8.0, n0=8.0,
-                            k0=32.0, narrow_rows=176.0, narrow_efficiency=0.67,
+                            mem_bandwidth=5e9, add_bandwidth=17e9, gemm_max_efficiency=1.0,
+                            m0=8.0, n0=8.0, k0=32.0, narrow_rows=176.0, narrow_efficiency=0.67,
                             narrow_decay=0.06, interference=0.3, duplex_efficiency=0.75,
                             collective_efficiency=0.75, host_collective_s=0.65e-3,
                             host_p2p_s=0.0, fifo_per_peer=True,
