@@ -123,9 +123,8 @@ class Hardware:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("link_latency", "add_bandwidth", "m0", "n0", "k0", "narrow_rows",
-                     "narrow_decay",
-                     "interference", "host_collective_s",
-                     "host_p2p_s", "first_touch_bandwidth", "first_touch_bytes"):
+                     "narrow_decay", "interference", "host_collective_s", "host_p2p_s",
+                     "first_touch_bandwidth", "first_touch_bytes"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("memory_gib", "tdp_w", "power_limit_w"):
@@ -138,8 +137,7 @@ class Hardware:
             raise ValueError(f"attention_efficiency must be (forward, backward) in [0, 1], got "
                              f"{self.attention_efficiency!r}")
         for name in ("gemm_max_efficiency", "narrow_efficiency", "duplex_efficiency",
-                     "collective_efficiency",
-                     "mem_efficiency"):
+                     "collective_efficiency", "mem_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         for name in ("compute_straggler", "link_straggler"):

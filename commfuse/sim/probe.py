@@ -227,7 +227,10 @@ def fit(hw: Hardware, rates: Rates, device_type: str = "cpu") -> Hardware:
     """``hw`` with its GEMM peak, row overhead m0 (where ``rates`` has the small GEMM) and
     attention efficiency set so that it predicts ``rates`` for the probe's shapes on
     ``device_type`` (the rest unchanged). m0 is kept >= 0: a small GEMM measured as fast as
-    the large one (or faster) gives m0 = 0 and a peak fitted to the large one."""
+    the large one (or faster) gives m0 = 0 and a peak fitted to the large one. Where ``hw``
+    has a narrow regime and ``rates`` the narrow GEMMs, its efficiency and decay are set to
+    predict both (the efficiency capped at 1, the decay kept >= 0: a narrow GEMM is never
+    modelled faster than the wide formula)."""
     small = rates.small_gemm_flops
     for name, v in (("gemm_flops", rates.gemm_flops), ("small_gemm_flops", small)):
         if v is not None and not v > 0:
