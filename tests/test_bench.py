@@ -28,6 +28,8 @@ def test_measure_reports_every_method_and_a_trace(tmp_path, name, backward):
     for m in r["methods"]:
         assert m["p10_ms"] <= m["median_ms"] <= m["p90_ms"]
         assert m["compute_ms"] > 0 and m["exposed_ms"] == pytest.approx(m["median_ms"] - m["compute_ms"])
+        assert len(m["samples_ms"]) == 2  # one per iteration, the median of them reported
+        assert sorted(m["samples_ms"])[0] <= m["median_ms"] <= sorted(m["samples_ms"])[1]
     assert r["methods"][0]["vs_none"] == 1.0
     assert r["limit_ms"] > 0 and r["comm_alone_ms"] > 0
     paths = report.save([r], {"title": "test"}, str(tmp_path), "t")

@@ -135,7 +135,10 @@ def test_calibrate_alone_sets_the_model_that_choices_are_made_on():
     assert auto._hardware("cpu") is hw
     assert _rate(hw) == pytest.approx(rates.gemm_flops, rel=1e-9)
     assert _attention_rate(hw) == pytest.approx(rates.attention_flops, rel=1e-9)
-    assert _rate(hw, SMALL) == pytest.approx(rates.small_gemm_flops, rel=1e-9)
+    if hw.m0 > 0:  # (m0 >= 0: a small GEMM measured as fast per row, or faster, gives 0)
+        assert _rate(hw, SMALL) == pytest.approx(rates.small_gemm_flops, rel=1e-9)
+    else:
+        assert _rate(hw, SMALL) <= rates.small_gemm_flops * (1 + 1e-9)
     # (a narrow regime never faster than the wide formula: with more threads it can be)
     assert _rate(hw, NARROW[0]) == pytest.approx(min(
         rates.narrow_flops[0], _rate(hw.with_(narrow_rows=0.0), NARROW[0])), rel=1e-9)
@@ -215,3 +218,24 @@ def test_a_runs_fitted_fields_round_trip_through_json():
     meta = json.loads(json.dumps({"title": "a run", **probe.fitted_fields(fast)}))
     assert probe.from_fields(meta, hw) == fast
     assert probe.from_fields({"gemm_flops": 1e11}, hw) == hw.with_(gemm_flops=1e11)  # older file
+
+
+def test_rounds_run_each_kernels_runs_back_to_back_in_a_rotated_order():
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    out = probe._rounds(fns, torch.device("cpu"), 2, {"a": 2, "b": 1})
+    assert calls == list("aaabb" "bbaaa")  # a warm-up, then the timed runs; order rotated
+    assert {name: len(t) for name, t in out.items()} == {"a": 2, "b": 2}  # a median per round
+
+
+def test_a_slow_round_moves_no_ratio_between_kernels():
+    # the small kernel takes 1.25x the large one's time per flop in every round; in the
+    # second of three rounds everything runs at a third of the speed
+    flops = {"gemm": 4e9, "small": 1e9}
+    times = {"gemm": [0.04, 0.12, 0.04], "small": [0.0125, 0.0375, 0.0125]}
+    rates = probe._paired_rates(times, flops, "gemm")
+    assert rates["gemm"] == pytest.approx(1e11)
+    assert rates["small"] == pytest.approx(0.8e11)
+    # with the slow spell on the small kernel's runs alone, its ratio is the fast rounds'
+    times["small"] = [0.0125, 0.0125, 0.0375]
+    assert probe._paired_rates(times, flops, "gemm")["small"] == pytest.approx(0.8e11)

@@ -9,7 +9,8 @@ For one workload at one size, each iteration times, in an order rotated every it
 - the *testbed limit*: those same collectives launched first, then ``none``'s compute run
   with no dependency on them, then waited: what this testbed allows (docs/design.md).
 A step's time is the slowest rank's; medians and the 10th-90th percentile spread over
-iterations are reported. One more iteration per method is traced for the timeline.
+iterations are reported, and each iteration's time (``samples_ms``, in iteration order: two
+methods' i-th samples ran within one iteration, for paired ratios on a noisy machine). One more iteration per method is traced for the timeline.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def _summarise(name, seq, d, dtype, backward, variants, gathered, ffn) -> dict:
     for label in variants:
         st, c = _stats(slowest[("step", label)]), _stats(slowest[("compute", label)])["median_ms"]
         t = st["median_ms"]
-        row = {"method": label, **st, "compute_ms": c, "exposed_ms": t - c}
+        row = {"method": label, **st, "compute_ms": c, "exposed_ms": t - c,
+               "samples_ms": [1e3 * x for x in slowest[("step", label)]]}
         if t_none is not None:
             row["vs_none"] = t / t_none
             row["hidden"] = _frac(t_none - t, t_none - c)

@@ -11,7 +11,9 @@ the compute beside a transfer takes.
 `measure` times, on this rank's device and in the run's dtype, two GEMMs (``GEMM_SHAPE`` and
 ``SMALL_GEMM_SHAPE``, the same but for fewer rows, as a finely split op's pieces have) and
 (where the model times attention as a fused kernel) one causal attention of
-``ATTENTION_SHAPE``, each the median of ``REPEATS`` runs after two warm-ups. `probe` takes the
+``ATTENTION_SHAPE``, ``REPEATS`` runs of each in ``ROUNDS`` rounds (each round runs every
+kernel's runs back to back, after a warm-up): the large GEMM's rate is its median, each
+other kernel's is set by the median of its ratio to the large GEMM within a round. `probe` takes the
 slowest rank's rate of each (one all-reduce of MIN over the group, 3 significant digits, so
 that every rank holds the same model and makes the same choices) and `fit` sets the model's
 GEMM peak and its row overhead ``m0`` (`Hardware.gemm_efficiency`) so that the model predicts
@@ -39,7 +41,11 @@ still left 128-row ones with a large B 15-25 % too fast: the rate is a step (fla
 GFLOP/s from 64 to 160 rows, 150-175 from 192), not a curve, hence the narrow regime, and
 m0 fitted at 256 rows. Why the median: the fastest of 10 was the rate of the machine's
 best moments, 5-20 % above what the benchmarks' GEMMs sustained; a ~150 ms window at half
-speed covers a few of 20 runs, not half of them. The rest stays the model's: memory
+speed covers a few of 20 runs, not half of them. Why rounds: on a later day's VM, spells
+of seconds at half speed (GEMMs at 50-90 GFLOP/s, 140-150 an hour later); timed one kernel's
+runs after another's, 2 of 8 probes in a row put such a spell on one kernel alone (the large
+GEMM at 76 GFLOP/s against 138-152, which sets the peak; the small one at 95, which fitted
+m0 = 257 where the others gave 0-14). The rest stays the model's: memory
 bandwidth (a fit that counts the page faults of new buffers; a probe
 add of cache-sized tensors ran at 14-26 GB/s, four times what the prefill's adds get), host
 time per launch, and the links (a link's rate is the network's, and its efficiencies are a
@@ -49,6 +55,7 @@ fit that one probe message would not improve).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, replace
 
@@ -62,6 +69,7 @@ SMALL_GEMM_SHAPE = {"cpu": (256, 1024, 2048), "cuda": (1024, 8192, 8192)}  # few
 NARROW_SHAPES = {"cpu": ((128, 1024, 2048), (128, 2048, 4096)), "cuda": ()}
 ATTENTION_SHAPE = {"cpu": (1, 4, 2048, 64), "cuda": (4, 32, 4096, 128)}  # B, H, S, d
 REPEATS = 20
+ROUNDS = 4  # `measure`'s REPEATS runs in that many rounds (`_rounds`)
 
 
 @dataclass(frozen=True)
@@ -94,20 +102,38 @@ class Rates:
 
 
 def _median_s(fn, device, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after two warm-ups (module doc: on
-    the CPU testbed a run of ~150 ms now and then goes at half speed, on either rank)."""
+    """Median seconds of ``fn()`` over ``repeats`` runs after two warm-ups."""
+    return _rounds({"fn": fn}, device, 1, {"fn": repeats}, warmups=2)["fn"][0]
+
+
+def _rounds(fns: dict, device, rounds: int, runs: dict, warmups: int = 1
+            ) -> dict[str, list[float]]:
+    """Per function of ``fns``, the median seconds of its ``runs[name]`` runs (after
+    ``warmups`` untimed) in each of ``rounds`` rounds; every round runs each function's runs
+    back to back, the functions in an order rotated every round. In rounds, not all of one
+    kernel's runs before the next's: on the CPU testbed the machine runs for seconds at
+    half speed now and then (module doc), which then fell on one kernel's runs and not
+    another's (a small GEMM measured faster per row than the large one, m0 fitted to 0, or
+    to 250); in rounds such a spell slows one round's kernels alike. Back to back within a
+    round, as a split op's pieces run: one run of each kernel in turn measured the small
+    GEMM 5-23 % slower against the large one (8 probes), runs in a row 0-4 % (7 of 8)."""
     import torch
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(repeats + 2):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        if i >= 2:  # the first runs warm the allocator and the kernel
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    names, out = list(fns), {name: [] for name in fns}
+    for i in range(rounds):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            times = []
+            for j in range(warmups + runs[name]):
+                sync()
+                t0 = time.perf_counter()
+                fns[name]()
+                sync()
+                if j >= warmups:  # the first runs warm the allocator, the kernel, the cache
+                    times.append(time.perf_counter() - t0)
+            out[name].append(statistics.median(times))
+    return out
 
 
 def _key(device_type: str) -> str:
@@ -124,7 +150,11 @@ def attention_flops(B: int, H: int, S: int, d: int) -> float:
 def measure(device="cpu", dtype=None, attention: bool = True, repeats: int = REPEATS,
             narrow: bool = False) -> Rates:
     """This device's `Rates` in ``dtype`` (default float32; ``attention``: time the fused
-    attention kernel too; ``narrow``: the ``NARROW_SHAPES`` GEMMs too)."""
+    attention kernel too; ``narrow``: the ``NARROW_SHAPES`` GEMMs too): ``repeats`` runs of
+    each in `ROUNDS` rounds (`_rounds`; a narrow walk once a round). The large GEMM's rate is
+    the median of its rounds'; each other kernel's is the large one's times the median over
+    rounds of their ratio within a round, so a slow spell over a round moves neither m0 nor
+    the narrow regime's fit."""
     import torch
     import torch.nn.functional as F
 
@@ -135,30 +165,41 @@ def measure(device="cpu", dtype=None, attention: bool = True, repeats: int = REP
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)
     m, k, n = GEMM_SHAPE[key]
     a, b = rand(m, k), rand(k, n)
-    gemm = 2.0 * m * k * n / _median_s(lambda: a @ b, device, repeats)
     ms = SMALL_GEMM_SHAPE[key][0]
-    small = 2.0 * ms * k * n / _median_s(lambda: a[:ms] @ b, device, repeats)
-    attn = None
+    fns, flops = {"gemm": lambda: a @ b, "small": lambda: a[:ms] @ b}, {"gemm": 2.0 * m * k * n,
+                                                                       "small": 2.0 * ms * k * n}
     if attention:
         B, H, S, d = ATTENTION_SHAPE[key]
         q, kk, v = rand(B, H, S, d), rand(B, H, S, d), rand(B, H, S, d)
-        attn = attention_flops(B, H, S, d) / _median_s(
-            lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True), device, repeats)
-    narrow_rates = tuple(_walked_rate(rand(8 * mn, kn), rand(kn, nn), mn, device,
-                                      max(3, repeats // 4))
-                         for mn, kn, nn in (NARROW_SHAPES[key] if narrow else ()))
-    return Rates(gemm, attn, small, narrow_flops=narrow_rates or None)
+        fns["attention"] = lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True)
+        flops["attention"] = attention_flops(B, H, S, d)
+    for i, (mn, kn, nn) in enumerate(NARROW_SHAPES[key] if narrow else ()):
+        fns[f"narrow{i}"], flops[f"narrow{i}"] = _walk(rand(8 * mn, kn), rand(kn, nn), mn)
+    rounds = min(ROUNDS, repeats)
+    runs = {name: 1 if name.startswith("narrow") else max(1, repeats // rounds) for name in fns}
+    rate = _paired_rates(_rounds(fns, device, rounds, runs), flops, "gemm")
+    gemm = rate["gemm"]
+    narrow_rates = tuple(rate[name] for name in fns if name.startswith("narrow"))
+    return Rates(gemm, rate.get("attention"), rate["small"], narrow_flops=narrow_rates or None)
 
 
-def _walked_rate(x, w, rows: int, device, repeats: int) -> float:
-    """flop/s of ``rows``-row slices of ``x`` times ``w``, the slices walked through ``x`` one
-    after another as a split op's pieces are."""
+def _paired_rates(times: dict, flops: dict, ref: str) -> dict[str, float]:
+    """flop/s per kernel from its seconds per round (`_rounds`): ``ref``'s from the median of
+    its rounds, every other's from ``ref``'s and the median of their ratio within a round."""
+    r = flops[ref] / statistics.median(times[ref])
+    return {name: r * statistics.median(g / t for g, t in zip(times[ref], times[name]))
+            * flops[name] / flops[ref] for name in times}
+
+
+def _walk(x, w, rows: int):
+    """(a function multiplying ``rows``-row slices of ``x`` by ``w``, the slices walked through
+    ``x`` one after another as a split op's pieces are; its flops)."""
     slices = [x[i:i + rows] for i in range(0, x.shape[0] - rows + 1, rows)]
-    t = _median_s(lambda: [s @ w for s in slices], device, repeats)
-    return 2.0 * rows * x.shape[1] * w.shape[1] * len(slices) / t
+    return (lambda: [s @ w for s in slices]), 2.0 * rows * x.shape[1] * w.shape[1] * len(slices)
 
 
 EXCHANGE_S = 0.25  # how long `transfer_slowdown`'s messages stream, at the model's link rate
+SLOWDOWN_ROUNDS = 3  # in that many turns, each after GEMMs with the link idle
 MESSAGE_BYTES = 4 * 2 ** 20
 _NONE = 1e9  # a figure not timed, in `probe`'s all-reduce of MIN
 
@@ -167,9 +208,10 @@ def transfer_slowdown(hw: Hardware, group=None, dtype=None) -> float | None:
     """The model's ``interference`` measured on this rank: the ``GEMM_SHAPE`` GEMM's median
     time while the rank sends 4 MiB messages to the next rank of ``group`` and receives them
     from the previous one (both directions at once, as the ops' exchanges run), over its
-    median with the link idle, minus 1. About `EXCHANGE_S` of messages at ``hw``'s link rate
-    move on a background thread over the communicators the ops use
-    (`commfuse.runtime.gloo.duplex`). Collective over a CPU gloo ``group`` of 2 or more ranks;
+    median with the link idle just before, minus 1: the median of `SLOWDOWN_ROUNDS` such
+    turns (a slow spell of the machine slows one turn's GEMMs alike, idle and busy). About
+    `EXCHANGE_S` of messages at ``hw``'s link rate in all move on a background thread over
+    the communicators the ops use (`commfuse.runtime.gloo.duplex`). Collective over a CPU gloo ``group`` of 2 or more ranks;
     None for any other group (on a GPU the copy engine and NIC move the bytes: the preset's
     figure stays) and where no GEMM ran whole beside the messages (a link far faster than
     the model's)."""
@@ -192,10 +234,9 @@ def transfer_slowdown(hw: Hardware, group=None, dtype=None) -> float | None:
     m, k, n = GEMM_SHAPE["cpu"]
     a, b = (torch.randn(*shape, generator=gen).to(dtype or torch.float32)
             for shape in ((m, k), (k, n)))
-    idle = _median_s(lambda: a @ b, torch.device("cpu"), 7)
     numel = MESSAGE_BYTES // 4
     sent, got = torch.zeros(numel), torch.empty(numel)
-    count = max(2, round(EXCHANGE_S * hw.link_bandwidth / MESSAGE_BYTES))
+    count = max(3, round(EXCHANGE_S * hw.link_bandwidth / MESSAGE_BYTES / SLOWDOWN_ROUNDS))
     failed = []
 
     def exchange() -> None:
@@ -208,19 +249,24 @@ def transfer_slowdown(hw: Hardware, group=None, dtype=None) -> float | None:
         except Exception as e:  # re-raised below, on the caller's thread
             failed.append(e)
 
-    dist.barrier(group)
-    mover = threading.Thread(target=exchange, name="commfuse-probe-exchange", daemon=True)
-    mover.start()
-    busy = []
-    while mover.is_alive():
-        t0 = time.perf_counter()
-        a @ b
-        if mover.is_alive():  # a GEMM the messages outlived: it ran beside them throughout
-            busy.append(time.perf_counter() - t0)
-    mover.join()
-    if failed:
-        raise failed[0]
-    return sorted(busy)[len(busy) // 2] / idle - 1 if busy else None
+    ratios = []
+    for _ in range(SLOWDOWN_ROUNDS):  # idle GEMMs, then GEMMs beside messages, in turns
+        idle = _median_s(lambda: a @ b, torch.device("cpu"), 3)
+        dist.barrier(group)
+        mover = threading.Thread(target=exchange, name="commfuse-probe-exchange", daemon=True)
+        mover.start()
+        busy = []
+        while mover.is_alive():
+            t0 = time.perf_counter()
+            a @ b
+            if mover.is_alive():  # a GEMM the messages outlived: it ran beside them throughout
+                busy.append(time.perf_counter() - t0)
+        mover.join()
+        if failed:
+            raise failed[0]
+        if busy:
+            ratios.append(statistics.median(busy) / idle - 1)
+    return statistics.median(ratios) if ratios else None
 
 
 def fit(hw: Hardware, rates: Rates, device_type: str = "cpu") -> Hardware:
