@@ -43,13 +43,12 @@ m0 fitted at 256 rows. Why the median: the fastest of 10 was the rate of the mac
 best moments, 5-20 % above what the benchmarks' GEMMs sustained; a ~150 ms window at half
 speed covers a few of 20 runs, not half of them. Why rounds: on a later day's VM, spells
 of seconds at half speed (GEMMs at 50-90 GFLOP/s, 140-150 an hour later); timed one kernel's
-runs after another's, 2 of 8 probes in a row put such a spell on one kernel alone (the large
-GEMM at 76 GFLOP/s against 138-152, which sets the peak; the small one at 95, which fitted
-m0 = 257 where the others gave 0-14). The rest stays the model's: memory
-bandwidth (a fit that counts the page faults of new buffers; a probe
-add of cache-sized tensors ran at 14-26 GB/s, four times what the prefill's adds get), host
-time per launch, and the links (a link's rate is the network's, and its efficiencies are a
-fit that one probe message would not improve).
+runs after another's, 2 of 8 probes in a row put one on one kernel alone (the large GEMM at
+76 GFLOP/s against 138-152; the small one at 95: m0 = 257, the others 0-14). The rest stays
+the model's: memory bandwidth (a fit that counts new buffers' page faults; a probe add of
+cache-sized tensors ran at 14-26 GB/s, four times what the prefill's adds get), host time
+per launch, and the links (a link's rate is the network's, and its efficiencies are a fit
+that one probe message would not improve).
 """
 
 from __future__ import annotations
@@ -101,22 +100,14 @@ class Rates:
         return f"GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s{small}{attn}{slow}"
 
 
-def _median_s(fn, device, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after two warm-ups."""
-    return _rounds({"fn": fn}, device, 1, {"fn": repeats}, warmups=2)["fn"][0]
-
-
 def _rounds(fns: dict, device, rounds: int, runs: dict, warmups: int = 1
             ) -> dict[str, list[float]]:
     """Per function of ``fns``, the median seconds of its ``runs[name]`` runs (after
-    ``warmups`` untimed) in each of ``rounds`` rounds; every round runs each function's runs
-    back to back, the functions in an order rotated every round. In rounds, not all of one
-    kernel's runs before the next's: on the CPU testbed the machine runs for seconds at
-    half speed now and then (module doc), which then fell on one kernel's runs and not
-    another's (a small GEMM measured faster per row than the large one, m0 fitted to 0, or
-    to 250); in rounds such a spell slows one round's kernels alike. Back to back within a
-    round, as a split op's pieces run: one run of each kernel in turn measured the small
-    GEMM 5-23 % slower against the large one (8 probes), runs in a row 0-4 % (7 of 8)."""
+    ``warmups`` untimed) in each of ``rounds`` rounds, which run each function's runs back to
+    back, the functions in an order rotated every round. In rounds, so that a slow spell of
+    the machine (module doc) slows one round's kernels alike, not one kernel's runs alone;
+    back to back, as a split op's pieces run: one run of each kernel in turn measured the
+    small GEMM 5-23 % slower against the large one (8 probes), runs in a row 0-4 % (7 of 8)."""
     import torch
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -211,10 +202,10 @@ def transfer_slowdown(hw: Hardware, group=None, dtype=None) -> float | None:
     median with the link idle just before, minus 1: the median of `SLOWDOWN_ROUNDS` such
     turns (a slow spell of the machine slows one turn's GEMMs alike, idle and busy). About
     `EXCHANGE_S` of messages at ``hw``'s link rate in all move on a background thread over
-    the communicators the ops use (`commfuse.runtime.gloo.duplex`). Collective over a CPU gloo ``group`` of 2 or more ranks;
-    None for any other group (on a GPU the copy engine and NIC move the bytes: the preset's
-    figure stays) and where no GEMM ran whole beside the messages (a link far faster than
-    the model's)."""
+    the communicators the ops use (`commfuse.runtime.gloo.duplex`). Collective over a CPU
+    gloo ``group`` of 2 or more ranks; None for any other group (on a GPU the copy engine
+    and NIC move the bytes: the preset's figure stays) and where no GEMM ran whole beside
+    the messages (a link far faster than the model's)."""
     import threading
     from datetime import timedelta
 
@@ -251,7 +242,7 @@ def transfer_slowdown(hw: Hardware, group=None, dtype=None) -> float | None:
 
     ratios = []
     for _ in range(SLOWDOWN_ROUNDS):  # idle GEMMs, then GEMMs beside messages, in turns
-        idle = _median_s(lambda: a @ b, torch.device("cpu"), 3)
+        idle = _rounds({"gemm": lambda: a @ b}, torch.device("cpu"), 1, {"gemm": 3})["gemm"][0]
         dist.barrier(group)
         mover = threading.Thread(target=exchange, name="commfuse-probe-exchange", daemon=True)
         mover.start()
