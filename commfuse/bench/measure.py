@@ -10,7 +10,8 @@ For one workload at one size, each iteration times, in an order rotated every it
   with no dependency on them, then waited: what this testbed allows (docs/design.md).
 A step's time is the slowest rank's; medians and the 10th-90th percentile spread over
 iterations are reported, and each iteration's time (``samples_ms``, in iteration order: two
-methods' i-th samples ran within one iteration, for paired ratios on a noisy machine). One more iteration per method is traced for the timeline.
+methods' i-th samples ran within one iteration, for paired ratios on a noisy machine). One
+more iteration per method is traced for the timeline.
 """
 
 from __future__ import annotations

@@ -13,17 +13,17 @@ the compute beside a transfer takes.
 (where the model times attention as a fused kernel) one causal attention of
 ``ATTENTION_SHAPE``, ``REPEATS`` runs of each in ``ROUNDS`` rounds (each round runs every
 kernel's runs back to back, after a warm-up): the large GEMM's rate is its median, each
-other kernel's is set by the median of its ratio to the large GEMM within a round. `probe` takes the
-slowest rank's rate of each (one all-reduce of MIN over the group, 3 significant digits, so
-that every rank holds the same model and makes the same choices) and `fit` sets the model's
-GEMM peak and its row overhead ``m0`` (`Hardware.gemm_efficiency`) so that the model predicts
-exactly both GEMM rates, and its attention efficiency (forward and backward by the same
-factor: the backward is not timed) so that it predicts the attention's. On a CPU gloo group
-`transfer_slowdown` also times the GEMM while the ranks exchange messages, and `fit` sets
-the model's ``interference`` to the slowest rank's slowdown. Where the model has a narrow
-regime (``Hardware.narrow_rows``), `measure` also times two ``NARROW_SHAPES`` GEMMs, slices
-walked through a buffer as a split op's pieces are, and `fit` sets the regime's rate and its
-fall with B's size to predict both.
+other kernel's is set by the median of its ratio to the large GEMM within a round. `probe`
+takes the slowest rank's rate of each (one all-reduce of MIN over the group, 3 significant
+digits, so that every rank holds the same model and makes the same choices) and `fit` sets
+the model's GEMM peak and its row overhead ``m0`` (`Hardware.gemm_efficiency`) so that the
+model predicts exactly both GEMM rates, and its attention efficiency (forward and backward
+by the same factor: the backward is not timed) so that it predicts the attention's. On a CPU
+gloo group `transfer_slowdown` also times the GEMM while the ranks exchange messages, and
+`fit` sets the model's ``interference`` to the slowest rank's slowdown. Where the model has
+a narrow regime (``Hardware.narrow_rows``), `measure` also times two ``NARROW_SHAPES``
+GEMMs, slices walked through a buffer as a split op's pieces are, and `fit` sets the
+regime's rate and its fall with B's size to predict both.
 
 Why the slowdown: on the emulated cluster the kernel's network stack runs on the rank's own
 core (softirqs, and the inter-processor interrupts that steer packets, each an exit to the
@@ -100,10 +100,9 @@ class Rates:
         return f"GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s{small}{attn}{slow}"
 
 
-def _rounds(fns: dict, device, rounds: int, runs: dict, warmups: int = 1
-            ) -> dict[str, list[float]]:
-    """Per function of ``fns``, the median seconds of its ``runs[name]`` runs (after
-    ``warmups`` untimed) in each of ``rounds`` rounds, which run each function's runs back to
+def _rounds(fns: dict, device, rounds: int, runs: dict) -> dict[str, list[float]]:
+    """Per function of ``fns``, the median seconds of its ``runs[name]`` runs (after one
+    untimed) in each of ``rounds`` rounds, which run each function's runs back to
     back, the functions in an order rotated every round. In rounds, so that a slow spell of
     the machine (module doc) slows one round's kernels alike, not one kernel's runs alone;
     back to back, as a split op's pieces run: one run of each kernel in turn measured the
@@ -116,12 +115,12 @@ def _rounds(fns: dict, device, rounds: int, runs: dict, warmups: int = 1
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
             times = []
-            for j in range(warmups + runs[name]):
+            for j in range(1 + runs[name]):
                 sync()
                 t0 = time.perf_counter()
                 fns[name]()
                 sync()
-                if j >= warmups:  # the first runs warm the allocator, the kernel, the cache
+                if j:  # the first run warms the allocator, the kernel and the cache
                     times.append(time.perf_counter() - t0)
             out[name].append(statistics.median(times))
     return out
