@@ -9,8 +9,9 @@ the width that moves, N the other GEMM dim; ``commfuse bench op --d-model K --ff
 each wrapped in ``--wrap``, e.g. the CPU lock); ``table`` reads the JSON back and prints, per
 cell: every method's measured median beside the simulator's prediction on the
 ``cpu-testbed`` preset, the method auto ran (the same deterministic choice `commfuse.ops.auto`
-makes, recomputed here), auto against the best fixed method, the fraction of the testbed limit
-reached, and the simulator's worst error.
+makes, recomputed here), auto against the best fixed method (the ratio of medians, and paired:
+the median over iterations of the two in the same iteration, from bench's ``samples_ms``),
+the fraction of the testbed limit reached, and the simulator's worst error.
 
     python scripts/auto_sweep.py run --out docs/benchmarks/2026-12-01-auto-sweep \\
         --wrap /work/bin/cpu-bench
