@@ -52,7 +52,7 @@ def run(a) -> None:
                    "--seq", ",".join(map(str, a.seq)), "--d-model", str(k), "--ffn", str(2 * n),
                    "--pass", "forward", "--methods", ",".join(METHODS), "--iters", str(a.iters),
                    "--warmup", str(a.warmup), "--nproc", "2", "--link", "1gbit", "--no-trace",
-                   "--out", str(out)]
+                   "--out", str(out), *(["--probe-each"] if a.probe_each else [])]
             print("[auto_sweep] " + " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
 
@@ -70,9 +70,10 @@ def _name(method: str, opts: dict) -> str:
 
 
 def file_hardware(meta: dict, name: str):
-    """The hardware model a file's predictions use: preset ``name``, or for "measured" the
-    ``cpu-testbed`` preset with what the run's ``--hardware measured`` fitted at start
-    (`commfuse.sim.probe.from_fields`; the preset's values where the file predates them)."""
+    """The hardware model a result's predictions use: preset ``name``, or for "measured" the
+    ``cpu-testbed`` preset with what the run's ``--hardware measured`` fitted (``meta``: the
+    file's meta, fitted at start, or the result's own fit; `commfuse.sim.probe.from_fields`;
+    the preset's values where the file predates them)."""
     return preset(name) if name != "measured" else from_fields(meta, preset("cpu-testbed"))
 
 
@@ -82,8 +83,10 @@ def cells(paths, hw) -> list[dict]:
     rows = []
     for path in paths:
         data = json.load(open(path))
-        file_hw = file_hardware(data["meta"], hw) if isinstance(hw, str) else hw
         for r in data["results"]:
+            # the fit this result ran on: its own (bench --probe-each), else the run's
+            file_hw = file_hardware(r.get("fitted", data["meta"]), hw) if isinstance(hw, str) \
+                else hw
             shape = op_shape(r)
             K, N = (shape[1], shape[2]) if r["workload"] == "ag_matmul" else (shape[2], shape[1])
             med = {m["method"]: m for m in r["methods"]}
@@ -226,6 +229,8 @@ def main(argv=None) -> None:
     r.add_argument("--timeout", type=int, default=1500, help="seconds per bench op")
     r.add_argument("--wrap", default="", help="command prefix, e.g. /work/bin/cpu-bench")
     r.add_argument("--again", action="store_true", help="rerun cells already measured")
+    r.add_argument("--probe-each", action="store_true", help="bench's --probe-each: the model "
+                   "fitted again before each workload, each result predicted on its own fit")
     r.add_argument("--tag", default="", help="suffix of the cell folders, e.g. --tag=-s4096 "
                    "(a second run of cells already measured)")
     t = sub.add_parser("table", help="markdown tables from the JSON files")

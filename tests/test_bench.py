@@ -97,3 +97,22 @@ def _measure_ffn(rank, world):
     return measure.measure("ag_matmul", 32, 128, torch.float32, False, iters=1, warmup=0,
                            variants=["none", "commfuse-m2"], trace=False, say=lambda m: None,
                            ffn=96)
+
+
+def test_probe_each_fits_the_model_again_before_every_workload(tmp_path):
+    # two workloads on 2 ranks: a fit at start and one more, the same on every rank (a
+    # rank that probed alone would hang the collective), each result with its own fit
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "commfuse.cli", "bench", "op", "--nproc", "2",
+                          "--workloads", "ag_matmul", "--seq", "64,128", "--d-model", "64",
+                          "--pass", "forward", "--iters", "1", "--warmup", "0",
+                          "--methods", "none,auto", "--probe-each", "--no-trace",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("[bench] hardware model:") == 2
+    results = json.load(open(tmp_path / "op-2r.json"))["results"]
+    assert [r["seq"] for r in results] == [64, 128]
+    for r in results:
+        assert r["hardware"].startswith("hardware model:") and r["fitted"]["gemm_flops"] > 0

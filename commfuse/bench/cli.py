@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
     p.add_argument("--no-trace", dest="trace", action="store_false",
                    help="skip the Chrome/Perfetto trace of one iteration per method")
     add_hardware_flag(p)
+    p.add_argument("--probe-each", action="store_true",
+                   help="with --hardware measured: fit the model again before each workload, "
+                        "not once at start, so that predictions and auto's choices follow a "
+                        "machine whose speed drifts over a long run (each result records its "
+                        "fit; ~3 s a workload)")
     p.add_argument("--out", default="bench-out", help="folder for JSON, PNG and traces "
                    "(default ./bench-out)")
     cluster.add_cluster_options(p)
@@ -108,7 +113,7 @@ def _worker(args, names: list[str], seqs: list[int]) -> int:
         f"{args.iters} iterations after {args.warmup} warm-up, methods interleaved")
     hw, line = use_hardware(args.hardware, torch.empty(0, dtype=dtype))
     say(f"[bench] {line}")
-    results = []
+    results, done = [], 0  # (results on rank 0 only; done on every rank)
     for name in names:
         for seq in seqs:
             for backward in passes:
@@ -116,12 +121,16 @@ def _worker(args, names: list[str], seqs: list[int]) -> int:
                     continue
                 say(f"[bench] {name} seq {seq} {'forward+backward' if backward else 'forward'} "
                     f"({len(results) + 1} of about {len(names) * len(seqs) * len(passes)})")
+                if args.probe_each and args.hardware == "measured" and done:  # every rank
+                    hw, line = use_hardware(args.hardware, torch.empty(0, dtype=dtype))
+                    say(f"[bench] {line}")
                 r = measure.measure(name, seq, args.d_model, dtype, backward, args.iters,
                                     args.warmup, args.methods.split(","), args.trace, say,
                                     args.ffn)
+                done += 1
                 if r is not None:
                     say(report.table(r) + "\n")
-                    results.append(r)
+                    results.append({**r, "hardware": line, "fitted": fitted_fields(hw)})
     if rank == 0:
         meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                 "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
