@@ -114,5 +114,9 @@ def test_probe_each_fits_the_model_again_before_every_workload(tmp_path):
     assert out.stdout.count("[bench] hardware model:") == 2
     results = json.load(open(tmp_path / "op-2r.json"))["results"]
     assert [r["seq"] for r in results] == [64, 128]
+    preset = subprocess.run([sys.executable, "-m", "commfuse.cli", "bench", "op",
+                             "--probe-each", "--hardware", "cpu-testbed"],
+                            capture_output=True, text=True, timeout=120)
+    assert preset.returncode != 0 and "--probe-each" in preset.stderr
     for r in results:
         assert r["hardware"].startswith("hardware model:") and r["fitted"]["gemm_flops"] > 0

@@ -79,6 +79,9 @@ def run(args) -> int:
     if args.ffn is not None and (args.ffn <= 0 or args.ffn % args.nproc):
         raise SystemExit(f"commfuse bench: --ffn must be > 0 and divisible by --nproc "
                          f"({args.nproc}), got {args.ffn}")
+    if args.probe_each and args.hardware != "measured":
+        raise SystemExit(f"commfuse bench: --probe-each fits the model at each workload, which "
+                         f"--hardware {args.hardware} (a preset, used as it is) rules out")
     if any(s % args.nproc for s in seqs):
         raise SystemExit(f"commfuse bench: every --seq must be divisible by --nproc ({args.nproc})")
     if "RANK" in os.environ:  # a rank: launched by us, by `commfuse launch` or by torchrun
