@@ -124,7 +124,7 @@ def _worker(args, names: list[str], seqs: list[int]) -> int:
                     continue
                 say(f"[bench] {name} seq {seq} {'forward+backward' if backward else 'forward'} "
                     f"({len(results) + 1} of about {len(names) * len(seqs) * len(passes)})")
-                if args.probe_each and args.hardware == "measured" and done:  # every rank
+                if args.probe_each and done:  # (`run` took --hardware measured; every rank)
                     hw, line = use_hardware(args.hardware, torch.empty(0, dtype=dtype))
                     say(f"[bench] {line}")
                 r = measure.measure(name, seq, args.d_model, dtype, backward, args.iters,

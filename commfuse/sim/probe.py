@@ -156,8 +156,8 @@ def measure(device="cpu", dtype=None, attention: bool = True, repeats: int = REP
     m, k, n = GEMM_SHAPE[key]
     a, b = rand(m, k), rand(k, n)
     ms = SMALL_GEMM_SHAPE[key][0]
-    fns, flops = {"gemm": lambda: a @ b, "small": lambda: a[:ms] @ b}, {"gemm": 2.0 * m * k * n,
-                                                                       "small": 2.0 * ms * k * n}
+    fns = {"gemm": lambda: a @ b, "small": lambda: a[:ms] @ b}
+    flops = {"gemm": 2.0 * m * k * n, "small": 2.0 * ms * k * n}
     if attention:
         B, H, S, d = ATTENTION_SHAPE[key]
         q, kk, v = rand(B, H, S, d), rand(B, H, S, d), rand(B, H, S, d)
@@ -168,9 +168,9 @@ def measure(device="cpu", dtype=None, attention: bool = True, repeats: int = REP
     rounds = min(ROUNDS, repeats)
     runs = {name: 1 if name.startswith("narrow") else max(1, repeats // rounds) for name in fns}
     rate = _paired_rates(_rounds(fns, device, rounds, runs), flops, "gemm")
-    gemm = rate["gemm"]
     narrow_rates = tuple(rate[name] for name in fns if name.startswith("narrow"))
-    return Rates(gemm, rate.get("attention"), rate["small"], narrow_flops=narrow_rates or None)
+    return Rates(rate["gemm"], rate.get("attention"), rate["small"],
+                 narrow_flops=narrow_rates or None)
 
 
 def _paired_rates(times: dict, flops: dict, ref: str) -> dict[str, float]:
