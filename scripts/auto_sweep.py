@@ -77,45 +77,55 @@ def file_hardware(meta: dict, name: str):
     return preset(name) if name != "measured" else from_fields(meta, preset("cpu-testbed"))
 
 
+def _results(paths, hw):
+    """(path, result, the hardware its predictions use, its op shape) per result of each
+    file: its own fit (bench --probe-each), else the run's (``hw`` as in `cells`)."""
+    for path in paths:
+        data = json.load(open(path))
+        for r in data["results"]:
+            file_hw = file_hardware(r.get("fitted", data["meta"]), hw) if isinstance(hw, str) \
+                else hw
+            yield path, r, file_hw, op_shape(r)
+
+
+def _predict(r: dict, shape, hw, label: str, pick):
+    """The simulated run of bench label ``label`` (``pick``'s method for auto) on ``hw``."""
+    method, opts = pick[:2] if label == "auto" else VARIANTS[label]
+    return simulate_op(r["workload"], method, r["world"], shape, DTYPE_BYTES[r["dtype"]], hw,
+                       timeline=False, **opts)
+
+
+def _fastest(r: dict, shape, hw):
+    return choose.fastest(r["workload"], shape, r["world"], DTYPE_BYTES[r["dtype"]], hw,
+                          choose.STEP_OVERHEAD_S["cpu"])
+
+
 def cells(paths, hw) -> list[dict]:
     """One row per (file, op, S, K, N): measured and predicted ms per method, auto's choice.
     ``hw``: a preset name or "measured" (`file_hardware`), or a `Hardware`."""
     rows = []
-    for path in paths:
-        data = json.load(open(path))
-        for r in data["results"]:
-            # the fit this result ran on: its own (bench --probe-each), else the run's
-            file_hw = file_hardware(r.get("fitted", data["meta"]), hw) if isinstance(hw, str) \
-                else hw
-            shape = op_shape(r)
-            K, N = (shape[1], shape[2]) if r["workload"] == "ag_matmul" else (shape[2], shape[1])
-            med = {m["method"]: m for m in r["methods"]}
-            pick = choose.fastest(r["workload"], shape, r["world"], DTYPE_BYTES[r["dtype"]],
-                                  file_hw,
-                                  choose.STEP_OVERHEAD_S["cpu"])
-            pred = {}
-            for label in med:
-                method, opts = pick[:2] if label == "auto" else VARIANTS[label]
-                pred[label] = 1e3 * simulate_op(r["workload"], method, r["world"], shape,
-                                                DTYPE_BYTES[r["dtype"]], file_hw, timeline=False,
-                                                **opts).total_s
-            fixed = [m for m in med if m != "auto"]
-            best = min(fixed, key=lambda m: med[m]["median_ms"])
-            lim = [med[m].get("of_limit") or 0.0 for m in fixed]
-            rows.append({"file": str(path), "op": r["workload"], "S": r["seq"], "K": K, "N": N,
-                         "comm_ms": r["comm_alone_ms"], "compute_ms": med["none"]["compute_ms"],
-                         "limit_ms": r["limit_ms"], "pick": _name(*pick[:2]),
-                         "measured": {m: v["median_ms"] for m, v in med.items()},
-                         "spread": {m: (v["p10_ms"], v["p90_ms"]) for m, v in med.items()},
-                         "predicted": pred, "best": best,
-                         "ratio": med["auto"]["median_ms"] / med[best]["median_ms"],
-                         "pick_ratio": (med[_name(*pick[:2])]["median_ms"] / med[best]["median_ms"]
-                                        if _name(*pick[:2]) in med else None),
-                         "paired": _paired(med["auto"], med[best]),
-                         "held_out": _held_out(med, fixed),
-                         "auto_of_limit": med["auto"].get("of_limit") or 0.0,
-                         "best_of_limit": max(lim),
-                         "worst_err": max(abs(pred[m] / med[m]["median_ms"] - 1) for m in med)})
+    for path, r, file_hw, shape in _results(paths, hw):
+        K, N = (shape[1], shape[2]) if r["workload"] == "ag_matmul" else (shape[2], shape[1])
+        med = {m["method"]: m for m in r["methods"]}
+        pick = _fastest(r, shape, file_hw)
+        pred = {m: 1e3 * _predict(r, shape, file_hw, m, pick).total_s for m in med}
+        fixed = [m for m in med if m != "auto"]
+        best = min(fixed, key=lambda m: med[m]["median_ms"])
+        lim = [med[m].get("of_limit") or 0.0 for m in fixed]
+        rows.append({"file": str(path), "op": r["workload"], "S": r["seq"], "K": K, "N": N,
+                     "comm_ms": r["comm_alone_ms"], "compute_ms": med["none"]["compute_ms"],
+                     "limit_ms": r["limit_ms"], "pick": _name(*pick[:2]),
+                     "measured": {m: v["median_ms"] for m, v in med.items()},
+                     "spread": {m: (v["p10_ms"], v["p90_ms"]) for m, v in med.items()},
+                     "predicted": pred, "best": best,
+                     "ratio": med["auto"]["median_ms"] / med[best]["median_ms"],
+                     "pick_ratio": (med[_name(*pick[:2])]["median_ms"] / med[best]["median_ms"]
+                                    if _name(*pick[:2]) in med else None),
+                     "paired": _paired(med["auto"], med[best]),
+                     "held_out": _held_out(med, fixed),
+                     "auto_of_limit": med["auto"].get("of_limit") or 0.0,
+                     "best_of_limit": max(lim),
+                     "worst_err": max(abs(pred[m] / med[m]["median_ms"] - 1) for m in med)})
     return sorted(rows, key=lambda c: (c["op"], c["S"], c["K"], c["N"], c["file"]))
 
 
@@ -215,6 +225,48 @@ def fair_share(paths, hw) -> str:
     return "\n".join(out)
 
 
+def at_run_rate(paths, hw) -> str:
+    """The simulator's error split in two, per cell: the probe's rate against the rate the
+    workload's compute ran at, and the model at that rate. The GEMM peak of each result's
+    model is scaled by the median over methods of predicted over measured compute alone (the
+    same partitioned work with no transfers, in the same interleaved iterations: one method's
+    median alone is as noisy as its step); every method is then predicted again (step, and
+    compute alone).
+    A diagnostic of where the error lies, not a prediction: the rate comes from the
+    measurement it is compared with."""
+    rows = []
+    for path, r, base, shape in _results(paths, hw):
+        med = {m["method"]: m for m in r["methods"]}
+        probe = {m: _predict(r, shape, base, m, _fastest(r, shape, base)) for m in med}
+        drift = statistics.median(1e3 * probe[m].compute_s / med[m]["compute_ms"] for m in med)
+        run_hw = base.with_(gemm_flops=base.gemm_flops * drift)
+        err = lambda sims, field, key: max(abs(1e3 * getattr(sims[m], field) / med[m][key] - 1)
+                                           for m in med)
+        pick = _fastest(r, shape, run_hw)
+        run = {m: _predict(r, shape, run_hw, m, pick) for m in med}
+        best = min((m for m in med if m != "auto"), key=lambda m: med[m]["median_ms"])
+        name = _name(*pick[:2])
+        K, N = (shape[1], shape[2]) if r["workload"] == "ag_matmul" else (shape[2], shape[1])
+        rows.append((r["workload"], r["seq"], K, N, str(path), drift,
+                     err(probe, "total_s", "median_ms"), err(run, "total_s", "median_ms"),
+                     err(run, "compute_s", "compute_ms"), name,
+                     med[name]["median_ms"] / med[best]["median_ms"] if name in med else None))
+    out = ["| op | S | K | N | compute: probe's rate / run's | sim worst error | at the "
+           "run's rate | compute alone, worst error at the run's rate | pick at the run's "
+           "rate | its / best |", "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for op, S, K, N, _, drift, probe, run, comp, name, its in sorted(rows):
+        out.append(f"| {op} | {S} | {K} | {N} | {drift:.2f} | {100 * probe:.0f} % | "
+                   f"{100 * run:.0f} % | {100 * comp:.0f} % | {name} | {_ratio(its)} |")
+    within = lambda i: sum(row[i] <= 0.15 for row in rows)
+    its = [row[10] for row in rows if row[10] is not None]
+    out.append(f"\nSimulator within 15 % for every method in {within(6)} of {len(rows)} cells "
+               f"on the probe's rate, {within(7)} at the run's rate (worst "
+               f"{100 * max(row[7] for row in rows):.0f} %); compute alone within 15 % in "
+               f"{within(8)}. The pick at the run's rate, measured as that fixed method, "
+               f"within 5 % of the best in {sum(x <= 1.05 for x in its)} of {len(its)}.")
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -242,9 +294,14 @@ def main(argv=None) -> None:
     t.add_argument("--seq", type=ints, help="only these S")
     t.add_argument("--fair-share", action="store_true", help="instead: the AG->GEMM cells "
                    "predicted with and without Hardware.fifo_per_peer")
+    t.add_argument("--run-rate", action="store_true", help="instead: the simulator's error "
+                   "split into the probe's rate against the run's and the model at the "
+                   "run's rate (a diagnostic: the rate comes from the measurement)")
     a = p.parse_args(argv)
     if a.cmd == "run":
         return run(a)
+    if a.run_rate:
+        return print(at_run_rate(a.paths, a.hw))
     if a.fair_share:
         return print(fair_share(a.paths, preset("cpu-testbed" if a.hw == "measured" else a.hw)))
     rows = [c for c in cells(a.paths, a.hw) if not a.seq or c["S"] in a.seq]

@@ -2,6 +2,7 @@
 samples: the paired ratio and the held-out one (docs/sim-vs-measured.md, "A noisy machine")."""
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -32,3 +33,32 @@ def test_held_out_ratio_does_not_choose_on_the_samples_it_compares():
            "auto": _row(110, 110, 110, 110)}
     assert auto_sweep._held_out(med, ["a", "b"]) == pytest.approx((110 / 120 + 110 / 105) / 2)
     assert auto_sweep._held_out({m: _row(1, 2, 3) for m in med}, ["a", "b"]) is None  # < 4
+
+
+def test_run_rate_separates_a_slower_machine_from_the_model(tmp_path):
+    # a made-up result measured exactly as the model predicts on a machine whose GEMMs run
+    # at 0.8 of the probe's rate: on the probe's rate the simulator is off by about 25 %;
+    # at the run's rate, found from compute alone, it is exact
+    from dataclasses import replace
+
+    from commfuse.sim.hardware import preset
+    from commfuse.sim.probe import fitted_fields
+
+    probe_hw = preset("cpu-testbed")
+    slow = replace(probe_hw, gemm_flops=0.8 * probe_hw.gemm_flops)
+    r = {"workload": "ag_matmul", "seq": 2048, "d_model": 1024, "ffn": 4096, "world": 2,
+         "dtype": "float32", "pass": "forward", "comm_alone_ms": 1.0, "limit_ms": 1.0}
+    shape = auto_sweep.op_shape(r)
+    pick = auto_sweep._fastest(r, shape, slow)
+    r["methods"] = []
+    for m in auto_sweep.METHODS:
+        sim = auto_sweep._predict(r, shape, slow, m, pick)
+        ms = 1e3 * sim.total_s
+        r["methods"].append({"method": m, "median_ms": ms, "p10_ms": ms, "p90_ms": ms,
+                             "compute_ms": 1e3 * sim.compute_s})
+    path = tmp_path / "op-2r.json"
+    path.write_text(json.dumps({"meta": fitted_fields(probe_hw), "results": [r]}))
+    row = auto_sweep.at_run_rate([path], "measured").split("\n")[2].split("|")
+    drift, on_probe, at_run = float(row[5]), float(row[6][:-2]), float(row[7][:-2])
+    assert drift == pytest.approx(0.8, abs=0.01)
+    assert on_probe >= 15 and at_run <= 1
