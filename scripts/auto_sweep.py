@@ -237,33 +237,39 @@ def at_run_rate(paths, hw) -> str:
     rows = []
     for path, r, base, shape in _results(paths, hw):
         med = {m["method"]: m for m in r["methods"]}
-        probe = {m: _predict(r, shape, base, m, _fastest(r, shape, base)) for m in med}
-        drift = statistics.median(1e3 * probe[m].compute_s / med[m]["compute_ms"] for m in med)
-        run_hw = base.with_(gemm_flops=base.gemm_flops * drift)
-        err = lambda sims, field, key: max(abs(1e3 * getattr(sims[m], field) / med[m][key] - 1)
-                                           for m in med)
+        pick = _fastest(r, shape, base)
+        probe = {m: _predict(r, shape, base, m, pick) for m in med}
+        rate = statistics.median(1e3 * probe[m].compute_s / med[m]["compute_ms"] for m in med)
+        run_hw = base.with_(gemm_flops=base.gemm_flops * rate)
         pick = _fastest(r, shape, run_hw)
         run = {m: _predict(r, shape, run_hw, m, pick) for m in med}
+        err = lambda sims, field, key: max(abs(1e3 * getattr(sims[m], field) / med[m][key] - 1)
+                                           for m in med)
         best = min((m for m in med if m != "auto"), key=lambda m: med[m]["median_ms"])
         name = _name(*pick[:2])
         K, N = (shape[1], shape[2]) if r["workload"] == "ag_matmul" else (shape[2], shape[1])
-        rows.append((r["workload"], r["seq"], K, N, str(path), drift,
-                     err(probe, "total_s", "median_ms"), err(run, "total_s", "median_ms"),
-                     err(run, "compute_s", "compute_ms"), name,
-                     med[name]["median_ms"] / med[best]["median_ms"] if name in med else None))
-    out = ["| op | S | K | N | compute: probe's rate / run's | sim worst error | at the "
+        rows.append({"key": (r["workload"], r["seq"], K, N, str(path)), "rate": rate,
+                     "probe": err(probe, "total_s", "median_ms"),
+                     "run": err(run, "total_s", "median_ms"),
+                     "compute": err(run, "compute_s", "compute_ms"), "pick": name,
+                     "its": (med[name]["median_ms"] / med[best]["median_ms"] if name in med
+                             else None)})
+    rows.sort(key=lambda c: c["key"])
+    out = ["| op | S | K | N | compute: run's rate / probe's | sim worst error | at the "
            "run's rate | compute alone, worst error at the run's rate | pick at the run's "
            "rate | its / best |", "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for op, S, K, N, _, drift, probe, run, comp, name, its in sorted(rows):
-        out.append(f"| {op} | {S} | {K} | {N} | {drift:.2f} | {100 * probe:.0f} % | "
-                   f"{100 * run:.0f} % | {100 * comp:.0f} % | {name} | {_ratio(its)} |")
-    within = lambda i: sum(row[i] <= 0.15 for row in rows)
-    its = [row[10] for row in rows if row[10] is not None]
-    out.append(f"\nSimulator within 15 % for every method in {within(6)} of {len(rows)} cells "
-               f"on the probe's rate, {within(7)} at the run's rate (worst "
-               f"{100 * max(row[7] for row in rows):.0f} %); compute alone within 15 % in "
-               f"{within(8)}. The pick at the run's rate, measured as that fixed method, "
-               f"within 5 % of the best in {sum(x <= 1.05 for x in its)} of {len(its)}.")
+    for c in rows:
+        op, S, K, N, _ = c["key"]
+        out.append(f"| {op} | {S} | {K} | {N} | {c['rate']:.2f} | {100 * c['probe']:.0f} % | "
+                   f"{100 * c['run']:.0f} % | {100 * c['compute']:.0f} % | {c['pick']} | "
+                   f"{_ratio(c['its'])} |")
+    within = lambda field: sum(c[field] <= 0.15 for c in rows)
+    its = [c["its"] for c in rows if c["its"] is not None]
+    out.append(f"\nSimulator within 15 % for every method in {within('probe')} of {len(rows)} "
+               f"cells on the probe's rate, {within('run')} at the run's rate (worst "
+               f"{100 * max(c['run'] for c in rows):.0f} %); compute alone within 15 % in "
+               f"{within('compute')}. The pick at the run's rate, measured as that fixed "
+               f"method, within 5 % of the best in {sum(x <= 1.05 for x in its)} of {len(its)}.")
     return "\n".join(out)
 
 
