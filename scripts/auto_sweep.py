@@ -17,6 +17,10 @@ the fraction of the testbed limit reached, and the simulator's worst error.
     python scripts/auto_sweep.py run --out docs/benchmarks/2026-12-01-auto-sweep \\
         --wrap /work/bin/cpu-bench
     python scripts/auto_sweep.py table docs/benchmarks/2026-12-01-auto-sweep/*/op-2r.json
+
+``table --run-rate`` instead splits the simulator's error: the rate each workload's compute
+ran at (from its compute alone, in the same iterations) against the probe's, and the model
+at the run's rate (`at_run_rate`; docs/sim-vs-measured.md, "The simulator's error split").
 """
 
 from __future__ import annotations
