@@ -104,12 +104,17 @@ def _fastest(r: dict, shape, hw):
                           choose.STEP_OVERHEAD_S["cpu"])
 
 
+def _k_n(r: dict, shape) -> tuple[int, int]:
+    """The sweep's K (the width that moves) and N (the other GEMM dim) of an op shape."""
+    return (shape[1], shape[2]) if r["workload"] == "ag_matmul" else (shape[2], shape[1])
+
+
 def cells(paths, hw) -> list[dict]:
     """One row per (file, op, S, K, N): measured and predicted ms per method, auto's choice.
     ``hw``: a preset name or "measured" (`file_hardware`), or a `Hardware`."""
     rows = []
     for path, r, file_hw, shape in _results(paths, hw):
-        K, N = (shape[1], shape[2]) if r["workload"] == "ag_matmul" else (shape[2], shape[1])
+        K, N = _k_n(r, shape)
         med = {m["method"]: m for m in r["methods"]}
         pick = _fastest(r, shape, file_hw)
         pred = {m: 1e3 * _predict(r, shape, file_hw, m, pick).total_s for m in med}
@@ -251,7 +256,7 @@ def at_run_rate(paths, hw) -> str:
                                            for m in med)
         best = min((m for m in med if m != "auto"), key=lambda m: med[m]["median_ms"])
         name = _name(*pick[:2])
-        K, N = (shape[1], shape[2]) if r["workload"] == "ag_matmul" else (shape[2], shape[1])
+        K, N = _k_n(r, shape)
         rows.append({"key": (r["workload"], r["seq"], K, N, str(path)), "rate": rate,
                      "probe": err(probe, "total_s", "median_ms"),
                      "run": err(run, "total_s", "median_ms"),

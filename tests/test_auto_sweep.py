@@ -39,13 +39,11 @@ def test_run_rate_separates_a_slower_machine_from_the_model(tmp_path):
     # a made-up result measured exactly as the model predicts on a machine whose GEMMs run
     # at 0.8 of the probe's rate: on the probe's rate the simulator is off by about 25 %;
     # at the run's rate, found from compute alone, it is exact
-    from dataclasses import replace
-
     from commfuse.sim.hardware import preset
     from commfuse.sim.probe import fitted_fields
 
     probe_hw = preset("cpu-testbed")
-    slow = replace(probe_hw, gemm_flops=0.8 * probe_hw.gemm_flops)
+    slow = probe_hw.with_(gemm_flops=0.8 * probe_hw.gemm_flops)
     r = {"workload": "ag_matmul", "seq": 2048, "d_model": 1024, "ffn": 4096, "world": 2,
          "dtype": "float32", "pass": "forward", "comm_alone_ms": 1.0, "limit_ms": 1.0}
     shape = auto_sweep.op_shape(r)
