@@ -4,26 +4,36 @@ Speed is measured by `commfuse bench` on the emulated cluster (docs/benchmarks),
 asserted here.
 """
 
+import functools
 import json
 
 import pytest
 import torch
 
-from commfuse.bench import measure, report, workloads
+from commfuse.bench import measure, report
 from commfuse.testbed.spawn import run_local
 
 
-def _measure(rank, world, name, backward):
-    return measure.measure(name, 32, 128, torch.float32, backward, iters=2, warmup=1,
-                           variants=list(measure.VARIANTS), trace=True, say=lambda m: None)
+WORKLOADS = [("ag_matmul", True), ("matmul_rs", False), ("matmul_a2a", True),
+             ("a2a_matmul", True), ("mlp", True), ("attn_row", False), ("attn_qsplit", True),
+             ("ulysses", True)]
 
 
-@pytest.mark.parametrize("name,backward", [("ag_matmul", True), ("matmul_rs", False),
-                                           ("matmul_a2a", True), ("a2a_matmul", True),
-                                           ("mlp", True), ("attn_row", False),
-                                           ("attn_qsplit", True), ("ulysses", True)])
+def _measure_all(rank, world):
+    return {name: measure.measure(name, 32, 128, torch.float32, backward, iters=2, warmup=1,
+                                  variants=list(measure.VARIANTS), trace=True,
+                                  say=lambda m: None) for name, backward in WORKLOADS}
+
+
+@functools.lru_cache(maxsize=None)
+def _measured() -> dict:
+    """Every workload measured on one pair of ranks (one start, as `commfuse bench` runs)."""
+    return run_local(_measure_all, 2, timeout=600)[0]
+
+
+@pytest.mark.parametrize("name,backward", WORKLOADS)
 def test_measure_reports_every_method_and_a_trace(tmp_path, name, backward):
-    r = run_local(_measure, 2, name, backward, timeout=300)[0]
+    r = _measured()[name]
     assert [m["method"] for m in r["methods"]] == list(measure.VARIANTS)
     for m in r["methods"]:
         assert m["p10_ms"] <= m["median_ms"] <= m["p90_ms"]
@@ -39,38 +49,6 @@ def test_measure_reports_every_method_and_a_trace(tmp_path, name, backward):
     assert {e["name"] for e in spans} >= set(measure.VARIANTS)  # one step span per method
     assert any(e["name"].endswith("compute 0") for e in spans)
     assert "commfuse" in report.table(r)
-
-
-def _query_split(rank, world, method, opts):
-    """query-split attention == attention, @ wo, reduce-scatter; outputs and all gradients."""
-    from commfuse.ops.attention import query_split_attention
-    import torch.nn.functional as F
-
-    g = torch.Generator().manual_seed(7)
-    S, B, H, d, D = 6 * world, 2, 2, 8, 16
-    leaves = [[torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
-               for shape in [(S, B, H, d)] * 3 + [(H * d, D)]] for _ in range(world)]
-    grads_out = [torch.randn(6, B, D, generator=g, dtype=torch.float64) for _ in range(world)]
-    full = 0  # reference: every rank's head group through attention and its wo rows, summed
-    for q, k, v, wo in leaves:
-        o = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
-        full = full + o.permute(2, 0, 1, 3).reshape(S, B, H * d) @ wo
-    sum((full[r * 6:(r + 1) * 6] * grads_out[r]).sum() for r in range(world)).backward()
-    mine = [t.detach().clone().requires_grad_() for t in leaves[rank]]
-    out = query_split_attention(*mine, order="contiguous", method=method, **opts)
-    (out * grads_out[rank]).sum().backward()
-    rel = lambda x, y: ((x - y).norm() / y.norm()).item()
-    return max([rel(out, full[rank * 6:(rank + 1) * 6].detach())] +
-               [rel(m.grad, ref.grad) for m, ref in zip(mine, leaves[rank])])
-
-
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("method,opts", [("none", {}), ("sliced", {"chunks": 4}),
-                                         ("decompose", {}), ("commfuse", {}),
-                                         ("commfuse", {"topology": "direct"})])
-def test_query_split_attention_is_exact_with_gradients(world, method, opts):
-    errs = run_local(_query_split, world, method, opts, timeout=120)
-    assert max(errs) < 1e-12
 
 
 def test_ffn_sets_the_mlp_width_of_the_pair():

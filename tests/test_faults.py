@@ -177,7 +177,8 @@ def _children(pid: int) -> list[int]:
 
 def _train(*flags: str) -> list[str]:
     return [sys.executable, "-m", "commfuse.train", "--tp", "2", "--batch-size", "2",
-            "--seq-len", "32", "--peak-flops", "1e9", "--link", "loopback", *flags]
+            "--seq-len", "32", "--peak-flops", "1e9", "--hardware", "cpu-testbed", "--link",
+            "loopback", *flags]
 
 
 def test_train_exits_nonzero_and_its_checkpoint_resumes(tmp_path):
@@ -221,7 +222,8 @@ def test_a_crash_while_saving_leaves_latest_intact(tmp_path, monkeypatch):
 
     small = dict(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16)
     cfg = train.TrainConfig(steps=6, batch_size=2, seq_len=16, model=small, progress=False,
-                            exposed_iters=0, peak_flops=1e9, checkpoint_dir=str(tmp_path),
+                            exposed_iters=0, peak_flops=1e9, hardware="cpu-testbed",
+                            checkpoint_dir=str(tmp_path),
                             checkpoint_every=2)
     real, calls = dcp.save, [0]
 

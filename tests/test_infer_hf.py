@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from commfuse.infer import InferenceLlama, generate, load_hf, pad_prompts  # noqa: E402
 from commfuse.testbed.spawn import run_local  # noqa: E402
-from test_infer import _cli  # noqa: E402
+from test_infer import _cli, _refused  # noqa: E402
 
 PROMPTS = [[3, 17, 99, 5, 250, 8, 41], [200], [9, 9, 1, 77, 130]]
 NEW = 6
@@ -84,7 +84,8 @@ def test_cli_generate_hf_model(tmp_path):
     texts = []
     for tp in ("1", "2"):
         p = _cli("--hf-model", str(tmp_path / "m"), "--prompt", "The history of",
-                 "--max-new-tokens", "5", "--tp", tp, "--link", "loopback")
+                 "--max-new-tokens", "5", "--tp", tp, "--link", "loopback", "--hardware",
+                 "cpu-testbed")
         assert p.returncode == 0, p.stderr[-2000:]
         assert p.stdout.startswith("The history of")
         texts.append(p.stdout)
@@ -101,5 +102,6 @@ def test_cli_generate_hf_model(tmp_path):
                       (tmp_path / "bias", "attention_bias"),
                       (tmp_path / "window", "sliding-window attention is not modelled"),
                       (tmp_path / "nothing", "not a transformers model directory")):
-        p = _cli("--hf-model", str(path), "--prompt", "a", "--tp", "2", "--link", "loopback")
-        assert p.returncode == 2 and why in p.stderr, p.stderr[-2000:]
+        rc, err = _refused("--hf-model", str(path), "--prompt", "a", "--tp", "2", "--link",
+                           "loopback")
+        assert rc == 2 and why in err, err[-2000:]

@@ -16,15 +16,17 @@ from commfuse import train
 from commfuse.testbed.spawn import run_local
 
 SMALL = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32)
+# a preset and a given peak: no probe at the start of each of the many runs below (dp2-auto
+# and test_runs_under_torchrun fit the model as a user's run does)
 BASE = train.TrainConfig(steps=30, batch_size=4, seq_len=32, model=SMALL, progress=False,
-                         exposed_iters=0)
+                         exposed_iters=0, hardware="cpu-testbed", peak_flops=1e9)
 LAYOUTS = {"tp2": dict(tp=2), "up2": dict(up=2), "dp2": dict(dp=2)}
 RUNS = {f"{name}-{m}": dataclasses.replace(BASE, method=m, **kw)
         for name, kw in LAYOUTS.items() for m in ("commfuse", "none")}
 RUNS.update({  # ZeRO-3 prefetch (on, one block ahead, above): off, two ahead, auto's methods
     "dp2-commfuse-pf0": dataclasses.replace(BASE, dp=2, prefetch=0),
     "dp2-sliced-pf2": dataclasses.replace(BASE, dp=2, method="sliced", prefetch=2),
-    "dp2-auto": dataclasses.replace(BASE, dp=2, method="auto")})
+    "dp2-auto": dataclasses.replace(BASE, dp=2, method="auto", hardware="measured")})
 VARLEN = dataclasses.replace(BASE, steps=12, seq_len=31, variable_length=True)  # 16..31 tokens
 VARLEN_RUNS = {f"{name}-varlen": dataclasses.replace(VARLEN, **kw)
                for name, kw in LAYOUTS.items() if name != "dp2"}

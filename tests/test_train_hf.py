@@ -7,7 +7,7 @@ from commfuse.train.config import TrainConfig
 from commfuse.train.loop import launch
 
 BASE = dict(hf_config="llama-tiny", steps=4, seq_len=15, batch_size=2, progress=False,
-            peak_flops=1e9, exposed_iters=0, method="commfuse")
+            peak_flops=1e9, exposed_iters=0, method="commfuse", hardware="cpu-testbed")
 
 
 def _losses(**kw) -> list[float]:
