@@ -251,8 +251,8 @@ def test_cli_generate_end_to_end(tmp_path):
     train = subprocess.run(
         [sys.executable, "-m", "commfuse.cli", "train", "--tp", "2", "--steps", "2",
          "--batch-size", "2", "--seq-len", "32", "--checkpoint-dir", str(ck), "--link",
-         "loopback", "--hardware", "cpu-testbed"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=300)
+         "loopback", "--hardware", "cpu-testbed"], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stderr[-2000:]
     texts = []
     for tp in ("1", "2"):

@@ -59,7 +59,7 @@ class Hardware:
     """How a narrow GEMM slows as its B grows: its rate goes as (k n / NARROW_KN)^-decay
     (every call reads all of B; the testbed's 128-row rate falls from 125 to 104 GFLOP/s as
     B grows from 4 to 64 MiB). A smaller B than NARROW_KN runs at ``narrow_efficiency``: the
-    probe times none, and 128-row pieces of a 4 MiB B ran at 0.68-0.88 of the whole GEMM's
+    probe times none, and 128-row pieces of a 4 MiB B ran at 0.68-0.87 of the whole GEMM's
     rate where the law would give 1 (docs/sim-vs-measured.md, 2026-12-03)."""
     interference: float = 0.0
     """Compute slowdown while a transfer or collective is in flight on the same rank: compute
@@ -151,7 +151,7 @@ class Hardware:
         """Fraction of ``gemm_flops`` an m x k x n GEMM reaches (module doc)."""
         e = self.gemm_max_efficiency / (1 + self.m0 / m + self.n0 / n + self.k0 / k)
         if m < self.narrow_rows:
-            # a B below NARROW_KN runs at the rate there: the decay is not extrapolated upwards
+            # a B below NARROW_KN runs at the rate there (the decay is only fitted above it)
             kn = max(1.0, k * n / NARROW_KN)
             e *= min(1.0, self.narrow_efficiency * kn ** -self.narrow_decay)
         return e
