@@ -1,10 +1,6 @@
 """commfuse.infer: the KV cache against full forwards, TP generation against one process (every
-method, 2/3/4 gloo ranks), sampling, checkpoints read back whole, and `commfuse generate`."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
+method, 2/3/4 gloo ranks), sampling, checkpoints read back whole; `commfuse generate` itself
+in test_infer_cli.py."""
 
 import pytest
 import torch
@@ -13,7 +9,6 @@ from commfuse.infer import InferenceLlama, Sampling, generate, pad_prompts, samp
 from commfuse.models.llama import Llama, LlamaConfig
 from commfuse.testbed.spawn import run_local
 
-ROOT = Path(__file__).resolve().parents[1]
 # 12 heads and FFN 192 divide by 2, 3 and 4; GQA (6 kv heads) on 2 and 3 ranks
 CFG = dict(vocab_size=256, dim=96, n_layers=2, n_heads=12, n_kv_heads=12, ffn_hidden=192,
            max_seq_len=64)
@@ -219,90 +214,6 @@ def test_checkpoint_read_back_whole(tmp_path, tp, up, dp):
     for name, t in got.state_dict().items():
         assert torch.equal(t, ref[name]), name
     assert (got.output.weight is got.tok_emb.weight) == (tp == 2 and dp == 2)
-
-
-def _cli(*args, timeout=300):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "commfuse.cli", "generate", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _refused(*args) -> tuple[int, str]:
-    """`commfuse generate ARGS` in this process, for flags refused before any rank starts
-    (exit status, stderr): no interpreter to start, as `_cli` does."""
-    import contextlib
-    import io
-
-    from commfuse import cli
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            rc = cli.main(["generate", *args])
-        except SystemExit as e:
-            rc = e.code
-    return rc, err.getvalue()
-
-
-def test_cli_generate_end_to_end(tmp_path):
-    """Checkpoint of commfuse train (tp=2) -> generate with tp=1 and tp=2: the same text;
-    --bench prints every method; bad flags are refused."""
-    ck = tmp_path / "ck"
-    train = subprocess.run(
-        [sys.executable, "-m", "commfuse.cli", "train", "--tp", "2", "--steps", "2",
-         "--batch-size", "2", "--seq-len", "32", "--checkpoint-dir", str(ck), "--link",
-         "loopback", "--hardware", "cpu-testbed"], cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
-    assert train.returncode == 0, train.stderr[-2000:]
-    texts = []
-    for tp in ("1", "2"):
-        p = _cli("--prompt", "The history of", "--max-new-tokens", "6", "--tp", tp,
-                 "--checkpoint", str(ck), "--link", "loopback", "--method", "commfuse",
-                 "--hardware", "cpu-testbed")  # no fit: it only picks for auto
-        assert p.returncode == 0, p.stderr[-2000:]
-        assert p.stdout.startswith("The history of")
-        assert f"tp={tp}" in p.stderr and "tokens/s" in p.stderr
-        texts.append(p.stdout)
-    assert texts[0] == texts[1]
-    p = _cli("--prompt-tokens", "5", "--max-new-tokens", "3", "--random-init", "--bench",
-             "--iters", "1", "--tp", "2", "--link", "loopback", "--json",
-             str(tmp_path / "b.json"))
-    assert p.returncode == 0, p.stderr[-2000:]
-    for m in ("none", "sliced", "decompose", "commfuse", "auto"):
-        assert f"      5 {m}" in p.stdout
-    import json
-
-    out = json.loads((tmp_path / "b.json").read_text())
-    assert "measured here" in out["hardware"] and out["gemm_flops"] > 0  # fitted at start
-    assert "hardware model:" in p.stderr
-    rows = out["rows"]
-    assert [r["method"] for r in rows] == ["none", "sliced", "decompose", "commfuse", "auto",
-                                           "interleaved", "allreduce", "compute alone"]
-    assert all(r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
-    assert all(len(r["prefill_ms_rounds"]) == 1 for r in rows)  # --iters 1
-    # auto's warm-up round: its first prefill, then each plan timed once (fused, interleaved)
-    assert len(rows[4]["warmup_prefill_ms"]) == 3 and rows[4]["prefill_chunks"] in (1, 2)
-    # the simulator predicts every row but the bound (no prediction for compute alone)
-    assert [r["sim_prefill_ms"] != r["sim_prefill_ms"] for r in rows] == [False] * 7 + [True]
-    # 5 tokens on 2 ranks: 2 chunks is the only count that gives every rank rows
-    assert rows[5]["prefill_chunks"] == 2 and rows[3]["prefill_chunks"] == 1
-    # auto decodes one sequence with allreduce's step, and its prediction is that step's
-    auto, allreduce = rows[4], rows[6]
-    assert (auto["decode_ran"], allreduce["decode_ran"]) == ("allreduce", "allreduce")
-    assert auto["sim_decode_tokens_per_s"] == allreduce["sim_decode_tokens_per_s"]
-    assert rows[3]["decode_ran"] == "commfuse"
-    p = _cli("--prompt", "a", "--prompt", "bb b", "--tp", "2", "--random-init",
-             "--max-new-tokens", "2", "--temperature", "0.7", "--top-k", "5", "--link",
-             "loopback", "--hardware", "cpu-testbed")
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.startswith("[0] a|") and "\n[1] bb b|" in p.stdout
-    for flags, why in ((["--random-init", "--prefill-chunks", "0"],
-                        "--prefill-chunks: must be at least 1"),
-                       (["--random-init", "--top-p", "0"], "top_p"),
-                       (["--random-init", "--hardware", "a-laptop"], "--hardware"),
-                       ([], "--checkpoint")):
-        rc, err = _refused("--prompt", "x", "--link", "loopback", *flags)
-        assert rc == 2 and why in err, err
 
 
 def _auto_query_split_rank(rank, world):

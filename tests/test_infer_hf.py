@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from commfuse.infer import InferenceLlama, generate, load_hf, pad_prompts  # noqa: E402
 from commfuse.testbed.spawn import run_local  # noqa: E402
-from test_infer import _cli, _refused  # noqa: E402
+from test_infer_cli import _cli, _refused  # noqa: E402
 
 PROMPTS = [[3, 17, 99, 5, 250, 8, 41], [200], [9, 9, 1, 77, 130]]
 NEW = 6
