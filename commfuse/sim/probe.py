@@ -14,16 +14,16 @@ the compute beside a transfer takes.
 ``ATTENTION_SHAPE``, ``REPEATS`` runs of each in ``ROUNDS`` rounds (each round runs every
 kernel's runs back to back, after a warm-up): the large GEMM's rate is its median, each
 other kernel's is set by the median of its ratio to the large GEMM within a round. `probe`
-takes the slowest rank's rate of each (one all-reduce of MIN over the group, 3 significant
-digits, so that every rank holds the same model and makes the same choices) and `fit` sets
-the model's GEMM peak and its row overhead ``m0`` (`Hardware.gemm_efficiency`) so that the
-model predicts exactly both GEMM rates, and its attention efficiency (forward and backward
-by the same factor: the backward is not timed) so that it predicts the attention's. On a CPU
-gloo group `transfer_slowdown` also times the GEMM while the ranks exchange messages, and
-`fit` sets the model's ``interference`` to the slowest rank's slowdown. Where the model has
-a narrow regime (``Hardware.narrow_rows``), `measure` also times two ``NARROW_SHAPES``
-GEMMs, slices walked through a buffer as a split op's pieces are, and `fit` sets the
-regime's rate and its fall with B's size to predict both.
+takes every rate from the rank whose large GEMM was slowest (one all-gather, 3 significant
+digits, so every rank holds one model and makes the same choices; a minimum per rate could
+pair one rank's large GEMM with another's small one) and `fit` sets the model's GEMM peak
+and row overhead ``m0`` (`Hardware.gemm_efficiency`) to predict both GEMM rates exactly,
+and its attention efficiency (forward and backward alike: the backward is not timed) to
+predict the attention's. On a CPU gloo group `transfer_slowdown` also times the GEMM while
+the ranks exchange messages, and `fit` sets ``interference`` to the largest rank's. Where
+the model has a narrow regime (``Hardware.narrow_rows``), `measure` also times two
+``NARROW_SHAPES`` GEMMs, slices walked through a buffer as a split op's pieces are, and `fit`
+sets the regime's rate and its fall with B's size to predict both.
 
 Why the slowdown: on the emulated cluster the kernel's network stack runs on the rank's own
 core (softirqs, and the inter-processor interrupts that steer packets, each an exit to the
@@ -191,7 +191,7 @@ def _walk(x, w, rows: int):
 EXCHANGE_S = 0.25  # how long `transfer_slowdown`'s messages stream, at the model's link rate
 SLOWDOWN_ROUNDS = 3  # in that many turns, each after GEMMs with the link idle
 MESSAGE_BYTES = 4 * 2 ** 20
-_NONE = 1e9  # a figure not timed, in `probe`'s all-reduce of MIN
+_NOT_TIMED = -1e9  # a slowdown not timed, in `probe`'s gather
 
 
 def transfer_slowdown(hw: Hardware, group=None, dtype=None) -> float | None:
@@ -304,27 +304,30 @@ def fit(hw: Hardware, rates: Rates, device_type: str = "cpu") -> Hardware:
 
 def probe(hw: Hardware, group=None, device="cpu", dtype=None) -> tuple[Hardware, Rates]:
     """``(hw fitted to the slowest rank's rates, those rates)``: every rank of ``group`` (the
-    default group if initialised; else this process alone) runs `measure`, the group takes
-    the minimum of each rate, which every rank then shares."""
+    default group if initialised; else this process alone) runs `measure`; the ranks gather
+    them and every rank takes the rates of the one whose large GEMM was slowest (ties: the
+    lowest rank) and the largest slowdown beside transfers, so all share one model."""
     import torch
     import torch.distributed as dist
 
     device = torch.device(device)
-    rates = measure(device, dtype, attention=bool(hw.attention_efficiency[0]),
-                    narrow=bool(hw.narrow_rows))
+    rates = measure(device, dtype, bool(hw.attention_efficiency[0]), narrow=bool(hw.narrow_rows))
     slowdown = transfer_slowdown(hw, group, dtype) if device.type == "cpu" else None
-    # the slowest rank's of each (the slowdown negated: its largest; NONE where not timed)
     narrow = rates.narrow_flops or (0.0,) * len(NARROW_SHAPES[_key(device.type)])
     values = [rates.gemm_flops, rates.attention_flops or 0.0, rates.small_gemm_flops or 0.0,
-              _NONE if slowdown is None else -slowdown, *narrow]
+              _NOT_TIMED if slowdown is None else slowdown, *narrow]
+    rows = [values]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         t = torch.tensor(values, dtype=torch.float64,
                          device=device if dist.get_backend(group) == "nccl" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        values = t.tolist()
-    g, a, s = (float(f"{v:.3g}") for v in values[:3])
-    slowdown = None if values[3] >= _NONE else round(-values[3], 2)
-    narrow = tuple(float(f"{v:.3g}") for v in values[4:])
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t, group=group)
+        rows = [p.tolist() for p in parts]
+    slowest = min(rows, key=lambda row: row[0])
+    g, a, s = (float(f"{v:.3g}") for v in slowest[:3])
+    timed = [row[3] for row in rows if row[3] != _NOT_TIMED]
+    slowdown = round(max(timed), 2) if timed else None  # the largest rank's
+    narrow = tuple(float(f"{v:.3g}") for v in slowest[4:])
     rates = Rates(g, a or None, s or None, slowdown, narrow if all(narrow) else None)
     return fit(hw, rates, device.type), rates
 
