@@ -128,6 +128,7 @@ def test_measured_rates_are_rates_of_this_machine():
     assert 1e8 < rates.attention_flops < 1e13
     assert 1e8 < rates.small_gemm_flops < 1e13
     assert rates.narrow_flops is None
+    assert rates.spread >= 1.0  # the second-slowest round over the fastest
     narrow = probe.measure("cpu", torch.float32, attention=False, repeats=1, narrow=True)
     assert len(narrow.narrow_flops) == 2 and all(1e8 < r < 1e13 for r in narrow.narrow_flops)
     assert probe.measure("cpu", torch.float32, attention=False, repeats=1).attention_flops is None
@@ -199,6 +200,41 @@ def test_every_rank_ends_with_the_slowest_ranks_model(world):
     assert out[0][0].interference == out[0][1].interference == 0.47  # the largest
     out = run_local(_calibrated, world, rates, (-0.05, None, None)[:world], timeout=120)
     assert out[0][0].interference == -0.05 and out[0][1].interference == 0.0  # timed, clamped
+
+
+def _calibrated_in_turn(rank, world, attempts):
+    turns = iter(attempts[rank])
+    probe.measure = lambda *a, **k: next(turns)  # this rank's measurements, one per call
+    probe.transfer_slowdown = lambda *a, **k: None
+    return auto.calibrate(torch.empty(0))[1], next(turns, None)  # (and the first not taken)
+
+
+def _r(gemm, spread):
+    return probe.Rates(gemm, None, 0.8 * gemm, spread=spread)
+
+
+def test_a_noisy_probe_is_measured_again_and_the_least_spread_attempt_kept(monkeypatch):
+    # rank 1's rounds spread 1.6x at first: every rank measures again, once
+    out = run_local(_calibrated_in_turn, 2, [[_r(1.5e11, 1.05), _r(1.4e11, 1.02), _r(9e10, 1)],
+                                             [_r(1.4e11, 1.6), _r(1.45e11, 1.1), _r(9e10, 1)]],
+                    timeout=120)
+    for got, first_not_taken in out:
+        assert (got.attempts, got.spread, got.gemm_flops) == (2, 1.1, 1.4e11)
+        assert first_not_taken.gemm_flops == 9e10
+    assert "spread 1.10x (best of 2 probes)" in out[0][0].line()
+    # the ranks' rates 1.5, 1.30 and 1.36x apart: three attempts, the second kept
+    out = run_local(_calibrated_in_turn, 2, [[_r(1.5e11, 1.0)] * 3,
+                                             [_r(1e11, 1.0), _r(1.15e11, 1.1), _r(1.1e11, 1.0)]],
+                    timeout=120)
+    assert all(o[0] == out[0][0] for o in out)
+    assert (out[0][0].attempts, out[0][0].spread, out[0][0].gemm_flops) == (3, 1.3, 1.15e11)
+    # one process: its own rounds alone; a quiet first probe is the only one
+    turns = iter([_r(1.2e11, 1.4), _r(1e11, 1.3), _r(1.1e11, 1.35)])
+    monkeypatch.setattr(probe, "measure", lambda *a, **k: next(turns))
+    got = probe.probe(preset("cpu-testbed"))[1]
+    assert (got.attempts, got.spread, got.gemm_flops) == (3, 1.3, 1e11)
+    monkeypatch.setattr(probe, "measure", lambda *a, **k: _r(1.2e11, 1.2))
+    assert probe.probe(preset("cpu-testbed"))[1].attempts == 1
 
 
 def test_a_preset_by_name_and_its_log_line():

@@ -1,54 +1,31 @@
 """A hardware model's compute fitted, at start, to the device the ranks run on.
 
-The presets' compute figures are a fit to one day's machine, and a VM does not keep one
-speed. On the CPU testbed, the day ``cpu-testbed`` was fitted, one core ran GEMMs at 85-96
-GFLOP/s and the causal attention kernel at 64 (S=2048) and 74 (S=4096) GFLOP/s; on a later
-day at 140-158, 86-94 and 105, while elementwise adds of 32 MiB ran at 4.3 GB/s (the preset:
-5). The three did not move together, so no single clock factor fits them. Every choice of
-``auto`` (method, commfuse's m, query-split or row-parallel attention) depends on how long
-the compute beside a transfer takes.
+A preset's compute figures are one day's fit, and a VM does not keep one speed (the CPU
+testbed's GEMMs ran at 85-96 GFLOP/s one day, 140-158 another, while its attention and
+elementwise rates moved otherwise); every choice of ``auto`` depends on how long the compute
+beside a transfer takes.
 
-`measure` times, on this rank's device and in the run's dtype, two GEMMs (``GEMM_SHAPE`` and
-``SMALL_GEMM_SHAPE``, the same but for fewer rows, as a finely split op's pieces have) and
-(where the model times attention as a fused kernel) one causal attention of
-``ATTENTION_SHAPE``, ``REPEATS`` runs of each in ``ROUNDS`` rounds (each round runs every
-kernel's runs back to back, after a warm-up): the large GEMM's rate is its median, each
-other kernel's is set by the median of its ratio to the large GEMM within a round. `probe`
-takes every rate from the rank whose large GEMM was slowest (one all-gather, 3 significant
-digits, so every rank holds one model and makes the same choices; a minimum per rate could
-pair one rank's large GEMM with another's small one) and `fit` sets the model's GEMM peak
-and row overhead ``m0`` (`Hardware.gemm_efficiency`) to predict both GEMM rates exactly,
-and its attention efficiency (forward and backward alike: the backward is not timed) to
-predict the attention's. On a CPU gloo group `transfer_slowdown` also times the GEMM while
-the ranks exchange messages, and `fit` sets ``interference`` to the largest rank's. Where
-the model has a narrow regime (``Hardware.narrow_rows``), `measure` also times two
-``NARROW_SHAPES`` GEMMs, slices walked through a buffer as a split op's pieces are, and `fit`
-sets the regime's rate and its fall with B's size to predict both.
+`measure` times, on this rank's device and in the run's dtype, two GEMMs (``GEMM_SHAPE``, and
+``SMALL_GEMM_SHAPE`` with fewer rows, as a finely split op's pieces have), where the model has a
+narrow regime (``Hardware.narrow_rows``) two ``NARROW_SHAPES`` GEMMs walked through a buffer as
+a split op's pieces are, and, where the model times attention as a fused kernel, one causal
+``ATTENTION_SHAPE`` attention: ``REPEATS`` runs of each in ``ROUNDS`` rounds (`_rounds`). The
+large GEMM's rate is its median, every other kernel's is set by the median of its ratio to
+the large GEMM within a round. `probe` gives every rank the rates of the rank whose large GEMM
+was slowest (one all-gather, 3 significant digits, so all hold one model and make the same
+choices) and, on a CPU gloo group, the largest slowdown of a GEMM beside an exchange
+(`transfer_slowdown`). `fit` sets the GEMM peak and row overhead ``m0``
+(`Hardware.gemm_efficiency`), the narrow regime's rate and its fall with B's size, the
+attention efficiency (forward and backward alike) and ``interference`` to predict them.
 
-Why the slowdown: on the emulated cluster the kernel's network stack runs on the rank's own
-core (softirqs, and the inter-processor interrupts that steer packets, each an exit to the
-hypervisor in a VM), and a GEMM beside an exchange at 1 Gbit/s ran 0.26-0.45 slower
-(scripts/transfer_tax.py), varying with the day's machine; the preset's fixed 0.3 left every
-overlapped method's prediction short of the measurement.
-
-Why more than one GEMM: on a later day's VM (AMX), a GEMM of 128 rows ran at 0.72-0.80 of one of
-1024 rows (K, N 1024-4096; the preset's m0 = 8 gives 0.94), so a model fitted to the large
-GEMM alone rated ``splits=8``'s pieces 20-60 % too fast and ``auto`` split too finely: its
-picks were within 5 % of the best fixed method in 27 of the 36 cells of the K x N sweep; on
-the same measurements, the unfitted preset's picks in 33 and those with m0 fitted in 34
-(docs/sim-vs-measured.md). Fitted to 128 rows, one m0 put 256-row pieces too slow and
-still left 128-row ones with a large B 15-25 % too fast: the rate is a step (flat ~100-125
-GFLOP/s from 64 to 160 rows, 150-175 from 192), not a curve, hence the narrow regime, and
-m0 fitted at 256 rows. Why the median: the fastest of 10 was the rate of the machine's
-best moments, 5-20 % above what the benchmarks' GEMMs sustained; a ~150 ms window at half
-speed covers a few of 20 runs, not half of them. Why rounds: on a later day's VM, spells
-of seconds at half speed (GEMMs at 50-90 GFLOP/s, 140-150 an hour later); timed one kernel's
-runs after another's, 2 of 8 probes in a row put one on one kernel alone (the large GEMM at
-76 GFLOP/s against 138-152; the small one at 95: m0 = 257, the others 0-14). The rest stays
-the model's: memory bandwidth (a fit that counts new buffers' page faults; a probe add of
-cache-sized tensors ran at 14-26 GB/s, four times what the prefill's adds get), host time
-per launch, and the links (a link's rate is the network's, and its efficiencies are a fit
-that one probe message would not improve).
+Why each part (docs/design.md, "The model's compute is fitted"): the slowdown, because the
+rank's own core runs the network stack of the emulated links (a GEMM beside an exchange at 1
+Gbit/s ran 0.26-0.45 slower, with the day's machine; scripts/transfer_tax.py); two GEMMs and the
+narrow regime, because a 128-row GEMM ran at 0.72-0.80 of a 1024-row one (a step at ~176 rows,
+not a curve) and a peak-only fit split too finely; medians in rounds, because a VM has spells
+of seconds at half speed; measuring again, because a fresh process's first probe spread its
+rounds 2.2x (later ones 1.00-1.12). Memory bandwidth, host time per launch and the links stay
+the model's (a link's rate is the network's; one probe message would not improve that fit).
 """
 
 from __future__ import annotations
@@ -63,12 +40,12 @@ from commfuse.sim.hardware import Hardware  # (torch is imported where a device 
 # per device type: ~30 ms of a CPU core for the GEMM and the attention, ~1 ms of an H100
 GEMM_SHAPE = {"cpu": (1024, 1024, 2048), "cuda": (8192, 8192, 8192)}
 SMALL_GEMM_SHAPE = {"cpu": (256, 1024, 2048), "cuda": (1024, 8192, 8192)}  # fewer rows only
-# where the model has a narrow regime (`Hardware.narrow_rows`): two narrow GEMMs, B of
-# NARROW_KN elements and of 4x that, for its rate and how it falls with B's size
+# two narrow GEMMs (B of 2^21 elements and 4x that) for `Hardware.narrow_rows`'s regime
 NARROW_SHAPES = {"cpu": ((128, 1024, 2048), (128, 2048, 4096)), "cuda": ()}
 ATTENTION_SHAPE = {"cpu": (1, 4, 2048, 64), "cuda": (4, 32, 4096, 128)}  # B, H, S, d
 REPEATS = 20
 ROUNDS = 4  # `measure`'s REPEATS runs in that many rounds (`_rounds`)
+SPREAD_LIMIT, ATTEMPTS = 1.25, 3  # `probe` measures again (<= 3 in all) over that spread
 
 
 @dataclass(frozen=True)
@@ -85,8 +62,12 @@ class Rates:
     """How much longer the ``GEMM_SHAPE`` GEMM takes while the rank exchanges messages with
     its neighbours (`transfer_slowdown`); None: not timed (the model's is kept)."""
     narrow_flops: tuple | None = None
-    """flop/s of each ``NARROW_SHAPES`` GEMM; None: not timed (the model's narrow regime is
-    kept)."""
+    """flop/s of each ``NARROW_SHAPES`` GEMM; None: not timed (the model's regime is kept)."""
+    spread: float | None = None
+    """The large GEMM's second-slowest round over its fastest (`measure`); after `probe`, the
+    largest rank's, or the fastest rank's rate over the slowest's if larger, in the attempt
+    it kept (of ``attempts``)."""
+    attempts: int = 1
 
     def line(self) -> str:
         small = f" ({self.small_gemm_flops / 1e9:.1f} at fewer rows)" \
@@ -97,7 +78,9 @@ class Rates:
             if self.attention_flops else ""
         slow = "" if self.interference is None else \
             f", GEMM {self.interference:.2f} slower beside transfers"
-        return f"GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s{small}{attn}{slow}"
+        again = f" (best of {self.attempts} probes)" if self.attempts > 1 else ""
+        spread = "" if self.spread is None else f", spread {self.spread:.2f}x{again}"
+        return f"GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s{small}{attn}{slow}{spread}"
 
 
 def _rounds(fns: dict, device, rounds: int, runs: dict) -> dict[str, list[float]]:
@@ -167,10 +150,13 @@ def measure(device="cpu", dtype=None, attention: bool = True, repeats: int = REP
         fns[f"narrow{i}"], flops[f"narrow{i}"] = _walk(rand(8 * mn, kn), rand(kn, nn), mn)
     rounds = min(ROUNDS, repeats)
     runs = {name: 1 if name.startswith("narrow") else max(1, repeats // rounds) for name in fns}
-    rate = _paired_rates(_rounds(fns, device, rounds, runs), flops, "gemm")
+    times = _rounds(fns, device, rounds, runs)
+    rate = _paired_rates(times, flops, "gemm")
     narrow_rates = tuple(rate[name] for name in fns if name.startswith("narrow"))
+    gemm = sorted(times["gemm"])
     return Rates(rate["gemm"], rate.get("attention"), rate["small"],
-                 narrow_flops=narrow_rates or None)
+                 narrow_flops=narrow_rates or None, spread=gemm[-2 if len(gemm) > 1 else 0]
+                 / gemm[0])
 
 
 def _paired_rates(times: dict, flops: dict, ref: str) -> dict[str, float]:
@@ -285,7 +271,7 @@ def fit(hw: Hardware, rates: Rates, device_type: str = "cpu") -> Hardware:
     out = replace(out, gemm_flops=out.gemm_flops * gemm)
     if rates.narrow_flops and out.narrow_rows:
         # each narrow rate over the wide formula's at its shape: the regime's factor at
-        # NARROW_KN, and its power law in k n from the two
+        # the first B size, and its power law in k n from the two
         wide = replace(out, narrow_rows=0.0)
         (f1, kn1), (f2, kn2) = ((r * wide.gemm_time(ms, ks, ns) / (2.0 * ms * ks * ns), ks * ns)
                                 for r, (ms, ks, ns) in zip(rates.narrow_flops,
@@ -306,29 +292,44 @@ def probe(hw: Hardware, group=None, device="cpu", dtype=None) -> tuple[Hardware,
     """``(hw fitted to the slowest rank's rates, those rates)``: every rank of ``group`` (the
     default group if initialised; else this process alone) runs `measure`; the ranks gather
     them and every rank takes the rates of the one whose large GEMM was slowest (ties: the
-    lowest rank) and the largest slowdown beside transfers, so all share one model."""
+    lowest rank) and the largest slowdown beside transfers, so all share one model. Where a
+    rank's rounds spread over `SPREAD_LIMIT` (`Rates.spread`) or the ranks' large-GEMM rates
+    differ by more, all measure again (decided on the gathered rates, so all agree), up to
+    `ATTEMPTS` times, and keep the attempt of the smallest spread."""
     import torch
     import torch.distributed as dist
 
     device = torch.device(device)
-    rates = measure(device, dtype, bool(hw.attention_efficiency[0]), narrow=bool(hw.narrow_rows))
-    slowdown = transfer_slowdown(hw, group, dtype) if device.type == "cpu" else None
-    narrow = rates.narrow_flops or (0.0,) * len(NARROW_SHAPES[_key(device.type)])
-    values = [rates.gemm_flops, rates.attention_flops or 0.0, rates.small_gemm_flops or 0.0,
-              _NOT_TIMED if slowdown is None else slowdown, *narrow]
-    rows = [values]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        t = torch.tensor(values, dtype=torch.float64,
-                         device=device if dist.get_backend(group) == "nccl" else "cpu")
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, t, group=group)
-        rows = [p.tolist() for p in parts]
+    many = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    kept = None
+    for attempt in range(1, ATTEMPTS + 1):
+        rates = measure(device, dtype, bool(hw.attention_efficiency[0]),
+                        narrow=bool(hw.narrow_rows))
+        if attempt == 1:  # the slowdown once: it is a median of turns, each with its own idle
+            slowdown = transfer_slowdown(hw, group, dtype) if device.type == "cpu" else None
+        narrow = rates.narrow_flops or (0.0,) * len(NARROW_SHAPES[_key(device.type)])
+        rows = [[rates.gemm_flops, rates.attention_flops or 0.0, rates.small_gemm_flops or 0.0,
+                 _NOT_TIMED if slowdown is None else slowdown, rates.spread or 1.0, *narrow]]
+        if many:
+            t = torch.tensor(rows[0], dtype=torch.float64,
+                             device=device if dist.get_backend(group) == "nccl" else "cpu")
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t, group=group)
+            rows = [p.tolist() for p in parts]
+        gemm = [row[0] for row in rows]
+        spread = max(max(row[4] for row in rows), max(gemm) / min(gemm))
+        if kept is None or spread < kept[0]:
+            kept = (spread, rows)
+        if spread <= SPREAD_LIMIT:
+            break
+    spread, rows = kept
     slowest = min(rows, key=lambda row: row[0])
     g, a, s = (float(f"{v:.3g}") for v in slowest[:3])
     timed = [row[3] for row in rows if row[3] != _NOT_TIMED]
     slowdown = round(max(timed), 2) if timed else None  # the largest rank's
-    narrow = tuple(float(f"{v:.3g}") for v in slowest[4:])
-    rates = Rates(g, a or None, s or None, slowdown, narrow if all(narrow) else None)
+    narrow = tuple(float(f"{v:.3g}") for v in slowest[5:])
+    rates = Rates(g, a or None, s or None, slowdown, narrow if all(narrow) else None,
+                  round(spread, 2), attempt)
     return fit(hw, rates, device.type), rates
 
 
