@@ -35,6 +35,17 @@ def test_held_out_ratio_does_not_choose_on_the_samples_it_compares():
     assert auto_sweep._held_out({m: _row(1, 2, 3) for m in med}, ["a", "b"]) is None  # < 4
 
 
+def test_held_out_fraction_of_the_limit_is_measured_where_it_was_not_chosen():
+    # none 200 ms, the limit 100: a saves 100 ms on even iterations (of the limit 1.0) and
+    # 70 on odd ones (0.7); b 90 on both (0.9); auto 92 (0.92). Chosen on the even ones, a
+    # reaches 0.7 on the odd ones; chosen on the odd ones, b 0.9 on the even ones
+    med = {"none": _row(200, 200, 200, 200), "a": _row(100, 130, 100, 130),
+           "b": _row(110, 110, 110, 110), "auto": _row(108, 108, 108, 108)}
+    auto, best = auto_sweep._held_out_limit(med, ["none", "a", "b"], 100.0)
+    assert auto == pytest.approx(0.92) and best == pytest.approx((0.7 + 0.9) / 2)
+    assert auto_sweep._held_out_limit({m: _row(1, 2, 3) for m in med}, ["a", "b"], 1.0) is None
+
+
 def test_run_rate_separates_a_slower_machine_from_the_model(tmp_path):
     # a made-up result measured exactly as the model predicts on a machine whose GEMMs run
     # at 0.8 of the probe's rate: on the probe's rate the simulator is off by about 25 %;
