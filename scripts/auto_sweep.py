@@ -118,25 +118,25 @@ def cells(paths, hw) -> list[dict]:
         K, N = _k_n(r, shape)
         med = {m["method"]: m for m in r["methods"]}
         pick = _fastest(r, shape, file_hw)
+        name = _name(*pick[:2])
+        ran = med.get(name)  # auto's pick, measured as that fixed method (None: not measured)
         pred = {m: 1e3 * _predict(r, shape, file_hw, m, pick).total_s for m in med}
         fixed = [m for m in med if m != "auto"]
         best = min(fixed, key=lambda m: med[m]["median_ms"])
         lim = [med[m].get("of_limit") or 0.0 for m in fixed]
         rows.append({"file": str(path), "op": r["workload"], "S": r["seq"], "K": K, "N": N,
                      "comm_ms": r["comm_alone_ms"], "compute_ms": med["none"]["compute_ms"],
-                     "limit_ms": r["limit_ms"], "pick": _name(*pick[:2]),
+                     "limit_ms": r["limit_ms"], "pick": name,
                      "measured": {m: v["median_ms"] for m, v in med.items()},
                      "spread": {m: (v["p10_ms"], v["p90_ms"]) for m, v in med.items()},
                      "predicted": pred, "best": best,
                      "ratio": med["auto"]["median_ms"] / med[best]["median_ms"],
-                     "pick_ratio": (med[_name(*pick[:2])]["median_ms"] / med[best]["median_ms"]
-                                    if _name(*pick[:2]) in med else None),
+                     "pick_ratio": ran and ran["median_ms"] / med[best]["median_ms"],
                      "paired": _paired(med["auto"], med[best]),
                      "held_out": _held_out(med, fixed),
                      "held_out_limit": _held_out_limit(med, fixed, r["limit_ms"]),
                      "auto_of_limit": med["auto"].get("of_limit") or 0.0,
-                     "pick_of_limit": (med[_name(*pick[:2])].get("of_limit") or 0.0
-                                       if _name(*pick[:2]) in med else None),
+                     "pick_of_limit": ran and (ran.get("of_limit") or 0.0),
                      "best_of_limit": max(lim),
                      "worst_err": max(abs(pred[m] / med[m]["median_ms"] - 1) for m in med)})
     return sorted(rows, key=lambda c: (c["op"], c["S"], c["K"], c["N"], c["file"]))
@@ -152,36 +152,38 @@ def _paired(a: dict, b: dict) -> float | None:
     return statistics.median(x / y for x, y in zip(a["samples_ms"], b["samples_ms"]))
 
 
-def _held_out(med: dict, fixed: list[str], score=lambda t, auto, best: t(auto) / t(best)):
-    """auto over the best fixed method with the best chosen on one half of the iterations
-    (even or odd) and both measured on the other, the mean of the two ways round: the best
-    of several noisy medians is biased low, and a median not used to choose is not (None
-    without ``samples_ms``, or with fewer than 4 iterations). ``score(t, "auto", best)``,
-    with ``t(m)`` the held-out half's median of method m, is what is averaged (default: the
-    ratio; a tuple is averaged per item)."""
+def _halves(med: dict, fixed: list[str]) -> list | None:
+    """The two ways round of a held-out comparison: (``t``, best), with the best fixed method
+    chosen on one half of the iterations (even or odd) and ``t(m)`` method m's median on the
+    other: the best of several noisy medians is biased low, and a median not used to choose
+    is not (None without ``samples_ms``, or with fewer than 4 iterations)."""
     if any("samples_ms" not in med[m] for m in [*fixed, "auto"]) or \
             len(med["auto"]["samples_ms"]) < 4:
         return None
     half = lambda m, i: statistics.median(med[m]["samples_ms"][i::2])
-    scores = []
-    for choose_on in (0, 1):
-        best = min(fixed, key=lambda m: half(m, choose_on))
-        scores.append(score(lambda m: half(m, 1 - choose_on), "auto", best))
-    if isinstance(scores[0], tuple):
-        return tuple(statistics.fmean(x) for x in zip(*scores))
-    return statistics.fmean(scores)
+    return [(lambda m, i=1 - c: half(m, i), min(fixed, key=lambda m, c=c: half(m, c)))
+            for c in (0, 1)]
+
+
+def _held_out(med: dict, fixed: list[str]) -> float | None:
+    """auto over the best fixed method, held out (`_halves`), the mean of the two ways round."""
+    halves = _halves(med, fixed)
+    return halves and statistics.fmean(t("auto") / t(best) for t, best in halves)
 
 
 def _held_out_limit(med: dict, fixed: list[str], limit_ms: float) -> tuple | None:
     """(auto's, the best fixed method's) fraction of the testbed limit reached (bench's
     ``of_limit``: of the time from ``none`` down to the limit, how much a method saves),
-    held out as `_held_out` is: the best chosen on one half, both and ``none`` measured on
-    the other. The largest of several noisy medians is biased high as the smallest time
+    held out (`_halves`: ``none`` too measured on the half not chosen on), the mean of the two
+    ways round. The largest of several noisy fractions is biased high as the smallest time
     is biased low; the limit is the file's median."""
-    def frac(t, auto, best):
-        gap = t("none") - limit_ms
-        return tuple((t("none") - t(m)) / gap if gap > 1e-9 else 0.0 for m in (auto, best))
-    return _held_out(med, fixed, frac) if "none" in med else None
+    halves = _halves(med, fixed) if "none" in med else None
+    frac = lambda t, m: (t("none") - t(m)) / (t("none") - limit_ms) \
+        if t("none") - limit_ms > 1e-9 else 0.0
+    if not halves:
+        return None
+    return (statistics.fmean(frac(t, "auto") for t, _ in halves),
+            statistics.fmean(frac(t, best) for t, best in halves))
 
 
 def _ratio(x) -> str:
@@ -206,18 +208,18 @@ def markdown(rows: list[dict]) -> str:
                    f"{'' if ok else '**'} | {_ratio(c['paired'])} | {_ratio(c['held_out'])} | "
                    f"{_ratio(c['pick_ratio'])} | "
                    f"{c['auto_of_limit']:.2f}, {c['best_of_limit']:.2f} | "
-                   f"{_pair(c.get('held_out_limit'))} | {100 * c['worst_err']:.0f} % |")
+                   f"{_pair(c['held_out_limit'])} | {100 * c['worst_err']:.0f} % |")
     n = len(rows)
     within = sum(c["ratio"] <= 1.05 for c in rows)
     need = [c for c in rows if c["best_of_limit"] >= 0.9]
     lim_ok = sum(c["auto_of_limit"] >= 0.9 for c in need)
-    pick_lim = [c["pick_of_limit"] for c in need if c.get("pick_of_limit") is not None]
+    pick_lim = [c["pick_of_limit"] for c in need if c["pick_of_limit"] is not None]
     sim_ok = sum(c["worst_err"] <= 0.15 for c in rows)
     picks = [c["pick_ratio"] for c in rows if c["pick_ratio"] is not None]
     paired = [c["paired"] for c in rows if c["paired"] is not None]
     held = [c["held_out"] for c in rows if c["held_out"] is not None]
     held_need = [c["held_out_limit"] for c in rows
-                 if c.get("held_out_limit") and c["held_out_limit"][1] >= 0.9]
+                 if c["held_out_limit"] and c["held_out_limit"][1] >= 0.9]
     out.append(f"\nauto within 5 % of the best fixed method in {within} of {n} cells (worst "
                f"{max(c['ratio'] for c in rows):.3f}); at >= 0.90 of the testbed limit in "
                f"{lim_ok} of the {len(need)} cells where a fixed method reaches 0.90; simulator "
