@@ -13,7 +13,9 @@ makes, recomputed here), auto against the best fixed method (the ratio of median
 the median over iterations of the two in the same iteration, from bench's ``samples_ms``;
 and held out: the best chosen on half the iterations, both measured on the other half),
 the fraction of the testbed limit reached (as medians, and held out in the same way), and
-the simulator's worst error.
+the simulator's worst error. The summary also gives one schedule measured twice: auto over
+its pick run as the fixed method, the same schedule, so the spread of that ratio is what the
+run can resolve.
 
     python scripts/auto_sweep.py run --out docs/benchmarks/2026-12-01-auto-sweep \\
         --wrap /work/bin/cpu-bench
@@ -132,6 +134,7 @@ def cells(paths, hw) -> list[dict]:
                      "predicted": pred, "best": best,
                      "ratio": med["auto"]["median_ms"] / med[best]["median_ms"],
                      "pick_ratio": ran and ran["median_ms"] / med[best]["median_ms"],
+                     "same": ran and med["auto"]["median_ms"] / ran["median_ms"],
                      "paired": _paired(med["auto"], med[best]),
                      "held_out": _held_out(med, fixed),
                      "held_out_limit": _held_out_limit(med, fixed, r["limit_ms"]),
@@ -216,6 +219,7 @@ def markdown(rows: list[dict]) -> str:
     pick_lim = [c["pick_of_limit"] for c in need if c["pick_of_limit"] is not None]
     sim_ok = sum(c["worst_err"] <= 0.15 for c in rows)
     picks = [c["pick_ratio"] for c in rows if c["pick_ratio"] is not None]
+    same = [c["same"] for c in rows if c["same"] is not None]
     paired = [c["paired"] for c in rows if c["paired"] is not None]
     held = [c["held_out"] for c in rows if c["held_out"] is not None]
     held_need = [c["held_out_limit"] for c in rows
@@ -228,6 +232,9 @@ def markdown(rows: list[dict]) -> str:
                f"the same fixed method, within 5 % of the best in {sum(x <= 1.05 for x in picks)}"
                f" of {len(picks)} (worst {max(picks, default=float('nan')):.3f}), and at >= "
                f"0.90 of the limit in {sum(x >= 0.9 for x in pick_lim)} of {len(pick_lim)}."
+               + (f" One schedule measured twice (auto over its pick run as the fixed method): "
+                  f"{min(same):.3f}-{max(same):.3f}, beyond 5 % in "
+                  f"{sum(abs(x - 1) > 0.05 for x in same)} of {len(same)} cells." if same else "")
                + (f" Paired per iteration, auto within 5 % of the best in "
                   f"{sum(x <= 1.05 for x in paired)} of {len(paired)} (worst "
                   f"{max(paired):.3f})." if paired else "")

@@ -46,27 +46,45 @@ def test_held_out_fraction_of_the_limit_is_measured_where_it_was_not_chosen():
     assert auto_sweep._held_out_limit({m: _row(1, 2, 3) for m in med}, ["a", "b"], 1.0) is None
 
 
+def _made_up(tmp_path, run_hw, auto_scale: float = 1.0):
+    """A bench file whose every method measured what the model predicts on ``run_hw`` (auto
+    ``auto_scale`` times its pick's prediction), fitted to the ``cpu-testbed`` preset."""
+    from commfuse.sim.hardware import preset
+    from commfuse.sim.probe import fitted_fields
+
+    r = {"workload": "ag_matmul", "seq": 2048, "d_model": 1024, "ffn": 4096, "world": 2,
+         "dtype": "float32", "pass": "forward", "comm_alone_ms": 1.0, "limit_ms": 1.0}
+    shape = auto_sweep.op_shape(r)
+    pick = auto_sweep._fastest(r, shape, run_hw)
+    r["methods"] = []
+    for m in auto_sweep.METHODS:
+        sim = auto_sweep._predict(r, shape, run_hw, m, pick)
+        ms = 1e3 * sim.total_s * (auto_scale if m == "auto" else 1.0)
+        r["methods"].append({"method": m, "median_ms": ms, "p10_ms": ms, "p90_ms": ms,
+                             "compute_ms": 1e3 * sim.compute_s})
+    path = tmp_path / "op-2r.json"
+    path.write_text(json.dumps({"meta": fitted_fields(preset("cpu-testbed")), "results": [r]}))
+    return path
+
+
+def test_one_schedule_measured_twice_is_auto_over_its_pick_run_as_the_fixed_method(tmp_path):
+    # auto ran its pick's schedule and measured 6 % slower than that fixed method did
+    from commfuse.sim.hardware import preset
+
+    path = _made_up(tmp_path, preset("cpu-testbed"), auto_scale=1.06)
+    (cell,) = auto_sweep.cells([path], "measured")
+    assert cell["same"] == pytest.approx(1.06)
+    assert "1.060-1.060, beyond 5 % in 1 of 1 cells" in auto_sweep.markdown([cell])
+
+
 def test_run_rate_separates_a_slower_machine_from_the_model(tmp_path):
     # a made-up result measured exactly as the model predicts on a machine whose GEMMs run
     # at 0.8 of the probe's rate: on the probe's rate the simulator is off by about 25 %;
     # at the run's rate, found from compute alone, it is exact
     from commfuse.sim.hardware import preset
-    from commfuse.sim.probe import fitted_fields
 
     probe_hw = preset("cpu-testbed")
-    slow = probe_hw.with_(gemm_flops=0.8 * probe_hw.gemm_flops)
-    r = {"workload": "ag_matmul", "seq": 2048, "d_model": 1024, "ffn": 4096, "world": 2,
-         "dtype": "float32", "pass": "forward", "comm_alone_ms": 1.0, "limit_ms": 1.0}
-    shape = auto_sweep.op_shape(r)
-    pick = auto_sweep._fastest(r, shape, slow)
-    r["methods"] = []
-    for m in auto_sweep.METHODS:
-        sim = auto_sweep._predict(r, shape, slow, m, pick)
-        ms = 1e3 * sim.total_s
-        r["methods"].append({"method": m, "median_ms": ms, "p10_ms": ms, "p90_ms": ms,
-                             "compute_ms": 1e3 * sim.compute_s})
-    path = tmp_path / "op-2r.json"
-    path.write_text(json.dumps({"meta": fitted_fields(probe_hw), "results": [r]}))
+    path = _made_up(tmp_path, probe_hw.with_(gemm_flops=0.8 * probe_hw.gemm_flops))
     row = auto_sweep.at_run_rate([path], "measured").split("\n")[2].split("|")
     drift, on_probe, at_run = float(row[5]), float(row[6][:-2]), float(row[7][:-2])
     assert drift == pytest.approx(0.8, abs=0.01)
