@@ -76,10 +76,9 @@ def test_chooser_takes_finer_splits_when_the_transfer_dominates():
                                    timeline=False).total_s for m in (1, 2, 4, 8)}
                for hw in (fifo, TESTBED))
     assert t[8] < t[4] < t[2] < t[1]
-    # m=8: the copy of its own rows (2 x 16 MiB at 5 GB/s), the first post's host time (the
-    # other 7 overlap the transfer), the transfer, then the last piece's GEMM (1/16 of 0.5 s)
-    copy = 2 * 1024 * 4096 * 4 / 5e9
-    assert t[8] == pytest.approx(copy + 3e-3 + 2.0 + 0.5 / 16, rel=1e-3)
+    # m=8: the first post's host time (the other 7 overlap the transfer, as does the copy of
+    # the own rows, in their slots' compute), the transfer, then the last piece's GEMM
+    assert t[8] == pytest.approx(3e-3 + 2.0 + 0.5 / 16, rel=1e-3)
     assert fair[1] - fair[8] < 0.25 * (t[1] - t[8])
     assert best_splits("ag_matmul", shape, 2, 4, fifo) == 8
     method, opts, _ = fastest("ag_matmul", shape, 2, 4, fifo)
@@ -91,15 +90,18 @@ def test_cpu_testbed_preset_models_gloo_fifo():
     assert not any(sim.preset(n).fifo_per_peer for n in sim.PRESETS if n != "cpu-testbed")
 
 
-def test_ag_p2p_copies_its_own_rows_first():
-    """The P2P AG binding copies its own rows into the gathered buffer before posting (a
-    collective writes them itself): ``copy_time`` of M/W x K elements, on compute alone too."""
+def test_ag_p2p_copies_its_own_rows_in_their_compute_after_the_posts():
+    """The P2P AG binding sends its own rows from the input and copies each own sub-slice
+    into the gathered buffer in that slot's compute (a collective writes them itself):
+    ``copy_time`` of M/W x K elements, on compute alone too, and nothing before the posts."""
     hw = LINK.with_(mem_bandwidth=1e9)
     shape = (2 * 1000, 250, 64)  # own rows: 1000 x 250 x 4 B = 1 MB, copied in 2 ms
-    p2p = sim.simulate_op("ag_matmul", "commfuse", 2, shape, 4, hw)
-    first = min(p2p.timeline, key=lambda s: s.start)
-    assert "copy own rows" in first.label and first.end == pytest.approx(2e-3)
-    assert min(s.start for s in p2p.timeline if s.kind == "recv") == pytest.approx(2e-3)
+    p2p = sim.simulate_op("ag_matmul", "commfuse", 2, shape, 4, hw, splits=2)
+    assert min(s.start for s in p2p.timeline if s.kind == "recv") == 0.0
+    gemm = 2 * 500 * 250 * 64 / 1e12  # one sub-slice's GEMM
+    spans = {s.label: s.end - s.start for s in p2p.timeline if s.rank == 0 and s.kind == "compute"}
+    own, peer = (spans[f"0:ag_matmul slot {slot}"] for slot in (0, 2))
+    assert own == pytest.approx(gemm + 1e-3) and peer == pytest.approx(gemm)
     none = sim.simulate_op("ag_matmul", "none", 2, shape, 4, hw)
     assert not any("copy" in s.label for s in none.timeline)
     assert p2p.compute_s - none.compute_s == pytest.approx(2e-3, rel=0.05)

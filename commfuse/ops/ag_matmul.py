@@ -33,17 +33,21 @@ class _GatherBinding(Binding):
         self.ys_SMN = [a_sMK.new_empty((self.total, *a_sMK.shape[1:-1], b.shape[1]))
                        for b in bs_KN]
         self.gathered: dict[int, torch.Tensor] = {}
-        if not self.pieces:
-            self.a_SMK[self.offs[rank]:self.offs[rank] + self.s].copy_(a_sMK)
 
-    # P2P methods: a sub-slice of the gathered buffer travels, and is computed on in place
+    # P2P methods: a sub-slice of the gathered buffer travels, and is computed on in place.
+    # This rank's own sub-slices are sent from the input itself and copied into the gathered
+    # buffer only by their own compute step, so nothing stands before the first post.
     def buffer(self, t: Transfer) -> torch.Tensor:
+        if t.kind == "send" and t.slot // self.m == self.rank:
+            return self.a_sMK[self.sub_rows(t.slot)]
         return self.a_SMK[self.rows(t.slot)]
 
     def compute(self, slot: int) -> None:
         if self.pieces:
             return self._compute_chunk(slot)
         rows = self.rows(slot)
+        if slot // self.m == self.rank:
+            self.a_SMK[rows].copy_(self.a_sMK[self.sub_rows(slot)])
         for b_KN, y_SMN in zip(self.bs_KN, self.ys_SMN):
             modes.gemm(self.a_SMK[rows], b_KN, out=y_SMN[rows])
         if self.consume is not None:

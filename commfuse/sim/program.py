@@ -69,20 +69,21 @@ def _compile(prog, coll_time, hw, world, job, spec, sched, d, comm, symmetric) -
         src, dst = (r, t.peer) if t.kind == "send" else (t.peer, r)
         return (0, (dst - src) % world) if symmetric else (src, dst)
 
-    if spec.op == "ag_matmul" and sched.method not in ("none", "sliced"):
-        # the P2P binding first copies its own rows into the gathered buffer (ops/ag_matmul.py;
-        # a collective writes them itself): work on the rank, before the first post
-        own = hw.copy_time(spec.shape[0] / world * spec.shape[1] * d, rank=r)
-        prog.append(("work", own, "compute", f"{job}:{spec.op} copy own rows"))
     # the op's fresh buffers are first written by its GEMMs (and the receives into them)
     slots = sum(isinstance(st, S.Compute) for st in sched.steps)
     touch = hw.first_touch_time(fresh_buffers(spec, world, d), r) / max(slots, 1)
+    own, m = 0.0, max(sched.chunks // world, 1)  # P2P: W*m slots, m per rank
+    if spec.op == "ag_matmul" and sched.method not in ("none", "sliced"):
+        # the P2P binding copies each own sub-slice into the gathered buffer in that slot's
+        # compute (ops/ag_matmul.py; its sends read the input; a collective writes them itself)
+        own = hw.copy_time(spec.shape[0] / world * spec.shape[1] * d, rank=r) / m
     for st in sched.steps:
         if isinstance(st, S.Compute):
             attn = attention.slot_attention_s(hw, spec, world, st.slot, sched.chunks if
                                               sched.method in ("none", "sliced") else 0, r) \
                 if spec.attention else 0.0
-            prog.append(("work", gemm + attn + touch, "compute",
+            mine = own if st.slot // m == r else 0.0
+            prog.append(("work", gemm + attn + touch + mine, "compute",
                          f"{job}:{spec.op} slot {st.slot}"))
         elif isinstance(st, S.Reduce):
             prog.append(("work", add * (len(st.peers) - 1), "reduce",
