@@ -1,16 +1,13 @@
 """scripts/auto_sweep.py's comparisons of auto with the best fixed method, on made-up
 samples: the paired ratio and the held-out one (docs/sim-vs-measured.md, "A noisy machine")."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "auto_sweep", os.path.join(os.path.dirname(__file__), "..", "scripts", "auto_sweep.py"))
-auto_sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(auto_sweep)
+from script_module import load
+
+auto_sweep = load("auto_sweep")
 
 
 def _row(*samples):

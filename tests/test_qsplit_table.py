@@ -1,14 +1,11 @@
 """scripts/qsplit_table.py --bounds on a made-up bench file: query-split against its testbed
 limit, and how many cells the issue's targets are within that limit's reach."""
 
-import importlib.util
 import json
-import os
 
-_spec = importlib.util.spec_from_file_location(
-    "qsplit_table", os.path.join(os.path.dirname(__file__), "..", "scripts", "qsplit_table.py"))
-qsplit_table = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(qsplit_table)
+from script_module import load
+
+qsplit_table = load("qsplit_table")
 
 
 def _result(workload, seq, limit, none, commfuse, compute):

@@ -1,16 +1,11 @@
 """scripts/trace_waits.py on a trace written by `commfuse.trace.write_trace`."""
 
-import importlib.util
-import os
-
 import pytest
 
 from commfuse.trace import Span, write_trace
+from script_module import load
 
-_spec = importlib.util.spec_from_file_location(
-    "trace_waits", os.path.join(os.path.dirname(__file__), "..", "scripts", "trace_waits.py"))
-trace_waits = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(trace_waits)
+trace_waits = load("trace_waits")
 
 
 def test_waits_sum_each_ranks_blocked_time_within_each_step(tmp_path):

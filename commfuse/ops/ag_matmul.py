@@ -37,8 +37,11 @@ class _GatherBinding(Binding):
     # P2P methods: a sub-slice of the gathered buffer travels, and is computed on in place.
     # This rank's own sub-slices are sent from the input itself and copied into the gathered
     # buffer only by their own compute step, so nothing stands before the first post.
+    def _own(self, slot: int) -> bool:
+        return slot // self.m == self.rank
+
     def buffer(self, t: Transfer) -> torch.Tensor:
-        if t.kind == "send" and t.slot // self.m == self.rank:
+        if t.kind == "send" and self._own(t.slot):
             return self.a_sMK[self.sub_rows(t.slot)]
         return self.a_SMK[self.rows(t.slot)]
 
@@ -46,7 +49,7 @@ class _GatherBinding(Binding):
         if self.pieces:
             return self._compute_chunk(slot)
         rows = self.rows(slot)
-        if slot // self.m == self.rank:
+        if self._own(slot):
             self.a_SMK[rows].copy_(self.a_sMK[self.sub_rows(slot)])
         for b_KN, y_SMN in zip(self.bs_KN, self.ys_SMN):
             modes.gemm(self.a_SMK[rows], b_KN, out=y_SMN[rows])
