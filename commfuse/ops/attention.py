@@ -29,6 +29,8 @@ log-sum-exp: nothing is recomputed), so the gather hides behind the whole attent
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from commfuse.ops import attn_blocks as blocks
@@ -86,21 +88,23 @@ def query_split_attention(q_SBHd, k_SBHd, v_SBHd, wo_HdD, group=None, *, causal:
                                      group, spec, prefetch)
 
 
+@functools.lru_cache(maxsize=64)
 def _positions(order: str, sizes, world: int) -> torch.Tensor:
-    """The sequence position of each row of the slots, in slot order (on the host)."""
+    """The sequence position of each row of the slots, in slot order (on the host; cached,
+    read only)."""
     S = sum(sizes)
     return torch.tensor(balanced_split(S, world)[1]) if order == "balanced" else torch.arange(S)
 
 
-def _runs(pos: list[int]) -> list[tuple[int, int, int]]:
-    """(index in ``pos``, first position, length) of each run of consecutive positions."""
-    runs: list[list[int]] = []
-    for i, p in enumerate(pos):
-        if runs and p == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([i, p, 1])
-    return [tuple(r) for r in runs]
+def _runs(pos: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(index in ``pos``, first position, length) of each run of consecutive positions of
+    ``pos`` (flattened)."""
+    pos = pos.reshape(-1)
+    if pos.numel() == 0:
+        return []
+    firsts = [0, *(torch.nonzero(pos.diff() != 1).flatten() + 1).tolist()]
+    ends = [*firsts[1:], pos.numel()]
+    return [(i, a, e - i) for i, a, e in zip(firsts, pos[firsts].tolist(), ends)]
 
 
 def _bhsd(t_SBHd: torch.Tensor) -> torch.Tensor:
@@ -130,7 +134,7 @@ def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, order: str, sizes, gro
     q_BHSd, k_BHSd, v_BHSd = _heads(q_SBHd), _bhsd(k_SBHd), _bhsd(v_SBHd)
     o_SBHd = q_SBHd.new_empty((S, B, H, d))
     lse_BHS = q_SBHd.new_empty((B, H, S), dtype=blocks.lse_dtype(q_SBHd.dtype))
-    pos_S = _positions(order, sizes, group.size())
+    pos_S = _positions(order, tuple(sizes), group.size())
 
     def partial(view) -> torch.Tensor:
         pos = view(pos_S)  # [s] (a slot or uneven chunk) or [W, n] (an even chunk)
@@ -138,7 +142,7 @@ def _forward(q_SBHd, k_SBHd, v_SBHd, wo_XD, causal: bool, order: str, sizes, gro
         if modes.current() == "comm_only":
             return out_RBD
         out_XD = out_RBD.view(-1, D)
-        for i, a, n in _runs(pos.reshape(-1).tolist()):  # each run: prefix + diagonal block
+        for i, a, n in _runs(pos):  # each run: prefix + diagonal block
             o, lse = blocks.run_forward(q_BHSd[:, :, a:a + n], k_BHSd, v_BHSd, a, causal)
             o_SBHd[a:a + n], lse_BHS[:, :, a:a + n] = o.permute(2, 0, 1, 3), lse
             # the out-projection of the run's rows, straight from o (no gather of the runs)
@@ -192,13 +196,13 @@ def query_split_backward(q, k, v, wo, o_SBHd, lse_BHS, g_sBD, causal: bool, orde
     dk_SBHd, dv_SBHd = q.new_zeros((S, B, H, d)), q.new_zeros((S, B, H, d))
     dk_BHSd, dv_BHSd = _heads(dk_SBHd), _heads(dv_SBHd)
     dwo = []
-    pos_S = _positions(order, sizes, group.size())
+    pos_S = _positions(order, tuple(sizes), group.size())
     wo_DX = wo.t()
 
     def consume(view, g_RBD) -> None:
         if modes.current() == "comm_only" or g_RBD.shape[0] == 0:
             return
-        runs = _runs(view(pos_S).reshape(-1).tolist())
+        runs = _runs(view(pos_S))
         g_XD = g_RBD.reshape(-1, g_RBD.shape[-1])
         go_BHRd = _heads(modes.gemm(g_RBD, wo_DX).view(-1, B, H, d))
         for i, a, n in runs:

@@ -5,8 +5,8 @@ A run of n query rows at sequence positions a..a+n-1 sees keys 0..a+n-1: the *pr
 (keys 0..a-1, no mask) and the *diagonal* block (keys a..a+n-1, causal, its top-left corner
 on the run's first row). Each block is one fused SDPA kernel that also returns its
 log-sum-exp ``lse``; the two are merged as ``o = sum_b exp(lse_b - lse) o_b`` with
-``lse = logaddexp(lse_b)``. The causal kernel skips the blocks above the diagonal, so the
-runs of a sequence together cost what one causal attention of it costs.
+``lse = logaddexp(lse_b)`` (`merge`, one lerp). The causal kernel skips the blocks above the
+diagonal, so the runs of a sequence together cost what one causal attention of it costs.
 
 The backward of a block needs only the merged ``o`` and ``lse`` (the flash-attention
 backward: ``P = exp(s - lse)``, ``dS = P (dP - rowsum(dO o))``), so each block's
@@ -77,10 +77,18 @@ def run_forward(q_BHnd, k_BHSd, v_BHSd, a: int, causal: bool):
     if a == 0:
         return o, lse
     o_p, lse_p = block(q_BHnd, k_BHSd[:, :, :a], v_BHSd[:, :, :a], False)
-    total = torch.logaddexp(lse, lse_p)
-    merged = o.to(total.dtype) * torch.exp(lse - total)[..., None] + \
-        o_p.to(total.dtype) * torch.exp(lse_p - total)[..., None]
-    return merged.to(o.dtype), total
+    return merge(o, lse, o_p, lse_p)
+
+
+def merge(o_BHnd, lse_BHn, o2_BHnd, lse2_BHn):
+    """``(o, lse)`` of attention over two key blocks from each block's: the weights are
+    ``exp(lse_b - lse)``, so ``o = lerp(o_1, o_2, sigmoid(lse_2 - lse_1))``, one pass over the
+    outputs (in the lse dtype, back to the outputs' dtype)."""
+    w = torch.sigmoid(lse2_BHn - lse_BHn)[..., None]
+    total = torch.logaddexp(lse_BHn, lse2_BHn)
+    if o_BHnd.dtype == w.dtype:
+        return torch.lerp(o_BHnd, o2_BHnd, w), total
+    return torch.lerp(o_BHnd.to(w.dtype), o2_BHnd.to(w.dtype), w).to(o_BHnd.dtype), total
 
 
 def run_backward(go, q, k_BHSd, v_BHSd, o, lse, a: int, causal: bool, dk_BHSd, dv_BHSd):
