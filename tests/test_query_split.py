@@ -26,6 +26,25 @@ def test_balanced_split_is_a_permutation_of_equal_causal_cost(total, world):
         assert slots == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6),
+                                       (torch.bfloat16, 1e-2)])
+def test_merge_of_two_blocks_is_attention_over_their_union(dtype, tol):
+    """``merge`` of two key blocks' (o, lse) equals one softmax over both blocks' keys, also
+    where one block outweighs the other by far (lse tens apart)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    k[..., 3:, :] *= 0.1
+    k[0, 0, :3] *= 40.0  # head 0: one block far outweighs the other
+    ref = F.scaled_dot_product_attention(q, k, v)
+    lse_ref = torch.logsumexp(q @ k.transpose(-1, -2) * 8 ** -0.5, -1)
+    parts = [attn_blocks.block(q.to(dtype), k[:, :, sl].to(dtype), v[:, :, sl].to(dtype), False)
+             for sl in (slice(0, 3), slice(3, 5))]
+    o, lse = attn_blocks.merge(*parts[0], *parts[1])
+    assert o.dtype == dtype and lse.dtype == attn_blocks.lse_dtype(dtype)
+    torch.testing.assert_close(o.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5),
                                        (torch.bfloat16, 2e-2)])
