@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from commfuse.testbed import cpu as cluster_cpu, links, net as cluster_net
-from commfuse.testbed.launch import (ClusterSpec, EmulationUnavailable, LinkSpec, add_launch_arguments,
+from commfuse.testbed.launch import (ALLOCATOR_ENV, ClusterSpec, EmulationUnavailable, LinkSpec, add_launch_arguments,
                                      cleanup_stale, launch, main_launch, spec_from_args)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_netns = pytest.mark.skipif(
@@ -193,6 +194,34 @@ def test_loopback_failure_and_timeout(tmp_path):
     assert launch(spec, _script(tmp_path, "os._exit(3) if RANK == 1 else time.sleep(60)")) == 3
     assert launch(spec, _script(tmp_path, "time.sleep(60)"), timeout=0.5) == 124
     assert time.monotonic() - t0 < 55  # had it waited for a sleeping rank: over 60 s
+
+
+_REFILL = """\
+import resource, torch
+def faults(mib):  # page faults of filling a fresh buffer of `mib` MiB, after one was freed
+    torch.empty(mib << 18).fill_(1.0)
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(mib << 18).fill_(1.0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+report(env={k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                                           "OMP_NUM_THREADS")}, big=faults(32))
+"""
+
+
+def test_ranks_get_the_allocator_settings_and_big_buffers_stay_fresh(tmp_path, monkeypatch):
+    """Every rank gets `ALLOCATOR_ENV` where the caller set none (a variable the caller set
+    wins); buffers of 32 MiB are still fresh memory each time, as the simulator charges
+    (`Hardware.first_touch_bytes`)."""
+    from commfuse.sim.hardware import Hardware
+    assert int(ALLOCATOR_ENV["MALLOC_MMAP_THRESHOLD_"]) == Hardware.first_touch_bytes
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345678")
+    assert launch(ClusterSpec(nproc=2, emulate=False), _script(tmp_path, _REFILL), timeout=120) == 0
+    for info in _reports(tmp_path, 2):
+        assert info["env"] == {"MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+                               "MALLOC_TRIM_THRESHOLD_": "12345678", "OMP_NUM_THREADS": "1"}
+        assert info["big"] > (32 << 20) // 4096 // 2, info  # 4 KiB pages: 8192 when fresh
 
 
 # --- emulated network -----------------------------------------------------------------------

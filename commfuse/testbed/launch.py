@@ -7,7 +7,9 @@ with one slower rank (a straggler). Rank r runs ``ip netns exec <its netns> argv
 torchrun's variables (MASTER_ADDR = rank 0's address, MASTER_PORT, RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE), GLOO_SOCKET_IFNAME = its interface, COMMFUSE_EMULATED=1,
 COMMFUSE_LINK (a label of the links, for results) and COMMFUSE_RUN_ID; pinned to one core
-when there are enough ("How we measure" in docs/design.md), OMP_NUM_THREADS = its share of cores.
+when there are enough ("How we measure" in docs/design.md), OMP_NUM_THREADS = its share of cores,
+and glibc's allocator told to keep freed memory below 32 MiB (`ALLOCATOR_ENV`). Any of these
+variables the caller already set is kept as it is.
 
 Teardown always happens: at the end, when a rank fails (the others are stopped), on timeout,
 on SIGINT/SIGTERM/SIGHUP (forwarded to the ranks first), at interpreter exit. If the launcher
@@ -100,6 +102,17 @@ class ClusterSpec:
         return self.link.describe() + straggler
 
 
+# glibc's malloc returns freed memory to the kernel when the heap's free top outgrows a
+# threshold that moves with what was freed before, so whether an op's buffers of a few MiB
+# page-fault on their first writes changed from one step to the next and from one workload to
+# another (query-split attention's forward at S=2048: 1500 faults and 8 % of its compute per
+# step, row-parallel's none). Fixed here: buffers below 32 MiB (the most glibc's own moving
+# threshold reaches) come from a heap that is never trimmed, so they are reused, as the GPU's
+# caching allocator reuses memory; buffers of 32 MiB and more are fresh memory each time, as
+# before (the simulator's `first_touch_bytes`).
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
 def _cores(spec: ClusterSpec) -> list[int | None]:
     """Rank r's core: core r % n of the n we may run on, or None for all when not pinned."""
     allowed = sorted(os.sched_getaffinity(0))
@@ -120,7 +133,7 @@ def _rank_envs(spec: ClusterSpec, net: EmulatedNetwork | None, pinned: bool) -> 
     threads = 1 if pinned else max(1, len(os.sched_getaffinity(0)) // spec.nproc)
     envs = []
     for r in range(spec.nproc):
-        env = {"OMP_NUM_THREADS": str(threads), **os.environ}
+        env = {"OMP_NUM_THREADS": str(threads), **ALLOCATOR_ENV, **os.environ}
         env.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
                    WORLD_SIZE=str(spec.nproc), LOCAL_WORLD_SIZE=str(spec.nproc),
                    GLOO_SOCKET_IFNAME=net.ports[r].ifname if net else "lo",
