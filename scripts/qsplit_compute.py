@@ -4,8 +4,11 @@ so that the two layers see the same spell of the machine. ``commfuse bench layer
 workload's cells one after the other, so its ``compute qs / row`` sets two medians taken
 minutes apart against each other.
 
-    commfuse launch --nproc 2 --link 1gbit -- python scripts/qsplit_compute.py \\
+    commfuse launch --nproc 2 --no-emulate -- python scripts/qsplit_compute.py \\
         --seq 2048,4096,8192 --d-model 512,1024 --pass forward,both --iters 10
+
+No link is emulated: ``compute_only`` moves no bytes. ``--pass both`` is one cell, forward
++backward, unlike ``commfuse bench``'s ``--pass both`` (both kinds of cell).
 
 Each cell builds `commfuse.bench.workloads` ``attn_row`` and ``attn_qsplit`` (the bench's own
 layers, float32) and times one step of each per iteration in ``compute_only`` mode (no
