@@ -224,6 +224,25 @@ def test_first_touch_of_fresh_buffers_is_compute(method):
         HW.with_(first_touch_bandwidth=-1)
 
 
+def test_first_touch_follows_the_buffers_each_method_allocates():
+    """GEMM -> RS: ``none`` computes one [M, N] partial, P2P methods one partial per slot and
+    receive into and sum into buffers of that size, so whether the pieces fault depends on
+    the method (the result [M/W, N] is fresh under all of them)."""
+    w, d, bw, (M, K, N) = 2, 4, 1e9, (4096, 1024, 4096)
+    hw = HW.with_(first_touch_bandwidth=bw, first_touch_bytes=2 ** 25)  # 32 MiB
+    result, slot = M / w * N * d, M / w * N * d  # 32 MiB each: charged
+    charged = {("none", 1): M * N * d + result,  # the 64 MiB partial and the result
+               ("commfuse", 1): 2 * slot + slot + result,  # two partials, one receive
+               ("commfuse", 2): result,  # 16 MiB pieces reuse freed memory
+               ("sliced", 1): result}  # four 16 MiB chunks
+    for (method, splits), nbytes in charged.items():
+        opts = {"splits": splits} if method == "commfuse" else {}
+        base = sim.simulate_op("matmul_rs", method, w, (M, K, N), d, HW, **opts)
+        touched = sim.simulate_op("matmul_rs", method, w, (M, K, N), d, hw, **opts)
+        assert touched.compute_s == pytest.approx(base.compute_s + nbytes / bw, rel=1e-9), \
+            (method, splits)
+
+
 def test_links_of_another_hardware():
     inter = sim.preset("multinode-100g")
     mixed = HW.with_links_of(inter)

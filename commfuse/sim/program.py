@@ -71,7 +71,7 @@ def _compile(prog, coll_time, hw, world, job, spec, sched, d, comm, symmetric) -
 
     # the op's fresh buffers are first written by its GEMMs (and the receives into them)
     slots = sum(isinstance(st, S.Compute) for st in sched.steps)
-    touch = hw.first_touch_time(fresh_buffers(spec, world, d), r) / max(slots, 1)
+    touch = hw.first_touch_time(fresh_buffers(spec, world, d, sched), r) / max(slots, 1)
     own, m = 0.0, max(sched.chunks // world, 1)  # P2P: W*m slots, m per rank
     if spec.op == "ag_matmul" and sched.method not in ("none", "sliced"):
         # the P2P binding copies each own sub-slice into the gathered buffer in that slot's
@@ -108,10 +108,27 @@ def _compile(prog, coll_time, hw, world, job, spec, sched, d, comm, symmetric) -
             prog.append(("wcoll", (job, st.slot)))
 
 
-def fresh_buffers(spec, world: int, d: float) -> tuple[float, ...]:
-    """Bytes of the buffers one rank's op allocates (conventions of `op_costs`): what it
-    gathers or receives, and what its GEMM writes (and keeps, reduced)."""
+def fresh_buffers(spec, world: int, d: float, sched: S.Schedule) -> tuple[float, ...]:
+    """Bytes of each buffer one rank's op allocates under ``sched`` (conventions of
+    `op_costs`), as its binding does (`commfuse.ops.ag_matmul`, `commfuse.ops.matmul_rs`):
+
+    - AG -> GEMM: the gathered [M, K] and the product [M, N]; ``sliced`` also gathers each
+      chunk into its own buffer and computes its product into another.
+    - GEMM -> RS: a new partial per compute step (a slot, or a chunk of every slice), a new
+      buffer per P2P receive and per sum of a peer's slot, and the result [M/W, N].
+    - the all-to-all ops: what they receive and what they compute."""
     (M, K, N), w = spec.shape, world
-    rows = {"ag_matmul": (M * K, M * N), "matmul_rs": (M * N, M / w * N),
-            "matmul_a2a": (M / w * N, M * N / w), "a2a_matmul": (M / w * K, M / w * N)}
+    steps = sched.steps
+    computes = max(sum(isinstance(st, S.Compute) for st in steps), 1)
+    if spec.op == "ag_matmul":
+        chunked = (M / computes * K, M / computes * N) * computes \
+            if sched.method == "sliced" and computes > 1 else ()
+        return tuple(b * d for b in (M * K, M * N, *chunked))
+    if spec.op == "matmul_rs":
+        m = max(sched.chunks // w, 1)  # P2P: m slots per rank
+        recvs = sum(t.kind == "recv" for st in steps if isinstance(st, S.Post)
+                    for t in st.transfers)
+        sums = sum(isinstance(st, S.Reduce) and st.slot // m != sched.rank for st in steps)
+        return (M / computes * N * d,) * (computes + recvs + sums) + (M / w * N * d,)
+    rows = {"matmul_a2a": (M / w * N, M * N / w), "a2a_matmul": (M / w * K, M / w * N)}
     return tuple(b * d for b in rows.get(spec.op, ()))
