@@ -98,3 +98,43 @@ def test_probe_each_fits_the_model_again_before_every_workload(tmp_path):
     assert preset.returncode != 0 and "--probe-each" in preset.stderr
     for r in results:
         assert r["hardware"].startswith("hardware model:") and r["fitted"]["gemm_flops"] > 0
+
+
+def test_interleave_workloads_times_the_workloads_of_a_size_in_the_same_iterations(tmp_path):
+    # `--interleave-workloads`: one group per size and pass, each workload's result as
+    # `measure` gives it, a forward-only workload dropped from the backward pass only
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "commfuse.cli", "bench", "layer", "--nproc", "2",
+                          "--workloads", "attn_row,attn_qsplit", "--seq", "32,64",
+                          "--d-model", "128", "--pass", "both", "--iters", "2", "--warmup", "0",
+                          "--methods", "none,commfuse", "--interleave-workloads", "--no-trace",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("[bench] attn_row+attn_qsplit seq ") == 4
+    results = json.load(open(tmp_path / "layer-2r.json"))["results"]
+    assert [(r["workload"], r["seq"], r["pass"]) for r in results] == [
+        (w, s, p) for s in (32, 64) for p in ("forward", "forward+backward")
+        for w in ("attn_row", "attn_qsplit")]
+    for r in results:
+        assert [m["method"] for m in r["methods"]] == ["none", "commfuse"]
+        assert all(len(m["samples_ms"]) == 2 and m["compute_ms"] > 0 for m in r["methods"])
+        assert r["limit_ms"] > 0 and r["comm_alone_ms"] > 0
+
+
+def test_measure_together_keeps_each_workload_apart():
+    got = run_local(_measure_pair, 2, timeout=300)
+    assert got[1] is None  # results on rank 0 only
+    row, mlp = got[0]
+    assert (row["workload"], mlp["workload"]) == ("attn_row", "mlp")
+    assert mlp["ffn"] == 512
+    for r in (row, mlp):
+        assert all(len(m["samples_ms"]) == 2 for m in r["methods"])  # its own, not the pair's
+        assert {s.label for s in r["spans"] if s.track == "step"} == {"none", "commfuse"}
+
+
+def _measure_pair(rank, world):
+    return measure.measure_together(["attn_row", "mlp"], 32, 128, torch.float32, False,
+                                    iters=2, warmup=0, variants=["none", "commfuse"],
+                                    trace=True, say=lambda m: None)

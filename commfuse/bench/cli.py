@@ -57,6 +57,11 @@ def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
                         "not once at start, so that predictions and auto's choices follow a "
                         "machine whose speed drifts over a long run (each result records its "
                         "fit; ~3 s a workload)")
+    p.add_argument("--interleave-workloads", action="store_true",
+                   help="time all the workloads of one size in the same iterations, as the "
+                        "methods of one workload always are, so a ratio between workloads "
+                        "(query-split over row-parallel) compares the same spell of a noisy "
+                        "machine; holds every workload's buffers at once")
     p.add_argument("--out", default="bench-out", help="folder for JSON, PNG and traces "
                    "(default ./bench-out)")
     cluster.add_cluster_options(p)
@@ -88,7 +93,10 @@ def run(args) -> int:
         return _worker(args, names, seqs)
     from commfuse.testbed import launch as cluster
 
-    spec = cluster.spec_from_args(args)
+    try:
+        spec = cluster.spec_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"commfuse bench: {e}")
     argv = [sys.executable, "-m", "commfuse.cli", "bench", *sys.argv[2:]]
     os.environ[WORKER_ENV] = "1"
     try:
@@ -117,23 +125,25 @@ def _worker(args, names: list[str], seqs: list[int]) -> int:
     hw, line = use_hardware(args.hardware, torch.empty(0, dtype=dtype))
     say(f"[bench] {line}")
     results, done = [], 0  # (results on rank 0 only; done on every rank)
-    for name in names:
-        for seq in seqs:
-            for backward in passes:
-                if backward and name in workloads.FORWARD_ONLY:
-                    continue
-                say(f"[bench] {name} seq {seq} {'forward+backward' if backward else 'forward'} "
-                    f"({len(results) + 1} of about {len(names) * len(seqs) * len(passes)})")
-                if args.probe_each and done:  # (`run` took --hardware measured; every rank)
-                    hw, line = use_hardware(args.hardware, torch.empty(0, dtype=dtype))
-                    say(f"[bench] {line}")
-                r = measure.measure(name, seq, args.d_model, dtype, backward, args.iters,
-                                    args.warmup, args.methods.split(","), args.trace, say,
-                                    args.ffn)
-                done += 1
-                if r is not None:
-                    say(report.table(r) + "\n")
-                    results.append({**r, "hardware": line, "fitted": fitted_fields(hw)})
+    cells = [([n], seq, bw) for n in names for seq in seqs for bw in passes]
+    if args.interleave_workloads:
+        cells = [(names, seq, bw) for seq in seqs for bw in passes]
+    for group, seq, backward in cells:
+        group = [n for n in group if not (backward and n in workloads.FORWARD_ONLY)]
+        if not group:
+            continue
+        say(f"[bench] {'+'.join(group)} seq {seq} "
+            f"{'forward+backward' if backward else 'forward'} ({done + 1} of about {len(cells)})")
+        if args.probe_each and done:  # (`run` took --hardware measured; every rank)
+            hw, line = use_hardware(args.hardware, torch.empty(0, dtype=dtype))
+            say(f"[bench] {line}")
+        got = measure.measure_together(group, seq, args.d_model, dtype, backward, args.iters,
+                                       args.warmup, args.methods.split(","), args.trace, say,
+                                       args.ffn)
+        done += 1
+        for r in got or []:
+            say(report.table(r) + "\n")
+            results.append({**r, "hardware": line, "fitted": fitted_fields(hw)})
     if rank == 0:
         meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                 "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",

@@ -8,8 +8,8 @@ For one workload at one size, each iteration times, in an order rotated every it
   bytes every P2P schedule moves too), replayed with no compute;
 - the *testbed limit*: those same collectives launched first, then ``none``'s compute run
   with no dependency on them, then waited: what this testbed allows (docs/design.md).
-A step's time is the slowest rank's; medians and the 10th-90th percentile spread over
-iterations are reported, and each iteration's time (``samples_ms``, in iteration order: two
+`measure_together` interleaves several workloads of one size in the same way. A step's time is
+the slowest rank's; medians and the 10th-90th percentile spread over iterations are reported, and each iteration's time (``samples_ms``, in iteration order: two
 methods' i-th samples ran within one iteration, for paired ratios on a noisy machine). One
 more iteration per method is traced for the timeline.
 """
@@ -57,21 +57,37 @@ def measure(name: str, seq: int, d: int, dtype: torch.dtype, backward: bool, ite
             ffn: int | None = None) -> dict | None:
     """Run on every rank; returns the results on rank 0 (None elsewhere). ``ffn``: the MLP
     hidden width (`workloads.build`)."""
+    got = measure_together([name], seq, d, dtype, backward, iters, warmup, variants, trace,
+                           say, ffn)
+    return got[0] if got is not None else None
+
+
+def measure_together(names: list[str], seq: int, d: int, dtype: torch.dtype, backward: bool,
+                     iters: int, warmup: int, variants: list[str], trace: bool, say=print,
+                     ffn: int | None = None) -> list[dict] | None:
+    """`measure` for several workloads of one size at once: every iteration times each
+    workload's methods, compute alone, communication alone and limit, all in one rotated
+    order, so a ratio between two workloads compares the same spell of the machine, as a
+    ratio between two methods always does. Every workload's buffers are held at once. Returns
+    one result per workload, in ``names`` order, on rank 0 (None elsewhere)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    step = workloads.build(name, world, rank, seq, d, dtype, ffn)
-    comm_alone, limit = _limit_fn(step, backward)
-    fns = {}
-    for label in variants:
-        method, opts = VARIANTS[label]
-        fns[("step", label)] = (lambda m=method, o=opts: step(m, o, backward))
-        fns[("compute", label)] = (lambda m=method, o=opts: _compute_only(step, m, o, backward))
-    fns[("comm", "-")] = comm_alone
-    fns[("limit", "-")] = limit
+    fns, steps = {}, {}
+    for name in names:
+        step = steps[name] = workloads.build(name, world, rank, seq, d, dtype, ffn)
+        comm_alone, limit = _limit_fn(step, backward)
+        for label in variants:
+            method, opts = VARIANTS[label]
+            fns[(name, "step", label)] = (lambda s=step, m=method, o=opts: s(m, o, backward))
+            fns[(name, "compute", label)] = (lambda s=step, m=method, o=opts:
+                                             _compute_only(s, m, o, backward))
+        fns[(name, "comm", "-")] = comm_alone
+        fns[(name, "limit", "-")] = limit
     keys = list(fns)
     for _ in range(warmup):
         for k in keys:
             fns[k]()
     times = {k: [] for k in keys}
+    what = "+".join(names)
     for it in range(iters):
         shift = it % len(keys)
         for k in keys[shift:] + keys[:shift]:  # interleaved, order rotated
@@ -80,13 +96,16 @@ def measure(name: str, seq: int, d: int, dtype: torch.dtype, backward: bool, ite
             fns[k]()
             times[k].append(time.perf_counter() - t0)
         if rank == 0 and (it + 1) % max(1, iters // 4) == 0:
-            say(f"  {name} seq {seq}: iteration {it + 1}/{iters}")
-    spans = _trace(step, variants, backward, rank) if trace else []
+            say(f"  {what} seq {seq}: iteration {it + 1}/{iters}")
+    spans = {n: _trace(steps[n], variants, backward, rank) if trace else [] for n in names}
     gathered = [None] * world
     dist.all_gather_object(gathered, (times, spans))
     if rank != 0:
         return None
-    return _summarise(name, seq, d, dtype, backward, variants, gathered, ffn or 4 * d)
+    return [_summarise(n, seq, d, dtype, backward, variants,
+                       [({k[1:]: v for k, v in t.items() if k[0] == n}, sp[n])
+                        for t, sp in gathered], ffn or 4 * d)
+            for n in names]
 
 
 def _compute_only(step, method, opts, backward):
