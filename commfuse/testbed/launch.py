@@ -31,6 +31,7 @@ import sys
 import threading
 from dataclasses import dataclass, field, replace
 
+from commfuse.testbed import gso
 from commfuse.testbed.cpu import CpuQuota
 from commfuse.testbed.procs import Supervisor, say
 from commfuse.testbed.links import LinkSpec
@@ -63,8 +64,15 @@ class ClusterSpec:
     """Pin rank i to core i % ncores; None: pin when nproc <= the cores we may run on."""
     emulate: bool = True
     """Emulate the network (root + iproute2); False: plain loopback, no shaping."""
+    gso_bytes: int = gso.DEFAULT
+    """The TCP super-packet size asked of the emulated links, bytes (`commfuse.testbed.gso`):
+    larger takes less of the ranks' CPU per byte, and lets a bigger burst through tbf."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.gso_bytes, int) or not (
+                gso.LEGACY_GSO <= self.gso_bytes <= gso.MAX_GSO):
+            raise ValueError(f"gso_bytes must be {gso.LEGACY_GSO}..{gso.MAX_GSO}, "
+                             f"got {self.gso_bytes!r}")
         if not isinstance(self.nproc, int) or not 1 <= self.nproc <= MAX_RANKS:
             raise ValueError(f"nproc must be an int in 1..{MAX_RANKS}, got {self.nproc!r}")
         if not isinstance(self.link, LinkSpec):
@@ -130,6 +138,7 @@ def _rank_envs(spec: ClusterSpec, net: EmulatedNetwork | None, pinned: bool) -> 
         port, master, run_id = EMULATED_MASTER_PORT, net.ports[0].address, net.run_id
         label = spec.describe() + ("" if net.delay_emulated
                                    else " (delay not emulated: kernel lacks sch_netem)")
+        label += f", GSO {net.gso_in_force // 1024} KiB"
     threads = 1 if pinned else max(1, len(os.sched_getaffinity(0)) // spec.nproc)
     envs = []
     for r in range(spec.nproc):
@@ -175,10 +184,15 @@ def launch(spec: ClusterSpec, argv: list[str], timeout: float | None = None) -> 
     atexit.register(teardown)
     try:
         if spec.emulate:
-            net = EmulatedNetwork([spec.link_for(r) for r in range(spec.nproc)], cores)
+            net = EmulatedNetwork([spec.link_for(r) for r in range(spec.nproc)], cores,
+                                  gso_bytes=spec.gso_bytes)
             net.up()
             if not net.delay_emulated:
                 say("this kernel has no sch_netem: bandwidth is shaped, delay/jitter are not")
+            if net.gso_in_force < spec.gso_bytes:
+                say(f"the links took TCP super-packets of {net.gso_in_force // 1024} KiB, not "
+                    f"the {spec.gso_bytes // 1024} KiB asked (BIG TCP for IPv4 needs Linux 6.3+): "
+                    f"the kernel's network stack takes more of the ranks' CPU")
         if spec.straggler_cpu is not None:
             quota = CpuQuota(f"commfuse-{os.getpid()}", spec.straggler_cpu)
         if sup.signum is None:  # a signal during setup ends the run before it starts
@@ -222,6 +236,12 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--straggler-cpu", type=float, metavar="FRACTION",
                    help="the straggler may use this fraction of one core (a cgroup CPU quota, "
                         "e.g. 0.5: its GEMMs take twice as long; needs root)")
+    g.add_argument("--gso-kib", type=int, default=gso.DEFAULT // 1024, metavar="KIB",
+                   help="the TCP super-packet size of the emulated links, 64..512 KiB (default "
+                        f"{gso.DEFAULT // 1024}; 64 is the kernel's default, and the testbed's "
+                        "before 2026-12-04): every packet costs the ranks' cores CPU that a "
+                        "NIC would not take, and a link idle for a while lets one burst of "
+                        "this size plus 32 KiB leave at once (docs/design.md)")
     g.add_argument("--no-emulate", dest="emulate", action="store_false",
                    help="plain loopback (127.0.0.1), no shaping; automatic without root")
     g.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
@@ -234,6 +254,8 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     """The `ClusterSpec` the parsed options describe (ValueError if they are inconsistent)."""
     link = LinkSpec(rate=args.link, delay=args.delay, jitter=args.jitter)
+    if not 64 <= args.gso_kib <= 512:
+        raise ValueError(f"--gso-kib must be 64..512, got {args.gso_kib}")
     straggler = None
     cpu = getattr(args, "straggler_cpu", None)
     if args.straggler_rank is not None:
@@ -247,7 +269,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         raise ValueError("--straggler-link/--straggler-delay/--straggler-cpu need --straggler-rank")
     return ClusterSpec(nproc=args.nproc, link=link, straggler_rank=args.straggler_rank,
                        straggler_link=straggler, straggler_cpu=cpu, pin=args.pin,
-                       emulate=args.emulate)
+                       emulate=args.emulate,
+                       gso_bytes=min(gso.MAX_GSO, args.gso_kib * 1024))
 
 
 def main_launch(args: argparse.Namespace) -> int:

@@ -71,18 +71,21 @@ class LinkSpec:
         return f"{self.rate} delay {self.delay}{jitter}"
 
 
-def tbf_params(rate_bps: int) -> tuple[int, int]:
-    """(burst, limit) in bytes for a tbf at ``rate_bps``; measured with TCP over veth.
+def tbf_params(rate_bps: int, packet: int = 64 * 1024) -> tuple[int, int]:
+    """(burst, limit) in bytes for a tbf at ``rate_bps`` passing TCP super-packets (GSO) of up
+    to ``packet`` bytes; measured with TCP over veth.
 
-    burst: 250 us of the rate, at least 96 KiB. Smaller loses rate to timer granularity
-    (16 KiB at 1gbit: 92 %); and below 64 KiB tbf cuts every TCP GSO super-packet (up to
-    64 KiB) into MTU-sized packets, whose trip through two veths and the bridge cost the sending
-    core 30-40 ms of CPU per 8 MB at 1gbit, against 3 ms when they pass whole (measured with
-    `time.process_time` around a gloo send): CPU the GEMM that should hide the transfer needs,
-    where a real NIC would take none. 96 KiB at 1gbit still gives 0.91-0.92 Gbit/s one way.
+    burst: 250 us of the rate, at least 96 KiB, and at least a whole super-packet and 32 KiB.
+    Smaller loses rate to timer granularity (16 KiB at 1gbit: 92 %); and below the packet size
+    tbf cuts every super-packet into MTU-sized packets, whose trip through two veths and the
+    bridge cost the sending core 30-40 ms of CPU per 8 MB at 1gbit, against 3 ms when 64 KiB
+    packets pass whole (measured with `time.process_time` around a gloo send): CPU the GEMM
+    that should hide the transfer needs, where a real NIC would take none. 96 KiB at 1gbit
+    still gives 0.91-0.92 Gbit/s one way. The price of a burst: after the link was idle, its
+    first ``burst`` bytes leave at once (docs/design.md, "The emulated network").
     limit: TCP small queues keeps ~1 ms of the *pacing* rate (not of the shaped rate) queued
     per socket: a 256 KiB queue dropped packets at 1gbit, 1 MiB never. So at least 1 MiB.
     """
     rate_bytes = rate_bps / 8
-    burst = max(96 * 1024, int(rate_bytes * 250e-6))
+    burst = max(96 * 1024, packet + 32 * 1024, int(rate_bytes * 250e-6))
     return burst, max(1024 * 1024, int(rate_bytes * 4e-3), 4 * burst)

@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from commfuse.testbed import gso
 from commfuse.testbed.links import LinkSpec, tbf_params
 
 STATE_DIR = "/tmp/commfuse-netns"
@@ -97,8 +98,12 @@ class EmulatedNetwork:
     """The core each rank is pinned to (None: not pinned); its packets are processed there."""
     run_id: str = ""
     """6 hex digits naming the run's namespaces and interfaces; chosen when empty."""
+    gso_bytes: int = gso.DEFAULT
+    """The largest TCP super-packet to ask of every interface (`commfuse.testbed.gso`)."""
     delay_emulated: bool = True
     """Set by `up`: False when a delay or jitter was asked for but the kernel lacks sch_netem."""
+    gso_in_force: int = gso.LEGACY_GSO
+    """Set by `up`: the super-packet size the kernel took (64 KiB where it has no BIG TCP)."""
     ports: list[RankPort] = field(default_factory=list, init=False)
     """Each rank's namespace, interface, address and link."""
     _created: list[str] = field(default_factory=list, init=False, repr=False)
@@ -179,20 +184,35 @@ class EmulatedNetwork:
         _run("ip", "-n", self.hub, "link", "add", hub_end, "type", "veth",
              "peer", "name", port.ifname, "netns", port.netns)
         _run("ip", "-n", self.hub, "link", "set", hub_end, "master", bridge, "up")
+        packet = gso.LEGACY_GSO
+        if self.gso_bytes > gso.LEGACY_GSO:
+            packet = min(self._set_gso(self.hub, hub_end, bridge),
+                         self._set_gso(port.netns, port.ifname))
+        self.gso_in_force = packet if i == 0 else min(self.gso_in_force, packet)
         # No IPv6 link-local address: gloo must only see the IPv4 address of this interface.
         _run("ip", "-n", port.netns, "link", "set", port.ifname, "addrgenmode", "none")
         _run("ip", "-n", port.netns, "addr", "add", f"{port.address}/24", "dev", port.ifname)
         _run("ip", "-n", port.netns, "link", "set", port.ifname, "up")
-        self._shape(port)
+        self._shape(port, packet)
 
-    def _shape(self, port: RankPort) -> None:
+    def _set_gso(self, netns: str, *ifnames: str) -> int:
+        """Ask for `gso_bytes` on ``ifnames`` in ``netns``; the size in force (best effort: a
+        kernel without BIG TCP for IPv4 keeps 64 KiB, and so does a failure here)."""
+        proc = _run("ip", "netns", "exec", netns, sys.executable, "-m", "commfuse.testbed.gso",
+                    str(self.gso_bytes), *ifnames, check=False)
+        try:
+            return int(proc.stdout.strip()) if proc.returncode == 0 else gso.LEGACY_GSO
+        except ValueError:
+            return gso.LEGACY_GSO
+
+    def _shape(self, port: RankPort, packet: int) -> None:
         """Egress of ``port``: netem (delay, jitter) at the root, tbf (rate) as its child.
 
         The layout of the netem documentation: a packet first waits out its delay, then queues
         for the bandwidth, so the two add up like propagation plus serialisation.
         """
         link, tc = port.link, ("tc", "-n", port.netns, "qdisc", "add", "dev", port.ifname)
-        burst, limit = tbf_params(link.rate_bps)
+        burst, limit = tbf_params(link.rate_bps, packet)
         tbf = ("tbf", "rate", f"{link.rate_bps}bit", "burst", str(burst), "limit", str(limit))
         if not (self.delay_emulated and (link.delay_us or link.jitter_us)):
             _run(*tc, "root", "handle", "1:", *tbf)
