@@ -6,12 +6,20 @@ Rank 1 prints, per message size, the one-way rate (rank 0 sends, timed at the re
 the rate each way when both ranks send to each other at once (what every method does at W=2).
 On the 2-core VM on 2026-11-29: one-way 0.91 Gbit/s at 1gbit; both ways 0.45-0.9 Gbit/s each,
 varying run to run (see docs/benchmarks/2026-11-29.md).
+
+Then, per size from 64 KiB to 8 MiB, one message sent after the link has been idle for 30 ms,
+over the time the link's rate would take (from COMMFUSE_LINK): below 1 where tbf's burst
+lets the message's start leave at once, above where TCP restarting after idle holds it back
+(docs/design.md, "Super-packets").
 """
 
+import os
 import time
 
 import torch
 import torch.distributed as dist
+
+from commfuse.testbed.links import parse_rate
 
 
 def median_time(fn, n: int = 5) -> float:
@@ -42,6 +50,21 @@ def main() -> None:
             gbit = mb * 8 * 1.048576 / 1e3
             print(f"{mb} MiB: one-way {gbit / t1:.2f} Gbit/s, both ways {gbit / t2:.2f} Gbit/s "
                   f"each", flush=True)
+    rate = parse_rate(os.environ.get("COMMFUSE_LINK", "1gbit").split()[0])
+    for kib in (64, 256, 1024, 2048, 8192):
+        x = torch.ones(kib << 8)
+
+        def after_idle():
+            time.sleep(0.03)
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.send(x, 1) if r == 0 else dist.recv(x, 0)
+            return time.perf_counter() - t0
+        t = sorted(after_idle() for _ in range(7))[3]
+        if r == 1:
+            line = kib * 1024 * 8 / rate
+            print(f"{kib} KiB after 30 ms idle: {t * 1e3:.2f} ms, {t / line:.2f} of its "
+                  f"line-rate time ({line * 1e3:.2f} ms)", flush=True)
     dist.destroy_process_group()
 
 

@@ -6,9 +6,11 @@ run fitted at start (`commfuse.sim.probe.from_fields`; the preset for older file
     python scripts/qsplit_table.py docs/benchmarks/2026-12-01-query-split/*/layer-2r.json
     python scripts/qsplit_table.py --bounds ...   # what query-split could reach: with nothing
                                                   # exposed, and on this testbed (its limit)
+    python scripts/qsplit_table.py --pooled ...   # several runs of one grid together
 """
 
 import json
+import statistics
 import sys
 
 from commfuse.sim import simulate_ops
@@ -83,8 +85,52 @@ def bounds(paths):
     print(f"\n{say('row', '<= 0.95 of row-parallel Flash-RS')}. {say('none', '<= 0.80 of none')}.")
 
 
+def pooled(paths):
+    """Several runs of one grid, measured with ``--interleave-workloads`` (so each iteration
+    timed both layers): per cell, the median over every iteration of every run of that
+    iteration's query-split step over its row-parallel (and its `none`) step; the range of the
+    runs' own median ratios; and the testbed limit and compute alone of query-split over the
+    medians of row-parallel and `none`, pooled the same way (medians over runs)."""
+    cells = {}
+    for path in paths:
+        for r in json.load(open(path))["results"]:
+            c = cells.setdefault((r["d_model"], r["seq"], r["pass"]), {"runs": {}})
+            run = c["runs"].setdefault(path, {})
+            for m in r["methods"]:
+                run[(r["workload"], m["method"])] = m
+            run[("limit", r["workload"])] = r["limit_ms"]
+    print("| D | seq | pass | runs | qs / row Flash-RS, paired (the runs' medians) | qs limit / row "
+          "| qs / none, paired | qs compute alone / none | qs limit / none |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    med = statistics.median
+    reach = {"row": [0, 0], "none": [0, 0]}  # cells: the limit allows, and reached there too
+    for key, c in sorted(cells.items()):
+        runs = list(c["runs"].values())
+        samples = lambda wl, m: [x for run in runs for x in run[(wl, m)]["samples_ms"]]
+        qs, row, none = (samples("attn_qsplit", "commfuse"), samples("attn_row", "commfuse"),
+                         samples("attn_row", "none"))
+        by_run = [run[("attn_qsplit", "commfuse")]["median_ms"] /
+                  run[("attn_row", "commfuse")]["median_ms"] for run in runs]
+        q_row, q_none = med(q / r for q, r in zip(qs, row)), med(q / n for q, n in zip(qs, none))
+        lim = med(run[("limit", "attn_qsplit")] for run in runs)
+        comp = med(run[("attn_qsplit", "commfuse")]["compute_ms"] for run in runs)
+        for name, got, bound, target in (("row", q_row, lim / med(row), 0.95),
+                                         ("none", q_none, lim / med(none), 0.80)):
+            reach[name][0] += bound <= target
+            reach[name][1] += bound <= target and got <= target
+        print(f"| {' | '.join(map(str, key))} | {len(runs)} | **{q_row:.3f}** "
+              f"({min(by_run):.3f}-{max(by_run):.3f}) | {lim / med(row):.3f} | **{q_none:.3f}** "
+              f"| {comp / med(none):.3f} | {lim / med(none):.3f} |")
+    n = len(cells)
+    print(f"\nqs <= 0.95 of row-parallel Flash-RS where the limit is within it: "
+          f"{reach['row'][1]} of {reach['row'][0]} (of {n} cells); qs <= 0.80 of none where "
+          f"the limit is within it: {reach['none'][1]} of {reach['none'][0]}.")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--bounds"]:
         bounds(sys.argv[2:])
+    elif sys.argv[1:2] == ["--pooled"]:
+        pooled(sys.argv[2:])
     else:
         main(sys.argv[1:])

@@ -92,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="no commfuse launch: commfuse train spawns its ranks locally over loopback")
     a("--link", default="1gbit", help="commfuse launch: every rank's bandwidth (default 1gbit)")
     a("--delay", default="50us", help="commfuse launch: one-way latency (default 50us)")
+    a("--gso-kib", type=int, default=256,
+      help="commfuse launch: the links' TCP super-packet size (default 256; 64: the kernel's "
+           "default, the testbed before 2026-12-04)")
     a("--no-emulate", dest="emulate", action="store_false",
       help="commfuse launch on plain loopback (automatic without root)")
     a("--pin", action=argparse.BooleanOptionalAction, default=None,
@@ -190,7 +193,7 @@ def run_one(c: Config, args, path: Path, log: Path) -> int:
         argv = train + ["--nproc", str(c.world)]
     else:
         argv = [sys.executable, "-m", "commfuse.cli", "launch", "--nproc", str(c.world),
-                "--link", args.link, "--delay", args.delay,
+                "--link", args.link, "--delay", args.delay, "--gso-kib", str(args.gso_kib),
                 *([] if args.emulate else ["--no-emulate"]),
                 *([] if args.pin is None else ["--pin" if args.pin else "--no-pin"]),
                 "--timeout", str(args.run_timeout), "--", *train]
@@ -255,7 +258,7 @@ def _meta(args) -> dict:
     emulated = not args.local and args.emulate and root
     run = ("local ranks over loopback (commfuse train --nproc), no shaping" if args.local else
            f"commfuse launch, every rank in its own network namespace, {args.link} links, "
-           f"delay {args.delay}" if emulated else
+           f"delay {args.delay}, {args.gso_kib} KiB TCP super-packets" if emulated else
            "commfuse launch on loopback (no root or --no-emulate), no shaping")
     return {"title": f"commfuse bench train: {args.presets} x {args.layouts}",
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
