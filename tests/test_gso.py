@@ -25,15 +25,16 @@ needs_netns = pytest.mark.skipif(
 def test_tbf_burst_holds_a_whole_super_packet():
     assert links.tbf_params(10**9) == links.tbf_params(10**9, gso.LEGACY_GSO)
     assert links.tbf_params(10**9)[0] == 96 * 1024  # what the testbed always had at 64 KiB
-    for packet in (gso.DEFAULT, gso.MAX_GSO):
+    for packet in (gso.BIG, gso.MAX_GSO):
         burst, limit = links.tbf_params(10**9, packet)
         assert burst == packet + 32 * 1024 and limit >= 4 * burst
 
 
 def test_gso_option():
     parse = add_launch_arguments(argparse.ArgumentParser()).parse_args
-    assert spec_from_args(parse(["--", "true"])).gso_bytes == gso.DEFAULT == 256 * 1024
-    assert spec_from_args(parse(["--gso-kib", "64", "--", "true"])).gso_bytes == gso.LEGACY_GSO
+    assert spec_from_args(parse(["--", "true"])).gso_bytes == gso.DEFAULT == gso.LEGACY_GSO
+    assert ClusterSpec().gso_bytes == gso.DEFAULT
+    assert spec_from_args(parse(["--gso-kib", "256", "--", "true"])).gso_bytes == gso.BIG
     assert spec_from_args(parse(["--gso-kib", "512", "--", "true"])).gso_bytes == gso.MAX_GSO
     for bad in ("63", "513"):
         with pytest.raises(ValueError, match="--gso-kib must be 64..512"):
@@ -62,7 +63,7 @@ def _tbf_burst(netns: str, ifname: str) -> float:
 
 
 @needs_netns
-@pytest.mark.parametrize("asked", [gso.LEGACY_GSO, gso.DEFAULT])
+@pytest.mark.parametrize("asked", [gso.LEGACY_GSO, gso.BIG])
 def test_links_take_the_size_and_tbf_lets_it_through(asked):
     net = EmulatedNetwork([links.LinkSpec()] * 2, gso_bytes=asked)
     net.up()
@@ -97,10 +98,11 @@ def test_a_transfer_goes_as_super_packets_of_the_size_in_force(tmp_path):
     nbytes = 16 << 20
     script = tmp_path / "count.py"
     script.write_text(f"NBYTES = {nbytes}\nOUT = {str(tmp_path)!r}\n" + textwrap.dedent(_COUNT))
-    assert launch(ClusterSpec(nproc=2), [sys.executable, str(script)], timeout=120) == 0
+    assert launch(ClusterSpec(nproc=2, gso_bytes=gso.BIG), [sys.executable, str(script)],
+                  timeout=120) == 0
     sent = json.loads((tmp_path / "rank0.json").read_text())
     size = int(sent["link"].rsplit("GSO ", 1)[1].split()[0]) * 1024
-    assert size in {gso.DEFAULT, gso.LEGACY_GSO}, sent
+    assert size in {gso.BIG, gso.LEGACY_GSO}, sent
     # TCP fills most super-packets to the size in force: fewer than twice the minimum count,
     # where 1500-byte packets would be 11 000
     assert nbytes / size <= sent["tx"] < 2 * nbytes / size + 16, sent

@@ -92,9 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="no commfuse launch: commfuse train spawns its ranks locally over loopback")
     a("--link", default="1gbit", help="commfuse launch: every rank's bandwidth (default 1gbit)")
     a("--delay", default="50us", help="commfuse launch: one-way latency (default 50us)")
-    a("--gso-kib", type=int, default=256,
-      help="commfuse launch: the links' TCP super-packet size (default 256; 64: the kernel's "
-           "default, the testbed before 2026-12-04)")
+    a("--gso-kib", type=int, default=64,
+      help="commfuse launch: the links' TCP super-packet size, 64..512 KiB (default 64, the "
+           "kernel's own; see commfuse launch --help)")
     a("--no-emulate", dest="emulate", action="store_false",
       help="commfuse launch on plain loopback (automatic without root)")
     a("--pin", action=argparse.BooleanOptionalAction, default=None,

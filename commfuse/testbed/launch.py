@@ -238,10 +238,11 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "e.g. 0.5: its GEMMs take twice as long; needs root)")
     g.add_argument("--gso-kib", type=int, default=gso.DEFAULT // 1024, metavar="KIB",
                    help="the TCP super-packet size of the emulated links, 64..512 KiB (default "
-                        f"{gso.DEFAULT // 1024}; 64 is the kernel's default, and the testbed's "
-                        "before 2026-12-04): every packet costs the ranks' cores CPU that a "
-                        "NIC would not take, and a link idle for a while lets one burst of "
-                        "this size plus 32 KiB leave at once (docs/design.md)")
+                        f"{gso.DEFAULT // 1024}, the kernel's own; larger needs Linux 6.3+). "
+                        "Every packet costs the ranks' cores CPU that a NIC would not take "
+                        "(at 256 a third of 64's), but a link idle for a while lets this size "
+                        "plus 32 KiB leave at once: 256 suits benchmarks of MiB-sized "
+                        "messages, not small ones (docs/design.md, \"Super-packets\")")
     g.add_argument("--no-emulate", dest="emulate", action="store_false",
                    help="plain loopback (127.0.0.1), no shaping; automatic without root")
     g.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
