@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,12 +23,10 @@ import pytest
 from commfuse.testbed import cpu as cluster_cpu, links, net as cluster_net
 from commfuse.testbed.launch import (ALLOCATOR_ENV, ClusterSpec, EmulationUnavailable, LinkSpec, add_launch_arguments,
                                      cleanup_stale, launch, main_launch, spec_from_args)
+from marks import needs_netns
 
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_netns = pytest.mark.skipif(
-    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
-    reason="network emulation needs root and iproute2")
 
 # Each rank writes its env (and whatever the snippet adds) to OUT/rank<r>.json.
 _PRELUDE = """\

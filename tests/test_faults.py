@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 import torch
 
 import commfuse
@@ -27,6 +27,7 @@ from commfuse.ops import registry
 from commfuse.runtime import modes
 from commfuse.schedule import OPS
 from commfuse.testbed.spawn import run_local
+from marks import needs_netns
 
 TIMEOUT = 2.0  # the ops' `timeout` option in every case (seconds)
 # Scheduling slack on a loaded, shared 2-core machine: generous, since what the bounds tell
@@ -117,9 +118,6 @@ def test_survivors_raise_within_the_timeout(case):
 
 # --- the link: the victim takes its own interface down (emulated cluster) --------------------
 
-needs_netns = pytest.mark.skipif(
-    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
-    reason="network emulation needs root and iproute2")
 
 _LINK_DOWN = """\
 import json, os, sys, time

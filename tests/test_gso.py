@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,10 +14,7 @@ import pytest
 from commfuse.testbed import gso, links
 from commfuse.testbed.launch import ClusterSpec, add_launch_arguments, launch, spec_from_args
 from commfuse.testbed.net import EmulatedNetwork
-
-needs_netns = pytest.mark.skipif(
-    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
-    reason="network emulation needs root and iproute2")
+from marks import needs_netns
 
 
 def test_tbf_burst_holds_a_whole_super_packet():

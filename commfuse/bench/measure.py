@@ -9,9 +9,10 @@ For one workload at one size, each iteration times, in an order rotated every it
 - the *testbed limit*: those same collectives launched first, then ``none``'s compute run
   with no dependency on them, then waited: what this testbed allows (docs/design.md).
 `measure_together` interleaves several workloads of one size in the same way. A step's time is
-the slowest rank's; medians and the 10th-90th percentile spread over iterations are reported, and each iteration's time (``samples_ms``, in iteration order: two
-methods' i-th samples ran within one iteration, for paired ratios on a noisy machine). One
-more iteration per method is traced for the timeline.
+the slowest rank's; medians and the 10th-90th percentile spread over iterations are reported,
+and each iteration's time (``samples_ms``, in iteration order: two methods' i-th samples ran
+within one iteration, for paired ratios on a noisy machine). One more iteration per method is
+traced for the timeline.
 """
 
 from __future__ import annotations

@@ -142,8 +142,8 @@ class EmulatedNetwork:
             _run("ip", "-n", self.hub, "link", "set", bridge, "up")
             wants_delay = any(p.link.delay_us or p.link.jitter_us for p in self.ports)
             self.delay_emulated = not wants_delay or self._has_netem()
-            for i, port in enumerate(self.ports):
-                self._add_rank(i, port, bridge)
+            self.gso_in_force = min(self._add_rank(i, port, bridge)
+                                    for i, port in enumerate(self.ports))
             self._steer_rx()
         except BaseException:
             self.down()
@@ -177,7 +177,8 @@ class EmulatedNetwork:
         _run(*tc, "del", "dev", "lo", "root", check=False)
         return True
 
-    def _add_rank(self, i: int, port: RankPort, bridge: str) -> None:
+    def _add_rank(self, i: int, port: RankPort, bridge: str) -> int:
+        """Add rank ``i``'s namespace, veth pair and shaping; the super-packet size it took."""
         self._add_netns(port.netns)
         hub_end = f"cf{self.run_id}h{i}"
         # Created inside the hub, the rank end moved into its namespace at once.
@@ -188,12 +189,12 @@ class EmulatedNetwork:
         if self.gso_bytes > gso.LEGACY_GSO:
             packet = min(self._set_gso(self.hub, hub_end, bridge),
                          self._set_gso(port.netns, port.ifname))
-        self.gso_in_force = packet if i == 0 else min(self.gso_in_force, packet)
         # No IPv6 link-local address: gloo must only see the IPv4 address of this interface.
         _run("ip", "-n", port.netns, "link", "set", port.ifname, "addrgenmode", "none")
         _run("ip", "-n", port.netns, "addr", "add", f"{port.address}/24", "dev", port.ifname)
         _run("ip", "-n", port.netns, "link", "set", port.ifname, "up")
         self._shape(port, packet)
+        return packet
 
     def _set_gso(self, netns: str, *ifnames: str) -> int:
         """Ask for `gso_bytes` on ``ifnames`` in ``netns``; the size in force (best effort: a
