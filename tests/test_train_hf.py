@@ -23,7 +23,7 @@ def test_tp2_matches_one_process(name):
 
 @pytest.mark.parametrize("kw,match", [
     (dict(tp=1, up=2), "does not take --up"),
-    (dict(tp=2, checkpoint_dir="x"), "does not take --checkpoint-dir"),
+    (dict(tp=2, resume=True, checkpoint_dir="x"), "does not take --resume"),
     (dict(tp=1, dp=2, batch_size=3), r"global batch size \(3\)"),
 ])
 def test_rejects(kw, match):

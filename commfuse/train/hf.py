@@ -1,13 +1,17 @@
 """``commfuse train --hf-config PATH_OR_NAME``: a transformers causal LM built from a config (no
 weights are downloaded), trained with `commfuse.tp` on the shipped corpus.
 
-PATH_OR_NAME: a shipped config (``llama-tiny``, ``qwen2-tiny``: `commfuse/data/hf/*.json`), a
-``config.json`` file or directory, or a Hugging Face hub name (its config only). ``--tp`` ranks
-run `commfuse.tp.parallelize` (every fused op with ``--method`` and its options); ``--dp``
-ranks shard the model with FSDP2 (``fully_shard`` per layer and at the root) over the "dp"
-dim of the (dp, tp) mesh. Not with ``--up``, ``--query-split`` or checkpoints (those are
-the built-in model's). The loss is the next-token cross-entropy on ``targets``; MFU uses
-6N + 12 L H Q T (PaLM, appendix B) with the config's sizes.
+PATH_OR_NAME: a shipped config (``llama-tiny``, ``qwen2-tiny``, ``qwen3-tiny``,
+``mistral-sw-tiny``: `commfuse/data/hf/*.json`), a ``config.json`` file or directory, or a
+Hugging Face hub name (its config only). ``--tp`` ranks run `commfuse.tp.parallelize` (every
+fused op with ``--method`` and its options); ``--dp`` ranks shard the model with FSDP2
+(``fully_shard`` per layer and at the root) over the "dp" dim of the (dp, tp) mesh. Not with
+``--up``, ``--query-split`` or ``--resume`` (those are the built-in model's).
+``--checkpoint-dir D`` saves the whole model as a transformers model directory (config.json,
+model.safetensors: `save_hf_checkpoint`) at D/step-N, named by D/latest, which ``commfuse
+generate --checkpoint D`` and ``from_pretrained`` read. The loss is the next-token
+cross-entropy on ``targets``; MFU uses 6N + 12 L H Q T (PaLM, appendix B) with the config's
+sizes.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ def load_config(name_or_path: str):
 
 def _check(cfg: TrainConfig, hf) -> None:
     unsupported = [flag for flag, on in (("--up", cfg.up > 1), ("--query-split", cfg.query_split),
-                                         ("--checkpoint-dir", cfg.checkpoint_dir),
                                          ("--resume", cfg.resume)) if on]
     if unsupported:
         raise ValueError(f"--hf-config does not take {', '.join(unsupported)}")
@@ -123,5 +126,48 @@ def train_hf_rank(rank: int, world: int, cfg: TrainConfig, lr_at, seq_len_at) ->
                         / (peak * world)})
         if show:
             progress(metrics, cfg.steps)
+        if cfg.checkpoint_dir and (step + 1 in (cfg.steps, cfg.stop_after) or (
+                cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
+            save_hf_checkpoint(model, cfg.checkpoint_dir, step + 1, rank, cfg.tp)
     summary = {"exposed_comm_s": None, "peak_flops_per_rank": peak}
     return finish(cfg, rank, world, metrics, summary, show)
+
+
+def save_hf_checkpoint(model, root: str, step: int, rank: int, tp: int) -> str:
+    """The whole ``model`` (every rank calls: its DTensor shards are gathered) saved by rank 0
+    as a transformers model directory ``root/step-N`` (written to ``root/.tmp-step-N`` and
+    renamed when complete), then named by ``root/latest`` (replaced atomically). k/v
+    projections that `commfuse.tp` replicated over ranks (fewer kv heads than ranks) are
+    saved once. Returns the directory."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    for mod_name, mod in model.named_modules():
+        k = getattr(getattr(mod, "_commfuse_colwise", None), "replicas", 1)
+        for name, p in mod.named_parameters(recurse=False):
+            t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            if k > 1:  # blocks b0 b0 b1 b1 .. (k copies each): one of each
+                t = t.reshape(tp, -1, *t.shape[1:])[::k].flatten(0, 1)
+            state[f"{mod_name}.{name}".lstrip(".")] = t.contiguous().cpu()
+    final = os.path.join(root, f"step-{step:08d}")
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        tmp, latest = os.path.join(root, f".tmp-step-{step:08d}"), os.path.join(root, "latest")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        model.config.save_pretrained(tmp)
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        Path(latest + ".tmp").write_text(os.path.basename(final))
+        os.replace(latest + ".tmp", latest)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return final
