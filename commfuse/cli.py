@@ -52,7 +52,7 @@ def _bench_parser(sub) -> None:
                         "and a Chrome/Perfetto trace (open in ui.perfetto.dev).")
         bench_cli.add_arguments(q, kind)
     q = kinds.add_parser("train", help="commfuse train per preset x layout x method: the "
-                         "training table (docs/benchmarks/<date>-training.md)",
+                         "training table (bench-out/train/<date>-training.md)",
                          description=training.DESCRIPTION, epilog=training.EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     training.add_arguments(q)
@@ -97,6 +97,11 @@ def _plan_parser(sub) -> None:
                        "predicted step time (commfuse.sim)", "commfuse.sim.plan_cli", "main_plan")
 
 
+def _check_gpu_parser(sub) -> None:
+    _forwarding_parser(sub, "check-gpu", "check the CUDA path on this machine's GPUs, pass/fail "
+                       "per check (exit 2 without a CUDA device)", "commfuse.check_gpu", "main")
+
+
 def _launch_parser(sub) -> None:
     from commfuse.testbed import launch
 
@@ -124,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     _simulate_parser(sub)
     _plan_parser(sub)
     _launch_parser(sub)
+    _check_gpu_parser(sub)
     return parser
 
 

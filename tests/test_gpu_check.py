@@ -1,29 +1,40 @@
-"""scripts/gpu_check.py on a machine without a GPU: it imports, its --help is a manual, and it
+"""``commfuse check-gpu`` on a machine without a GPU: it imports, its --help is a manual, and it
 says "no CUDA device" and exits with status 2 (the checks themselves need a GPU)."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu_check.py")
+from commfuse.check_gpu import CHECKS, main
 
 
-def _run(*args):
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                          timeout=120)
-
-
-def test_help_lists_the_checks():
-    r = _run("--help")
-    assert r.returncode == 0, r.stderr
-    for name in ("loopback", "single_rank", "train", "nccl", "split_gemm", "TORCH_CUDA_SANITIZER"):
-        assert name in r.stdout
+def test_help_lists_the_checks(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    for name in (*CHECKS, "TORCH_CUDA_SANITIZER"):
+        assert name in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_without_cuda_it_says_so_and_exits_2():
-    r = _run("--only", "split_gemm")
+def test_without_cuda_it_says_so_and_exits_2(capsys):
+    assert main(["--only", "split_gemm"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("command", [["-m", "commfuse.cli", "check-gpu"], ["-m", "commfuse.check_gpu"]])
+def test_the_subcommand_and_python_m_run_it(command):
+    r = subprocess.run([sys.executable, *command, "--only", "loopback"], capture_output=True,
+                       text=True, timeout=120)
     assert r.returncode == 2 and "no CUDA device" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_every_check_is_defined():
+    from commfuse.check_gpu import _check
+
+    assert all(callable(_check(name)) for name in CHECKS)

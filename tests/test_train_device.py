@@ -1,5 +1,5 @@
 """``commfuse train --device cuda``: checked on the host before any rank starts (the CUDA run
-itself is in scripts/gpu_check.py)."""
+itself is in `commfuse check-gpu`)."""
 
 import pytest
 import torch
