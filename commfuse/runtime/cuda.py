@@ -104,7 +104,7 @@ class CudaTransport(Transport):
     def __init__(self, group, device: torch.device, timeout_s: float | None,
                  collective: str = "auto", backend: Backend | None = None):
         super().__init__(group, device, timeout_s, collective)
-        # a group may carry its own backend (scripts/gpu_check.py's loopback ranks)
+        # a group may carry its own backend (commfuse check-gpu's loopback ranks)
         self.cuda = backend or getattr(group, "commfuse_backend", None) or BACKEND
         self.comm = self.cuda.comm_stream(device)
         self.compute = self.cuda.current_stream(device)
