@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--out", default="bench-out/train",
       help="folder of the per-run metrics JSON and logs (default bench-out/train)")
     a("--doc", default=None, help="markdown file to write (default "
-                                  "docs/benchmarks/<today>-training.md)")
+                                  "<--out>/<today>-training.md)")
     a("--fresh", action="store_true", help="rerun configurations whose JSON exists in --out")
     a("--loss-tol", type=float, default=1e-4,
       help="relative difference under which a step's loss equals none's (default 1e-4)")
@@ -128,7 +128,7 @@ def run(args) -> int:
                          "commfuse bench train: --steps must be >= 2 and --repeats >= 1")
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    doc = Path(args.doc or f"docs/benchmarks/{datetime.date.today().isoformat()}-training.md")
+    doc = Path(args.doc or out / f"{datetime.date.today().isoformat()}-training.md")
     if args.hw == "measured":  # the model the runs choose on (each fits its own at start)
         import torch
 
