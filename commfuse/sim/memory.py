@@ -4,31 +4,51 @@
     m = step_memory("8b", tp=1, up=1, dp=8, seq=8192, mb=2)
     m.peak_gib, m.parts  # GiB; bytes per part
 
-What a rank holds (bytes; ``a`` per activation element, `TrainSetup` for the rest):
+What a rank holds (bytes; ``a`` per activation element, `TrainSetup` for the rest; ``n``
+tokens per micro-batch on the DP replica, ``nl = n / T`` of them on the rank between blocks,
+T = tp * up):
 
 - **model state**: its parameters x (param_bytes + grad_bytes + optimizer_bytes). Block
   matmul weights are sharded over tp (TPSP) and over dp (ZeRO-3 / FSDP); the head's and the
-  embedding's rows over T = tp * up when vocabulary-parallel, and over dp under FSDP (the
-  head also under ZeRO-3 unless tied); norms are replicated except under FSDP. The gradient
-  shards are counted although the step frees them before its forward (``zero_grad``): the
-  caching allocator keeps their blocks, which are smaller than the activations that follow
-  and so are not reused; the peak a framework reports (torch's ``max_memory_reserved``, which
-  torchtitan's benchmarks read) includes them.
+  embedding's rows over T when vocabulary-parallel, and over dp under FSDP (the head also
+  under ZeRO-3 unless tied); norms are replicated except under FSDP. The gradient shards
+  are counted although the step frees them before its forward (``zero_grad``): the caching
+  allocator keeps their blocks, which are smaller than the activations that follow and so
+  are not reused.
 - **activations** kept for the backward by every block (`commfuse.sim.work.block_saved_bytes`
   under the AC mode) on the rank's ``nl`` tokens, plus the final norm's (float32 input and
   normed output).
-- **the loss**: float32 logits on the rank (n x V / T): at the start of the backward the
-  saved log-softmax, the NLL's gradient and the log-softmax's gradient, 12 bytes per logit.
-- **one block's backward**, the other candidate for the peak: its activations recomputed (the
-  "none" amount, under AC) and its input and weight gradients.
-- **gathered weights**: under FSDP the root's (embedding and head, kept from forward to
-  backward) and one block's unsharded weights (the next one's prefetched: two); under the
-  fused methods the largest op's buffer of the README's table (AG->GEMM: the gathered operand;
-  GEMM->RS: (2W-1) partial outputs, (W+1) for the ring schedules; all-to-all: the exchanged
-  blocks).
+- **gathered weights** (FSDP, `fsdp_gathered_bytes`): the root's (embedding and head, kept
+  from forward to backward) and two blocks' unsharded weights at TP-local size: the one
+  running and the next one, prefetched (torchtitan also keeps the last block gathered from
+  its forward to its backward, the same count).
 
-Peak = model state + activations + max(loss, one block's backward) + gathered weights.
-Not counted: the CUDA context and NCCL's buffers (outside torch's allocator), fragmentation.
+Then the larger of two phases, which never overlap:
+
+- **the loss** (`loss_bytes`): the cross-entropy's float32 logits. Vocabulary-parallel (T >
+  1), as torch's ``loss_parallel`` runs it under torchtitan: 16 B per logit of the rank's
+  n x V/T, in its fused backward (the saved log-softmax, the one-hot scatter, exp and their
+  sum; its forward holds 14: the bf16 logits, the float32 copy, the shifted logits and
+  their exp), plus the head's input gathered over the sequence (n x D, saved by its
+  column-parallel GEMM). Otherwise 12 B per logit (the saved log-softmax, the NLL's
+  gradient and the log-softmax's gradient) on n x V / T. (This repository's
+  `commfuse.parallel.vocab` cross-entropy holds 14 B per logit in its forward and does not
+  save the gathered input: the term is an upper bound for it.)
+- **one block's backward** (`block_backward_bytes`): its activations recomputed (the
+  "none" amount, under AC) at TP-local size; under TP the two gathered sequences its
+  column-parallel GEMMs (q|k|v, gate|up) saved for their weight gradients (n x D each: the
+  recompute runs them again); the input and weight gradients; under FSDP the float32 copy
+  of the block's gradients that the reduce-scatter sends; and the running op's buffer
+  (**op buffers**, the README's table: AG->GEMM the gathered operand; GEMM->RS (2W-1)
+  partial outputs, (W+1) for the ring schedules; all-to-all the exchanged blocks).
+
+Allocated = model state + activations + gathered weights + max(loss, block backward + op
+buffers). **Allocator reserve**: what torch's caching allocator holds beyond that, because
+freed blocks of one phase's sizes cannot serve the next phase's requests (torch's
+``max_memory_reserved``, which torchtitan reports, counts them). `ALLOCATOR_RESERVE` is the
+share of reserved memory left unallocated: peak = allocated / (1 - ALLOCATOR_RESERVE).
+Not counted: the CUDA context and NCCL's buffers (outside torch's allocator), pipeline
+parallelism.
 """
 
 from __future__ import annotations
@@ -39,20 +59,36 @@ from commfuse.sim import work
 from commfuse.sim.model_ops import CURRENT, StepModel, model_config
 
 GIB = 2 ** 30
+# Bytes per logit the cross-entropy holds at its peak (module doc): plain (log_softmax then
+# nll_loss, float32), and torch's vocabulary-parallel loss_parallel (its fused backward).
+LOSS_BYTES_PER_LOGIT = 12
+LOSS_PARALLEL_BYTES_PER_LOGIT = 16
+# Share of torch's reserved memory that the caching allocator holds unallocated at the peak
+# (fragmentation: freed blocks of one phase's sizes that the next phase's requests do not
+# fit). GMLake (Guo et al., ASPLOS 2024, arXiv 2401.08156) measured PyTorch's caching
+# allocator on eight LLM training setups on A100-80GB and removed on average 15 % of it
+# (up to 33 %) by stitching free blocks; taken from there, not fitted to docs/planning.md's
+# rows (torchtitan's 8B rows alone would call for 0.12-0.13).
+ALLOCATOR_RESERVE = 0.15
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per part and the peak of one rank (module doc)."""
 
-    parts: dict  # name -> bytes: params, grads, optimizer, activations, loss, block backward,
-    #              gathered weights, op buffers
+    parts: dict  # name -> bytes: params, grads, optimizer, activations, gathered weights,
+    #              loss, block backward, op buffers, allocator reserve
     peak_bytes: float
     capacity_gib: float  # the device's (0: unknown)
 
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / GIB
+
+    @property
+    def allocated_bytes(self) -> float:
+        """The peak without the allocator's reserve (what ``max_memory_allocated`` reads)."""
+        return self.peak_bytes - self.parts["allocator reserve"]
 
     @property
     def fits(self) -> bool:
@@ -92,6 +128,41 @@ def _op_buffer(op, world: int, method: str, a: float) -> float:
     return 0.0
 
 
+def fsdp_gathered_bytes(cfg, tp: int, up: int, a: float = 2,
+                        sm: StepModel = CURRENT) -> tuple[float, float]:
+    """(root, one block): bytes of the weights FSDP holds unsharded on a rank at TP-local
+    size: the root's embedding and head (vocabulary rows over T when vocabulary-parallel)
+    and one block's matmul weights (over tp). The peak holds the root and two blocks."""
+    vocab_t = tp * up if sm.vocab_parallel and tp * up > 1 else 1
+    root = cfg.vocab_size * cfg.dim / vocab_t * (1 if cfg.tie_embeddings else 2)
+    block = sum(i * o for _, i, o in work.block_linears(cfg)) / tp
+    return root * a, block * a
+
+
+def loss_bytes(cfg, tp: int, up: int, n: int, a: float = 2, sm: StepModel = CURRENT) -> float:
+    """What the loss phase holds on a rank for ``n`` tokens (module doc): the float32 logits
+    of the cross-entropy and, vocabulary-parallel, the head's gathered input."""
+    T = tp * up
+    if sm.vocab_parallel and T > 1:  # n x V/T logits; the head's input gathered to n x D
+        return LOSS_PARALLEL_BYTES_PER_LOGIT * n * cfg.vocab_size / T + a * cfg.dim * n
+    return LOSS_BYTES_PER_LOGIT * n * cfg.vocab_size / T  # n/T x V, or n x V on one rank
+
+
+def block_backward_bytes(cfg, tp: int, up: int, dp: int, n: int, setup: work.TrainSetup,
+                         a: float = 2) -> float:
+    """What one block's recompute and backward hold on a rank for ``n`` tokens, besides the
+    running op's buffer (module doc)."""
+    nl, D = n / (tp * up), cfg.dim
+    block_w = sum(i * o for _, i, o in work.block_linears(cfg)) / tp
+    held = work.block_saved_bytes(cfg, "none", a) * nl if setup.ac != "none" else 0.0
+    if tp > 1:  # the gathered inputs of q|k|v and gate|up, kept for their weight gradients
+        held += 2 * a * D * n
+    held += 2 * a * D * nl + block_w * a  # input gradients; the weight gradients (bf16)
+    if setup.fsdp and dp > 1:  # the reduce-scatter's float32 copy of them
+        held += block_w * setup.grad_bytes
+    return held
+
+
 def step_memory(model, tp: int, up: int, dp: int, seq: int, mb: int, method: str = "none",
                 setup: work.TrainSetup = work.TrainSetup(), dtype_bytes: float = 2,
                 capacity_gib: float = 0.0, sm: StepModel = CURRENT) -> MemoryEstimate:
@@ -108,22 +179,21 @@ def step_memory(model, tp: int, up: int, dp: int, seq: int, mb: int, method: str
              "optimizer": p * setup.optimizer_bytes}
     parts["activations"] = (cfg.n_layers * work.block_saved_bytes(cfg, setup.ac, a)
                             + (work.F32 + a) * cfg.dim) * nl
-    vocab_t = T if sm.vocab_parallel and T > 1 else 1
-    parts["loss"] = 12.0 * n * cfg.vocab_size / T  # vocab-parallel: n x V/T; else n/T x V
-    block_w = sum(i * o for _, i, o in work.block_linears(cfg)) / tp
-    recomputed = work.block_saved_bytes(cfg, "none", a) * nl if setup.ac != "none" else 0.0
-    parts["block backward"] = recomputed + 2 * a * cfg.dim * nl + block_w * a
     gathered = 0.0
     if dp > 1 and setup.fsdp and (method in ("none", "auto") or T > 1):  # FSDP's gathers
-        root = cfg.vocab_size * cfg.dim / vocab_t * (1 if cfg.tie_embeddings else 2)
-        gathered = (root + 2 * block_w) * a
+        root, block = fsdp_gathered_bytes(cfg, tp, up, a, sm)
+        gathered = root + 2 * block  # the running block and the next, prefetched
     parts["gathered weights"] = gathered
+    parts["loss"] = loss_bytes(cfg, tp, up, n, a, sm)
+    parts["block backward"] = block_backward_bytes(cfg, tp, up, dp, n, setup, a)
     fwd, _ = block_ops(cfg, tp, up, dp, seq, mb, False, a, sm)
     group = {"tp": tp, "up": up, "dp": dp}
     if gathered:  # FSDP's gathers are the weights above
         group.pop("dp")
     parts["op buffers"] = max([_op_buffer(op, group[op.axis], method, a) for op in fwd
                                if op.axis in group and group[op.axis] > 1] or [0.0])
-    peak = (parts["params"] + parts["grads"] + parts["optimizer"] + parts["activations"]
-            + max(parts["loss"], parts["block backward"]) + gathered + parts["op buffers"])
+    allocated = (parts["params"] + parts["grads"] + parts["optimizer"] + parts["activations"]
+                 + gathered + max(parts["loss"], parts["block backward"] + parts["op buffers"]))
+    peak = allocated / (1 - ALLOCATOR_RESERVE)
+    parts["allocator reserve"] = peak - allocated
     return MemoryEstimate(parts, peak, capacity_gib)
