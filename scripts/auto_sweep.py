@@ -1,4 +1,4 @@
-"""`method="auto"` across GEMM shapes: the K x N sweep of docs/sim-vs-measured.md.
+"""`method="auto"` across GEMM shapes: the K x N sweep of docs/benchmarks/simulator.md.
 
 Both ops of the TPSP MLP pair on 2 emulated ranks (1 Gbit/s, fp32, forward), for every K of ``--k``,
 N of ``--n`` and S of ``--seq``: AG->GEMM gathers A [S/2, K] to [S, K] and multiplies by
@@ -17,13 +17,13 @@ the simulator's worst error. The summary also gives one schedule measured twice:
 its pick run as the fixed method, the same schedule, so the spread of that ratio is what the
 run can resolve.
 
-    python scripts/auto_sweep.py run --out docs/benchmarks/2026-12-01-auto-sweep \\
-        --wrap /work/bin/cpu-bench
-    python scripts/auto_sweep.py table docs/benchmarks/2026-12-01-auto-sweep/*/op-2r.json
+    python scripts/auto_sweep.py run --out out/auto-sweep --k 1024,2048,4096 --n 1024,2048,4096
+    python scripts/auto_sweep.py table out/auto-sweep/k????-n????/op-2r.json
 
 ``table --run-rate`` instead splits the simulator's error: the rate each workload's compute
 ran at (from its compute alone, in the same iterations) against the probe's, and the model
-at the run's rate (`at_run_rate`; docs/sim-vs-measured.md, "The simulator's error split").
+at the run's rate (`at_run_rate`): whether a miss is the model's or the machine running the
+workload slower than the probe saw.
 """
 
 from __future__ import annotations
@@ -146,8 +146,8 @@ def cells(paths, hw) -> list[dict]:
 
 
 def _paired(a: dict, b: dict) -> float | None:
-    """The median over iterations of a's time over b's in the same iteration (``samples_ms``,
-    bench files from 2026-12-02 on; None before): a slow spell of a shared machine slows both
+    """The median over iterations of a's time over b's in the same iteration (``samples_ms``;
+    None for bench files without it): a slow spell of a shared machine slows both
     alike, where the ratio of medians can set one method's slow samples against the other's
     fast ones."""
     if "samples_ms" not in a or "samples_ms" not in b:

@@ -3,14 +3,14 @@
     commfuse launch --nproc 2 --link 1gbit -- python scripts/link_probe.py
 
 Rank 1 prints, per message size, the one-way rate (rank 0 sends, timed at the receiver) and
-the rate each way when both ranks send to each other at once (what every method does at W=2).
-On the 2-core VM on 2026-11-29: one-way 0.91 Gbit/s at 1gbit; both ways 0.45-0.9 Gbit/s each,
-varying run to run (see docs/benchmarks/2026-11-29.md).
+the rate each way when both ranks send to each other at once (what every method does at W=2),
+on the default gloo group (one TCP connection per pair of ranks, which the ops'
+`commfuse.runtime.gloo.duplex` communicators split into one per direction).
 
 Then, per size from 64 KiB to 8 MiB, one message sent after the link has been idle for 30 ms,
 over the time the link's rate would take (from COMMFUSE_LINK): below 1 where tbf's burst
 lets the message's start leave at once, above where TCP restarting after idle holds it back
-(docs/design.md, "Super-packets").
+(docs/design.md, "Super-packets"; results in docs/benchmarks/testbed.md).
 """
 
 import os

@@ -11,8 +11,8 @@ times a [1024, 1024] @ [1024, 1536] GEMM (one intra-op thread) until the message
 Rank 0 prints, per phase, the GEMM's median, its slowdown against ``idle`` (the model's
 ``interference``: compute runs at 1 / (1 + interference) of its speed) and the rate the
 messages moved at. On the emulated cluster the slowdown is the CPU the kernel's network
-stack takes from the rank's core (softirqs, inter-processor interrupts; see
-docs/benchmarks/2026-12-02-query-split.md), which a NIC would not take.
+stack takes from the rank's core (softirqs, inter-processor interrupts), which a NIC would
+not take (results per super-packet size in docs/benchmarks/testbed.md).
 """
 
 import statistics
