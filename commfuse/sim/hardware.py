@@ -57,10 +57,10 @@ class Hardware:
     fraction of what the efficiency formula gives it."""
     narrow_decay: float = 0.0
     """How a narrow GEMM slows as its B grows: its rate goes as (k n / NARROW_KN)^-decay
-    (every call reads all of B; the testbed's 128-row rate falls from 125 to 104 GFLOP/s as
-    B grows from 4 to 64 MiB). A smaller B than NARROW_KN runs at ``narrow_efficiency``: the
-    probe times none, and 128-row pieces of a 4 MiB B ran at 0.68-0.87 of the whole GEMM's
-    rate where the law would give 1 (docs/sim-vs-measured.md, 2026-12-03)."""
+    (every call reads all of B, so a larger B leaves less of each call's time to the
+    arithmetic). A smaller B than NARROW_KN runs at ``narrow_efficiency``: the probe times no
+    narrow GEMM, and narrow pieces of a small B still run below the rate the power law gives
+    them (docs/benchmarks/simulator.md)."""
     interference: float = 0.0
     """Compute slowdown while a transfer or collective is in flight on the same rank: compute
     runs at 1 / (1 + interference) of its speed (0 = none; 1 = half speed)."""
@@ -287,31 +287,22 @@ PRESETS: dict[str, Hardware] = {
                                    mem_bandwidth=3.35e12, memory_gib=79.1,
                                    **{**_HOPPER, "link_latency": 10e-6})
        for g in (100, 200, 400)},
-    # The project's CPU testbed (docs/benchmarks/2026-11-29.md): one x86_64 core of the dev
-    # VM, float32, 1 intra-op thread: `a @ b` on [1024, 2048] @ [2048, 4096] measured
-    # 85-146 GFLOP/s with torch 2.13 (2026-11-30, machine shared, load ~1.5); we take the best,
-    # 140e9, which matches the benchmark's `none` AG step (~372 ms, ~35 % of it transfers, so
-    # ~240 ms for 34.4 GFLOP). Link: tbf at 1 Gbit/s; gloo reaches 0.91 Gbit/s one way and
-    # 0.45-0.9 Gbit/s each way when both directions run at once (duplex and collective
-    # efficiency ~0.75). Transfers cost CPU on the rank's own core (interference, rough).
-    # gemm_flops, link_bandwidth and the host costs are then the fit of `commfuse simulate
-    # --calibrate` to docs/benchmarks/2026-12-01-auto-sweep/fit (S=2048, D=1024, the four ops,
-    # splits 1-8; 2026-12-01): 92.6 GFLOP/s (the VM's cores ran at 85-96 GFLOP/s that day,
-    # against 150 when the model was first fitted on 2026-11-29), 1.204 Gbit/s (0.90 each way
-    # with duplex 0.75), 0.65 ms of host time per collective launch, none per P2P post (the
-    # traces show ~0.3 ms; the earlier fit's 2.9 ms was mostly AG's copy of its own rows, now
-    # `copy_time`). gloo sends a rank's messages to one peer one after another
-    # (fifo_per_peer). See docs/sim-vs-measured.md. Attention: ATen's CPU flash kernel on one
-    # thread of this VM (same day, causal, head dim 64) ran at 38 / 64 / 74 GFLOP/s forward at
-    # S = 512 / 2048 / 4096 and 37 / 64 / 68 backward (counting 2.5x the forward's FLOPs):
-    # 0.90 (0.87) x K/(K + 300) of gemm_flops for K mean keys per query row. A GEMM into a
-    # fresh output of 32-64 MiB took 0.38-0.45 s/GB longer than into a reused one (2026-12-02,
-    # scripts/first_touch.py and docs/sim-vs-measured.md): first_touch_bandwidth 2.4 GB/s.
-    # GEMMs of 64-160 rows ran at a flat 100-125 GFLOP/s against 150-175 from 192 rows up,
-    # walking slices of a [2048, K] buffer on both cores at once (2026-12-02, K x N
-    # 1024-4096): narrow_rows 176, narrow_efficiency 0.67 at B of 8 MiB, narrow_decay 0.06.
-    # Adds of [128-2048, 1024-4096] pieces walked through distinct buffers into a reused
-    # output ran at 15-26 GB/s (3x the bytes; 16-18 at 16-32 MiB): add_bandwidth 17 GB/s.
+    # The project's CPU testbed (docs/benchmarks/testbed.md): one x86_64 core of the dev VM
+    # per rank, float32, 1 intra-op thread, 1 Gbit/s tbf links between network namespaces.
+    # gemm_flops, link_bandwidth and host_collective_s are `commfuse simulate --calibrate`
+    # fitted to a bench run of the four ops (S=2048, D=1024, splits 1-8): 1.204 Gbit/s is
+    # 0.90 each way with duplex 0.75; a P2P post costs no host time the fit can see (AG's copy
+    # of its own rows is `copy_time`). gloo sends a rank's messages to one peer one after
+    # another (fifo_per_peer). Transfers cost CPU on the rank's own core, where the kernel's
+    # network stack runs (interference). Attention: ATen's CPU flash kernel (causal, head dim
+    # 64) at 0.90 forward and 0.87 backward (counting 2.5x the forward's FLOPs) x K/(K + 300)
+    # of gemm_flops, for K mean keys per query row. A fresh output of 32 MiB or more pays its
+    # page faults at 2.4 GB/s (glibc returns such buffers to the kernel). GEMMs of under 176
+    # rows run at 0.67 of the formula's rate at a B of 8 MiB, slowly less as B grows
+    # (narrow_*). Adds walking distinct buffers into a reused output move 17 GB/s (3x the
+    # bytes). `--hardware measured`, the default of bench and train, starts from this preset
+    # and fits the compute rates to the running machine at start (`commfuse.sim.probe`);
+    # predictions against measured runs: docs/benchmarks/simulator.md.
     "cpu-testbed": Hardware(gemm_flops=92.6e9, link_bandwidth=1.204e9 / 8, link_latency=50e-6,
                             mem_bandwidth=5e9, add_bandwidth=17e9, gemm_max_efficiency=1.0,
                             m0=8.0, n0=8.0, k0=32.0, narrow_rows=176.0, narrow_efficiency=0.67,
