@@ -3,10 +3,10 @@
 Prefill: the fused ops (`InferenceLlama._prefill_fused`, query-split where the cost model
 predicts it faster) or the interleaved prefill (`commfuse.infer.interleave`). Under "auto"
 the choice is measured (`PlanTuner`, `run_prefill`). The cost model picks between the two
-(`commfuse.infer.predict.prefill_choice`), but on the CPU testbed it times the fused ops at
-0.85-1.04 of measured and the interleaved prefill at 0.99-1.10, so it picks the fused ops,
-which measured 10-31 % slower (docs/benchmarks/2026-12-02-inference.md, runs 8-11). So the
-prompts themselves are timed. Per shape bucket (the prompt length rounded up to a power of
+(`commfuse.infer.predict.prefill_choice`), but its error on the fused ops is as large as
+the difference between the plans, and on the CPU testbed it picks the fused ops where the
+interleaved prefill is faster (docs/benchmarks/inference.md). So the prompts themselves are
+timed. Per shape bucket (the prompt length rounded up to a power of
 two, and the batch size):
 
 - the first prefill runs the model's pick, untimed (warm-up);
