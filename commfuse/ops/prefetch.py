@@ -81,7 +81,7 @@ class Prefetcher:
     ``depth``: gathers posted ahead and not yet consumed, at most (0: off; the ops then run
     exactly as without a prefetcher). ``at``: where the claiming op's backward posts it,
     "posts" (right after its own last post: the default) or "end" (when its backward is done;
-    kept to measure the choice, see docs/benchmarks/2026-12-01-prefetch.md)."""
+    kept to measure the choice, see docs/benchmarks/prefetch.md)."""
 
     AT = ("posts", "end")
 
