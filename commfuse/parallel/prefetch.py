@@ -35,7 +35,7 @@ tag ``TAG + 1``) is posted in its backward and finished during the next weight's
 (`Prefetcher.reduce_later`: at most two in flight) and all of them at the end of the
 backward, before any gathers left are drained: on gloo a pair's messages leave in posting
 order, so a reduce-scatter waited inside its own backward would wait behind the next block's
-prefetched gathers (measured: 12-14 % slower steps, docs/benchmarks/2026-12-01-zero3-prefetch.md).
+prefetched gathers (docs/benchmarks/prefetch.md).
 
 In ``compute_only`` mode (`commfuse.runtime.modes`) the gathers move nothing. On CUDA, and
 under torch.compile, the plans gather as they did without prefetch (not built here).
