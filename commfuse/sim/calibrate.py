@@ -11,7 +11,7 @@ bisection, the whole alternated a few times. Everything else (efficiency curve, 
 duplex) stays the preset's. ``compare`` then predicts every method of every result on the
 fitted model: the "predicted vs measured" table of the simulator issue.
 
-    commfuse simulate --calibrate docs/benchmarks/2026-11-29-duplex/op-forward/op-2r.json
+    commfuse simulate --calibrate bench-out/op-2r.json [--against OTHER_RUN.json]
 """
 
 from __future__ import annotations
