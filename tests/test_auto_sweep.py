@@ -1,5 +1,5 @@
 """scripts/auto_sweep.py's comparisons of auto with the best fixed method, on made-up
-samples: the paired ratio and the held-out one (docs/sim-vs-measured.md, "A noisy machine")."""
+samples: the paired ratio and the held-out one (docs/benchmarks/simulator.md)."""
 
 import json
 
