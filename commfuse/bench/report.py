@@ -116,7 +116,7 @@ def write_timeline_png(result: dict, path: str) -> None:
 
 
 def markdown(results: list[dict]) -> str:
-    """The results as markdown tables (what docs/benchmarks holds), one per workload and size."""
+    """The results as markdown tables (the tables of docs/benchmarks), one per workload and size."""
     pct = lambda x: "-" if x is None else f"{100 * x:.0f} %"
     out = []
     for r in results:
