@@ -1,7 +1,8 @@
 """`commfuse.runtime.modes.gemm`, the GEMM of every fused op: one matrix multiply over the
 leading dims folded into rows, whatever the strides of the operand (torch.matmul runs a batched
 GEMM, one per leading index, for operands that do not fold into a view when the weight does not
-require grad: 3-4x slower for a prefill's slots, `docs/benchmarks/2026-12-01-inference.md`)."""
+require grad, as an inference model's buffers do: several times slower for a prefill's
+slots)."""
 
 import pytest
 import torch
