@@ -24,8 +24,8 @@ def _expected(op, shape, world, hw="cpu-testbed"):
 
 
 def test_small_gemms_stay_plain_and_large_ones_decompose():
-    # a host that pays as much to post a P2P batch as to launch a collective (0.65 ms each;
-    # the 2026-11-30 fit had 2.9 and 3.0 ms): a tiny GEMM cannot pay for the extra steps
+    # a host that pays as much to post a P2P batch as to launch a collective (0.65 ms each):
+    # a tiny GEMM cannot pay for the extra steps
     hw = preset("cpu-testbed").with_(host_collective_s=0.65e-3, host_p2p_s=0.65e-3)
     auto.set_hardware(hw)
     tiny = auto.choose("matmul_rs", (16, 8, 8), 2, torch.ones(1))
