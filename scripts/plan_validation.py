@@ -1,22 +1,29 @@
-"""The planner against published runs: docs/planning.md's validation, sensitivity and AC
-tables, printed as markdown rows.
+"""The planner against published runs: docs/planning.md's validation, memory, sensitivity
+and AC tables, printed as markdown rows.
 
     python scripts/plan_validation.py
 
-The rows are torchtitan's Llama 3.1 8B "FSDP" runs (pytorch/torchtitan,
-benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3): eager, bf16, selective op AC,
-local batch 2, sequence 8192, H100 96 GB HBM2e at 500 W, 400 Gbit/s per GPU between hosts.
-Each variant changes one physical figure of the `h100-hbm2e-500w` preset.
+The rows are torchtitan's Llama 3.1 runs on H100 (`commfuse.sim.published.RUNS`: the 8B
+"FSDP" rows of Tables 1 and 3, eager, selective op AC, local batch 2; the 70B 2-D rows of
+Table 4, FSDP 32 x TP 8, full AC, local batch 16, with torch.compile and float8 linears),
+each predicted by its `commfuse plan` command. Each sensitivity variant changes one
+physical figure of the `h100-hbm2e-500w` preset on the 8B rows.
 """
 
 from __future__ import annotations
 
 from commfuse import sim
 from commfuse.parallel.config import ParallelDims
+from commfuse.sim.memory import GIB
+from commfuse.sim.published import RUNS
 from commfuse.sim.train_step import simulate_train_step
 from commfuse.sim.work import TrainSetup
 
-PUBLISHED = {8: (5762, 82.4), 128: (5605, 67.0)}  # devices: (TPS/GPU, memory GiB)
+FSDP_8B = [r for r in RUNS if r.model == "8b"]
+
+
+PARTS = ("params", "grads", "optimizer", "activations", "gathered weights", "loss",
+         "block backward", "op buffers", "allocator reserve")
 
 
 def predict(devices: int, hw, ac: str = "selective"):
@@ -25,14 +32,29 @@ def predict(devices: int, hw, ac: str = "selective"):
                                setup=TrainSetup(ac=ac))
 
 
+def run_prediction(run, hw=None):
+    """The whole step of ``run``'s layout, as its `commfuse plan` command predicts it."""
+    return simulate_train_step(
+        run.model, ParallelDims(tp=run.tp, dp=run.dp, method="none", world_size=run.devices),
+        hw or run.hw, seq=run.seq, local_batch=run.local_batch, inter_hw="multinode-400g",
+        setup=TrainSetup(ac=run.ac))
+
+
 def main() -> None:
     base = sim.preset("h100-hbm2e-500w")
-    print("| devices | published TPS/GPU | predicted | error | published GiB | predicted | error |")
-    for d, (tps, gib) in PUBLISHED.items():
-        r = predict(d, base)
-        print(f"| {d} | {tps:,} | {r.tokens_per_s_per_device:,.0f} | "
-              f"{100 * (r.tokens_per_s_per_device / tps - 1):+.1f} % | {gib} | "
-              f"{r.peak_memory_gib:.1f} | {100 * (r.peak_memory_gib / gib - 1):+.1f} % |")
+    print("| run | published TPS/GPU | predicted | error | published GiB | predicted | error |")
+    for run in RUNS:
+        r = run_prediction(run)
+        tps, gib = r.tokens_per_s_per_device, r.peak_memory_gib
+        extra = f" ({', '.join(run.extras)})" if run.extras else ""
+        print(f"| {run.name}{extra} | {run.tps_per_gpu:,.0f} | {tps:,.0f} | "
+              f"{100 * (tps / run.tps_per_gpu - 1):+.1f} % | {run.memory_gib} | {gib:.1f} | "
+              f"{100 * (gib / run.memory_gib - 1):+.1f} % |")
+    print("\n| run | " + " | ".join(PARTS) + " | allocated | peak |")
+    for run in RUNS[::2]:
+        m = run_prediction(run).memory
+        cells = [m.parts[k] for k in PARTS] + [m.allocated_bytes, m.peak_bytes]
+        print(f"| {run.name} | " + " | ".join(f"{c / GIB:.1f}" for c in cells) + " |")
     variants = {
         "as documented": base,
         "no power limit (700 W)": base.with_(power_limit_w=0.0),
@@ -44,15 +66,15 @@ def main() -> None:
     print("\n| variant | 8 GPUs | 128 GPUs |")
     for name, hw in variants.items():
         cells = []
-        for d, (tps, _) in PUBLISHED.items():
-            t = predict(d, hw).tokens_per_s_per_device
-            cells.append(f"{t:,.0f} ({t / tps:.2f}x)")
+        for run in FSDP_8B:
+            t = predict(run.devices, hw).tokens_per_s_per_device
+            cells.append(f"{t:,.0f} ({t / run.tps_per_gpu:.2f}x)")
         print(f"| {name} | {' | '.join(cells)} |")
     print("\n| --ac | 8 GPUs | 128 GPUs |")
     for ac in ("none", "selective", "full"):
         cells = []
-        for d in PUBLISHED:
-            r = predict(d, base, ac)
+        for run in FSDP_8B:
+            r = predict(run.devices, base, ac)
             cells.append(f"{r.tokens_per_s_per_device:,.0f}, {r.peak_memory_gib:.1f} GiB"
                          + ("" if r.fits else ": does not fit"))
         print(f"| {ac} | {' | '.join(cells)} |")

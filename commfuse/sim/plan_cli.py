@@ -44,10 +44,14 @@ prefetched behind the neighbouring block's compute, the reduce-scatter in float3
 backward, every parameter sharded over DP (method none; the fused methods keep their own
 schedules), under --sharding commfuse this repository's ZeRO-3 (no prefetch, norms and
 embedding replicated). Memory per rank (commfuse.sim.memory): float32 parameters, gradients
-and AdamW states, activations under --ac, the loss's float32 logits, gathered weights and
-fused-op buffers; a plan over the preset's memory is marked NO and ranked last.
-docs/planning.md holds the validation against published runs. Not counted: pipeline
-parallelism, the CUDA context and NCCL buffers, allocator fragmentation, host overhead.
+and AdamW states, activations under --ac, FSDP's gathered weights (root, current and
+prefetched block), then the larger of the loss (float32 logits; under TP vocabulary-parallel,
+with the head's gathered input) and one block's recompute and backward (under TP with the
+whole-sequence gathered inputs, and the running fused op's buffer), plus the caching
+allocator's reserve (15 % of reserved memory, as torch's max_memory_reserved reads); a plan
+over the preset's memory is marked NO and ranked last. docs/planning.md holds the
+validation against published runs. Not counted: pipeline parallelism, the CUDA context and
+NCCL buffers, host overhead, float8 and torch.compile.
 
 Columns (whole step): step s, tok/s/dev (tokens per step / step / devices, as torchtitan
 logs TPS/GPU), MFU = flops_per_token * tokens / step / (devices * peak), flops_per_token =
