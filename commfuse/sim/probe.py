@@ -1,9 +1,9 @@
 """A hardware model's compute fitted, at start, to the device the ranks run on.
 
-A preset's compute figures are one day's fit, and a VM does not keep one speed (the CPU
-testbed's GEMMs ran at 85-96 GFLOP/s one day, 140-158 another, while its attention and
-elementwise rates moved otherwise); every choice of ``auto`` depends on how long the compute
-beside a transfer takes.
+A preset's compute figures are one machine's fit, and a VM does not keep one speed (the CPU
+testbed's GEMM rate has moved by 2x between VMs of one kind, its attention and elementwise
+rates independently of it); every choice of ``auto`` depends on how long the compute beside a
+transfer takes.
 
 `measure` times, on this rank's device and in the run's dtype, two GEMMs (``GEMM_SHAPE``, and
 ``SMALL_GEMM_SHAPE`` with fewer rows, as a finely split op's pieces have), where the model has a
@@ -18,13 +18,13 @@ choices) and, on a CPU gloo group, the largest slowdown of a GEMM beside an exch
 (`Hardware.gemm_efficiency`), the narrow regime's rate and its fall with B's size, the
 attention efficiency (forward and backward alike) and ``interference`` to predict them.
 
-Why each part (docs/design.md, "The model's compute is fitted"): the slowdown, because the
-rank's own core runs the network stack of the emulated links (a GEMM beside an exchange at 1
-Gbit/s ran 0.26-0.45 slower, with the day's machine; scripts/transfer_tax.py); two GEMMs and the
-narrow regime, because a 128-row GEMM ran at 0.72-0.80 of a 1024-row one (a step at ~176 rows,
-not a curve) and a peak-only fit split too finely; medians in rounds, because a VM has spells
-of seconds at half speed; measuring again, because a fresh process's first probe spread its
-rounds 2.2x (later ones 1.00-1.12). Memory bandwidth, host time per launch and the links stay
+Why each part (docs/design.md, "The model's compute is fitted"; docs/benchmarks/simulator.md):
+the slowdown, because the rank's own core runs the network stack of the emulated links
+(docs/benchmarks/testbed.md); two GEMMs and the narrow regime, because a GEMM of a few hundred
+rows runs well below a 1024-row one (a step near 176 rows, not a curve) and a peak-only fit
+split too finely; medians in rounds, because a VM has spells of seconds at half speed;
+measuring again, because a fresh process's first probe can spread its rounds far more than
+later ones. Memory bandwidth, host time per launch and the links stay
 the model's (a link's rate is the network's; one probe message would not improve that fit).
 """
 
@@ -88,8 +88,8 @@ def _rounds(fns: dict, device, rounds: int, runs: dict) -> dict[str, list[float]
     untimed) in each of ``rounds`` rounds, which run each function's runs back to
     back, the functions in an order rotated every round. In rounds, so that a slow spell of
     the machine (module doc) slows one round's kernels alike, not one kernel's runs alone;
-    back to back, as a split op's pieces run: one run of each kernel in turn measured the
-    small GEMM 5-23 % slower against the large one (8 probes), runs in a row 0-4 % (7 of 8)."""
+    back to back, as a split op's pieces run: one run of each kernel in turn makes the small
+    GEMM look slower against the large one than it runs inside a split op."""
     import torch
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
