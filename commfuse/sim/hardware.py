@@ -51,7 +51,7 @@ class Hardware:
     narrow_rows: float = 0.0
     """GEMMs of fewer rows than this run another kernel, at ``narrow_efficiency`` of the rate
     above (0: one kernel for every shape). The CPU testbed's fp32 GEMM (MKL, one thread) runs
-    at a flat ~100-125 GFLOP/s from 64 to 160 rows and at 150-175 from 192 rows up."""
+    at one flat rate below about 176 rows and a markedly higher one above: a step, not a curve."""
     narrow_efficiency: float = 1.0
     """Rate of a narrow GEMM (``narrow_rows``) whose B has ``NARROW_KN`` elements, as a
     fraction of what the efficiency formula gives it."""
