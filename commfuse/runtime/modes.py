@@ -57,9 +57,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> t
     into rows: ``torch.matmul`` folds them only when they fold into a view or ``b`` requires
     grad, else it runs a batched GEMM, one GEMM per leading index. The ops' operands are often
     views that do not fold (the scattered dim moved to the front of [B, S, K], even for B = 1,
-    whose size-1 dim keeps a stride matmul does not skip); batched, each slot's GEMM of a
-    prefill (weights without grad) was 3-4x slower than the same GEMM in training. Here such
-    an ``a`` is copied into rows (what matmul itself does when ``b`` requires grad)."""
+    whose size-1 dim keeps a stride matmul does not skip), and batched, a prefill's slot GEMMs
+    (weights without grad) run several times slower than the same GEMM folded. Here such an
+    ``a`` is copied into rows (what matmul itself does when ``b`` requires grad)."""
     if _state["mode"] == "comm_only":
         return out if out is not None else a.new_empty((*a.shape[:-1], b.shape[-1]))
     if a.dim() < 3 or b.dim() != 2 or (out is not None and not out.is_contiguous()):
