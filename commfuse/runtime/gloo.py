@@ -2,17 +2,16 @@
 
 gloo's ``isend`` is not always asynchronous: when the peer has already posted the matching
 receive, the calling thread writes the whole message into the socket itself and returns only
-when it is on its way (measured on the emulated 1 Gbit/s testbed: a 4 MB ``isend`` call took
-60-110 ms, the transfer's whole time, when the receive was posted first; 0.1-0.5 ms when it
-was not). Posted from the compute thread, that blocks the GEMM it was meant to hide behind.
+when it is on its way (on the emulated testbed such an ``isend`` takes the transfer's whole
+time, against well under a millisecond when the receive comes later). Posted from the compute thread, that blocks the GEMM it was meant to hide behind.
 So on CPU every send is issued from a sender thread per peer (FIFO per peer, so a pair's
 messages keep their order); receives never block and are posted directly. On CUDA (NCCL)
 posting never blocks the host, and a send and a receive with the same peer must be grouped,
 so the batch goes to ``batch_isend_irecv`` as it is.
 
 gloo also runs one TCP connection per pair of ranks, and a pair sending to each other at once
-got 0.5-0.8 Gbit/s each way on 1 Gbit/s emulated links, where one connection per direction got
-0.95 (`scripts/link_probe.py`). `duplex(group)` adds a second communicator over the same ranks;
+shares it, which on the emulated links cut each direction's rate by up to half
+(docs/benchmarks/testbed.md). `duplex(group)` adds a second communicator over the same ranks;
 then a transfer from a lower to a higher rank uses the group, the other way the twin, and each
 connection carries one direction.
 
