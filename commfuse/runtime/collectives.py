@@ -6,9 +6,9 @@ one batch of isend/irecv to every peer (the reduce-scatter sums the received chu
 order when waited; the all-reduce sends the whole partial to every peer and sums all of them
 in rank order: one round, bitwise the same sum on every rank). ``"auto"`` (the default)
 takes the backend's on CUDA (NCCL's are the best there) and P2P elsewhere: on this project's
-CPU testbed (2 ranks, 4 MB each way, emulated 1 Gbit/s links) gloo's reduce-scatter took
-80-119 ms where the same bytes exchanged point to point took 60-69 ms (and 116 ms against
-35-39 ms with the launcher's earlier, smaller tbf burst); its all-gather took 48-70 ms. A slow baseline would flatter every overlap method.
+CPU testbed gloo's own collectives run slower than the same bytes exchanged point to point
+(`none-torch` against `none` in docs/benchmarks/ops.md), and a slow baseline would flatter
+every overlap method.
 """
 
 from __future__ import annotations
