@@ -40,7 +40,6 @@ def lazy_exports(package: str, exports: dict[str, tuple[str, ...]]):
     return __getattr__, __dir__, list(where)
 
 
-__version__ = "0.1.0"
 _getattr, __dir__, __all__ = lazy_exports(__name__, {
     "commfuse.ops.fused": ("fused_all_gather_matmul", "fused_matmul_reduce_scatter",
                            "fused_matmul_all_to_all", "fused_all_to_all_matmul"),
@@ -51,7 +50,21 @@ _getattr, __dir__, __all__ = lazy_exports(__name__, {
 })
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), from its metadata; a
+    placeholder in a source tree that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("commfuse")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
 def __getattr__(name: str):
+    if name == "__version__":  # on first use: the lookup scans the installed distributions
+        value = globals()["__version__"] = _version()
+        return value
     if name == "auto":  # commfuse.auto.set_hardware(...), as documented before the ops package
         return importlib.import_module("commfuse.ops.auto")
     return _getattr(name)

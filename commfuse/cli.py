@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="commfuse",
         description="commfuse: collectives fused with GEMMs as overlapped peer-to-peer "
                     "schedules (CommFuse, arXiv 2604.24013) on any torch.distributed backend.")
+    import commfuse
+
+    parser.add_argument("--version", action="version", version=f"commfuse {commfuse.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _train_parser(sub)
     _generate_parser(sub)
