@@ -149,7 +149,8 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 def check(case: Case, rank: int, world: int, device: str = "cpu") -> str | None:
     """None if this rank's outputs and gradients match the reference, else what differs."""
     a64, b64, g = _inputs(case, world)
-    leaves = [t.requires_grad_() for t in a64] + [t.requires_grad_() for bs in b64 for t in bs]
+    for t in [*a64, *(t for bs in b64 for t in bs)]:
+        t.requires_grad_()
     outs_ref = _reference(case, world, a64, b64)
     grads_out = [[torch.randn(o.shape, generator=g, dtype=torch.float64) for o in outs]
                  for outs in outs_ref]

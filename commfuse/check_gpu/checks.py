@@ -139,6 +139,6 @@ def check_split_gemm(report):
                              "efficiency": split / whole})
                 print(f"    M={M:>6} W={w} m={m} slice {n:>6} rows: {split:7.1f} TFLOP/s vs "
                       f"unsplit {whole:7.1f} ({split / whole:.1%})")
-        del a, b, y
+        a = b = y = None  # this size's tensors freed before the next one's
     report["split_gemm"] = rows
     return None

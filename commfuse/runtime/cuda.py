@@ -33,7 +33,6 @@ The CUDA calls go through a `Backend` so that a recording fake can check the ord
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
