@@ -58,3 +58,47 @@ def test_train_help_and_a_one_step_run_print_no_numpy_warning(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "Failed to initialize NumPy" not in proc.stderr, proc.stderr[-2000:]
     assert (tmp_path / "m.json").is_file()
+
+
+def _verdict(**kw):
+    from commfuse.train.compare import Verdict
+    return Verdict(**{**dict(method="commfuse", link="1gbit delay 0us", steps=60, step_s=0.30,
+                             none_step_s=0.40, exposed_s=0.05, none_exposed_s=0.20,
+                             none_fwd_bwd_s=0.35, max_loss_diff=0.004, loss_tol=0.05), **kw})
+
+
+def test_verdict_says_what_the_ratio_means():
+    """Each case of the verdict line, from the figures it is given (no processes)."""
+    fast = _verdict().line()
+    assert "0.75x of none (25 % less time per step)" in fast
+    assert "75 % of the communication none leaves exposed hidden (200 ms -> 50 ms" in fast
+    assert "losses equal within 0.004 over 60 steps" in fast
+    assert "no gain beyond the 3 %" in _verdict(step_s=0.39).line()
+    assert "1.10x of none (10 % MORE time per step): slower" in _verdict(step_s=0.44).line()
+    assert "little to hide" in _verdict(none_exposed_s=0.02, exposed_s=0.01).line()
+    assert "losses DIFFER by up to 0.3" in _verdict(max_loss_diff=0.3).line()
+    assert "loopback, which cannot show overlap" in _verdict(link="loopback").line()
+    assert "hidden" not in _verdict(link="loopback").line()
+
+
+def test_compare_none_prints_and_records_the_verdict_of_the_run(tmp_path, capsys):
+    """A cheap 2-rank --compare-none on loopback: the verdict line is printed, says loopback
+    shows no overlap, and --metrics-json holds it as fields computed from the run's steps."""
+    import json
+    import statistics
+    out = tmp_path / "m.json"
+    args = _parser().parse_args(["--compare-none", "--link", "loopback", "--steps", "3",
+                                 "--batch-size", "2", "--seq-len", "16", "--hardware",
+                                 "cpu-testbed", "--peak-flops", "1e9",
+                                 "--metrics-json", str(out)])
+    assert train.run(args) == 0
+    data = json.loads(out.read_text())
+    v = data["compare_none"]
+    assert v["step_s"] == statistics.median(m["step_s"] for m in data["steps"][1:])
+    assert v["ratio"] == v["step_s"] / v["none_step_s"] and v["loopback"] and v["steps"] == 3
+    assert v["exposed_s"] == data["summary"]["exposed_comm_s"]
+    assert v["losses_equal"] and v["max_loss_diff"] < 1e-3
+    printed = capsys.readouterr().out
+    assert v["line"] in printed.splitlines()
+    assert v["line"].startswith(f"verdict: commfuse step {v['ratio']:.2f}x of none on loopback, "
+                                "which cannot show overlap")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch.distributed as dist
 
 from commfuse.ops.auto import use_hardware
 from commfuse.runtime.gloo import duplex
+from commfuse.train.compare import link_label, record, verdict
 from commfuse.train.config import DTYPES, TrainConfig, config_from_args
 from commfuse.train.report import exposed, finish, measure_matmul_flops, progress
 
@@ -49,11 +49,13 @@ def run(args) -> int:
         base = launch(dataclasses.replace(cfg, method="none", checkpoint_dir=None, resume=False,
                                           metrics_json=None))
         if first and base and int(os.environ.get("RANK", 0)) == 0:
-            diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(first, base))
-            t = lambda ms: statistics.median(m["step_s"] for m in ms[1:] or ms)
-            print(f"compare-none: max |loss - loss(none)| = {diff:.3g}; median step "
-                  f"{cfg.method} {t(first) * 1e3:.1f} ms / none {t(base) * 1e3:.1f} ms = "
-                  f"{t(first) / t(base):.3f}")
+            v = verdict(cfg, first, base, link_label(cfg.world, cfg.device))
+            print(f"compare-none: max |loss - loss(none)| = {v.max_loss_diff:.3g}; median step "
+                  f"{cfg.method} {v.step_s * 1e3:.1f} ms / none {v.none_step_s * 1e3:.1f} ms = "
+                  f"{v.ratio:.3f}")
+            print(v.line(), flush=True)
+            if cfg.metrics_json:
+                record(cfg.metrics_json, v)
     return 0
 
 

@@ -14,6 +14,16 @@ import torch
 import torch.distributed as dist
 
 
+class Steps(list):
+    """A run's per-step metrics (a list of dicts) with its ``summary`` (medians, exposed
+    communication) attached, so the one value a rank returns carries both (it pickles across
+    `commfuse.testbed.spawn.run_local`'s processes)."""
+
+    def __init__(self, steps=(), summary: dict | None = None):
+        super().__init__(steps)
+        self.summary = summary if summary is not None else {}
+
+
 def measure_matmul_flops(n: int = 512, seconds: float = 0.3, dtype=torch.float32,
                          device="cpu") -> float:
     """FLOP/s of a dense n x n matmul on this process's threads or GPU (the MFU denominator)."""
@@ -84,10 +94,10 @@ def exposed(pmodel, tokens, targets, iters: int) -> dict:
 
 
 def finish(cfg, rank: int, world: int, metrics: list[dict], summary: dict,
-           show: bool) -> list[dict]:
+           show: bool) -> Steps:
     """End a run: the medians over the steady steps (the first step warms up) added to
     ``summary``, printed (``show``) and, on rank 0, written with the config and every step to
-    ``cfg.metrics_json``; returns ``metrics``."""
+    ``cfg.metrics_json``; returns ``metrics`` with ``summary`` attached."""
     if metrics:
         steady = metrics[1:] or metrics
         med = lambda key: statistics.median(m[key] for m in steady)
@@ -99,4 +109,4 @@ def finish(cfg, rank: int, world: int, metrics: list[dict], summary: dict,
         Path(cfg.metrics_json).write_text(json.dumps(
             {"config": dataclasses.asdict(cfg), "world": world, "steps": metrics,
              "summary": summary}, indent=1))
-    return metrics
+    return Steps(metrics, summary)
