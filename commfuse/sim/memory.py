@@ -65,10 +65,10 @@ LOSS_BYTES_PER_LOGIT = 12
 LOSS_PARALLEL_BYTES_PER_LOGIT = 16
 # Share of torch's reserved memory that the caching allocator holds unallocated at the peak
 # (fragmentation: freed blocks of one phase's sizes that the next phase's requests do not
-# fit). GMLake (Guo et al., ASPLOS 2024, arXiv 2401.08156) measured PyTorch's caching
-# allocator on eight LLM training setups on A100-80GB and removed on average 15 % of it
-# (up to 33 %) by stitching free blocks; taken from there, not fitted to docs/planning.md's
-# rows (torchtitan's 8B rows alone would call for 0.12-0.13).
+# fit). GMLake (Guo et al., ASPLOS 2024, arXiv 2401.08156), training eight LLMs on
+# A100-80GB, reduced the caching allocator's fragmentation by 15 % on average (up to 33 %)
+# by stitching free blocks; taken from there, not fitted to docs/planning.md's rows
+# (torchtitan's 8B rows alone would call for 0.12-0.13).
 ALLOCATOR_RESERVE = 0.15
 
 
