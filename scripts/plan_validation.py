@@ -26,25 +26,20 @@ PARTS = ("params", "grads", "optimizer", "activations", "gathered weights", "los
          "block backward", "op buffers", "allocator reserve")
 
 
-def predict(devices: int, hw, ac: str = "selective"):
-    return simulate_train_step("8b", ParallelDims(dp=devices, method="none", world_size=devices),
-                               hw, seq=8192, local_batch=2, inter_hw="multinode-400g",
-                               setup=TrainSetup(ac=ac))
-
-
-def run_prediction(run, hw=None):
-    """The whole step of ``run``'s layout, as its `commfuse plan` command predicts it."""
+def predict(run, hw=None, ac: str | None = None):
+    """The whole step of ``run``'s layout, as its `commfuse plan` command predicts it, or on
+    another ``hw`` or under another ``ac``."""
     return simulate_train_step(
         run.model, ParallelDims(tp=run.tp, dp=run.dp, method="none", world_size=run.devices),
         hw or run.hw, seq=run.seq, local_batch=run.local_batch, inter_hw="multinode-400g",
-        setup=TrainSetup(ac=run.ac))
+        setup=TrainSetup(ac=ac or run.ac))
 
 
 def main() -> None:
     base = sim.preset("h100-hbm2e-500w")
     print("| run | published TPS/GPU | predicted | error | published GiB | predicted | error |")
     for run in RUNS:
-        r = run_prediction(run)
+        r = predict(run)
         tps, gib = r.tokens_per_s_per_device, r.peak_memory_gib
         extra = f" ({', '.join(run.extras)})" if run.extras else ""
         print(f"| {run.name}{extra} | {run.tps_per_gpu:,.0f} | {tps:,.0f} | "
@@ -52,7 +47,7 @@ def main() -> None:
               f"{100 * (gib / run.memory_gib - 1):+.1f} % |")
     print("\n| run | " + " | ".join(PARTS) + " | allocated | peak |")
     for run in RUNS[::2]:
-        m = run_prediction(run).memory
+        m = predict(run).memory
         cells = [m.parts[k] for k in PARTS] + [m.allocated_bytes, m.peak_bytes]
         print(f"| {run.name} | " + " | ".join(f"{c / GIB:.1f}" for c in cells) + " |")
     variants = {
@@ -67,18 +62,18 @@ def main() -> None:
     for name, hw in variants.items():
         cells = []
         for run in FSDP_8B:
-            t = predict(run.devices, hw).tokens_per_s_per_device
+            t = predict(run, hw).tokens_per_s_per_device
             cells.append(f"{t:,.0f} ({t / run.tps_per_gpu:.2f}x)")
         print(f"| {name} | {' | '.join(cells)} |")
     print("\n| --ac | 8 GPUs | 128 GPUs |")
     for ac in ("none", "selective", "full"):
         cells = []
         for run in FSDP_8B:
-            r = predict(run.devices, base, ac)
+            r = predict(run, base, ac)
             cells.append(f"{r.tokens_per_s_per_device:,.0f}, {r.peak_memory_gib:.1f} GiB"
                          + ("" if r.fits else ": does not fit"))
         print(f"| {ac} | {' | '.join(cells)} |")
-    r = predict(8, base)
+    r = predict(FSDP_8B[0])
     print("\n8 GPUs, share of the step:",
           {k: f"{100 * v / r.step_s:.1f} %" for k, v in r.breakdown.items()})
     print("8 GPUs, memory GiB:", {k: round(v / 2 ** 30, 2) for k, v in r.memory.parts.items()})
