@@ -39,10 +39,10 @@ Then the larger of two phases, which never overlap:
   column-parallel GEMMs (q|k|v, gate|up) saved for their weight gradients (n x D each: the
   recompute runs them again; this repository's AG->GEMM saves its shard and gathers it
   again, one at a time, so the term is an upper bound for it); the input and weight
-  gradients; under FSDP the float32 copy
-  of the block's gradients that the reduce-scatter sends; and the running op's buffer
-  (**op buffers**, the README's table: AG->GEMM the gathered operand; GEMM->RS (2W-1)
-  partial outputs, (W+1) for the ring schedules; all-to-all the exchanged blocks).
+  gradients; under FSDP the float32 copy of the block's gradients that the reduce-scatter
+  sends; and the running op's buffer (**op buffers**, the README's table: AG->GEMM the
+  gathered operand; GEMM->RS (2W-1) partial outputs, (W+1) for the ring schedules;
+  all-to-all the exchanged blocks).
 
 Allocated = model state + activations + gathered weights + max(loss, block backward + op
 buffers). **Allocator reserve**: what torch's caching allocator holds beyond that, because
