@@ -16,7 +16,9 @@ embedding's and loss's collectives (skipped in compute_only mode); the other pla
 (the loss's token count, the DP weight all-gather under TP/UP x DP) still run in compute_only
 mode, so they count as compute: the figure is a lower bound.
 --compare-none runs the same steps again with method none afterwards (sequential, not
-interleaved): same losses up to summation order, and the ratio of median step times.
+interleaved): same losses up to summation order, and the ratio of median step times, ending
+with a one-line verdict (`commfuse.train.compare`): the ratio, the share of none's exposed
+communication the method hid, the loss check, or why the ratio cannot show overlap.
 """
 
 from __future__ import annotations
