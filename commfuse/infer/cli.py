@@ -1,8 +1,10 @@
 """``commfuse generate``: text from a Llama, tensor-parallel over --tp ranks with the fused ops.
 
 The model comes from a checkpoint of ``commfuse train --checkpoint-dir DIR`` (any TP/UP/DP
-layout: it is read back whole and cut again for --tp), from a transformers Llama saved with
-``save_pretrained`` (--hf-model DIR), or is a fresh one (--random-init, --preset, --seed).
+layout: it is read back whole and cut again for --tp; of an ``--hf-config`` run, the
+transformers model it saved), from a transformers Llama, Mistral (sliding window too), Qwen2
+or Qwen3 saved with ``save_pretrained`` (--hf-model DIR), or is a fresh one (--random-init,
+--preset, --seed).
 The prompt is prefilled sequence-parallel (each rank embeds and keeps its slice of the
 prompt; the fused all-gather -> GEMM and GEMM -> reduce-scatter run every block), or
 interleaved in chunks (--prefill-chunks), then one token per step is decoded with the same
@@ -71,10 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "first prompts of each length, else 1)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR",
-                     help="A commfuse train --checkpoint-dir (its latest) or step directory")
+                     help="A commfuse train --checkpoint-dir (its latest) or step directory; "
+                          "of an --hf-config run too (a transformers model directory)")
     src.add_argument("--hf-model", metavar="DIR",
-                     help="A transformers Llama (or Mistral without a sliding window) saved "
-                          "with save_pretrained (its tokenizer if DIR has one, else "
+                     help="A transformers Llama, Mistral (sliding window too), Qwen2 or Qwen3 "
+                          "saved with save_pretrained (its tokenizer if DIR has one, else "
                           "commfuse's; needs transformers)")
     src.add_argument("--random-init", action="store_true",
                      help="A freshly initialised model of --preset (seeded by --seed)")
@@ -118,11 +121,13 @@ def run(args) -> int:
     try:
         Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         _lengths(args)
-        if args.hf_model:
-            from commfuse.infer.load import check_hf
+        from commfuse.infer.load import check_hf, checkpoint_path, is_hf_checkpoint
 
+        if args.checkpoint and is_hf_checkpoint(args.checkpoint):
+            check_hf(checkpoint_path(args.checkpoint), tokenize=True)
+        if args.hf_model:
             check_hf(args.hf_model, tokenize=True)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"commfuse generate: {e}", file=sys.stderr)
         return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -188,14 +193,17 @@ def _lengths(args) -> list[int]:
 def build(args, rank: int, world: int, max_len: int):
     """The `InferenceLlama` of this rank and the tokenizer."""
     from commfuse.data import load_tokenizer
-    from commfuse.infer.load import hf_tokenizer, load_hf, load_llama
+    from commfuse.infer.load import (checkpoint_path, hf_tokenizer, is_hf_checkpoint,
+                                     load_checkpoint_model, load_hf)
     from commfuse.infer.model import InferenceLlama
     from commfuse.models.llama import Llama, LlamaConfig
 
     tok = None
     if args.checkpoint:
-        model, meta = load_llama(args.checkpoint)
-        dtype = DTYPES[args.dtype or meta.get("dtype", "float32")]
+        model, dtype = load_checkpoint_model(args.checkpoint,
+                                             DTYPES[args.dtype] if args.dtype else None)
+        if is_hf_checkpoint(args.checkpoint):
+            tok = hf_tokenizer(checkpoint_path(args.checkpoint))
     elif args.hf_model:
         model = load_hf(args.hf_model, DTYPES[args.dtype] if args.dtype else None)
         dtype, tok = model.tok_emb.weight.dtype, hf_tokenizer(args.hf_model)

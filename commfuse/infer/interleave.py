@@ -9,7 +9,9 @@ after waiting for its own, so while one chunk's collective moves, the next compu
 transfers hide behind all of a block's compute (attention and the memory-bound kernels too).
 
 Chunk c attends to the cache's keys of positions up to its end: the diagonal block causal,
-merged with the prefix block by their log-sum-exp (`commfuse.ops.attn_blocks.run_forward`).
+merged with the prefix block by their log-sum-exp (`commfuse.ops.attn_blocks.run_forward`);
+where a block's sliding window hides some of those keys, one attention under the window's
+mask (`commfuse.models.llama.window_mask`).
 The chunks run in order at every step, so chunk c's keys are in the cache before chunk c+1
 reads them. On 2 ranks the chunks run replicated (two all-reduces per block), on more
 sequence-parallel (two all-gathers and two reduce-scatters); see `_chunk`.
@@ -132,13 +134,19 @@ def _chunk(model, tokens_BS: torch.Tensor, cache, c0: int, c1: int, replicated: 
         g_nBD = blk.attn_norm(x_sBD)
         if not replicated:
             g_nBD = yield "all_gather", g_nBD, sizes
-        q, k, v = (heads(g_nBD @ w.t()) for w in (blk.wq, blk.wk, blk.wv))
+        q, k, v = map(heads, blk.qkv(*(g_nBD @ w.t() for w in (blk.wq, blk.wk, blk.wv))))
+        q, k = blk.qk_heads(q, k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.k[i][:, :, c0:c1] = k.transpose(1, 2)
         cache.v[i][:, :, c0:c1] = v.transpose(1, 2)
         k_BHLK, v_BHLK = model._expand(cache.k[i][:, :, :c1], cache.v[i][:, :, :c1],
                                       q.size(2), 1)
-        o_BHnK = attn_blocks.run_forward(q.transpose(1, 2), k_BHLK, v_BHLK, c0, True)[0]
+        if blk.window is not None and blk.window < c1:  # the window hides early keys
+            pos = torch.arange(c1, device=q.device)
+            o_BHnK = F.scaled_dot_product_attention(q.transpose(1, 2), k_BHLK, v_BHLK,
+                                                    attn_mask=blk.mask(pos[c0:], pos))
+        else:
+            o_BHnK = attn_blocks.run_forward(q.transpose(1, 2), k_BHLK, v_BHLK, c0, True)[0]
         p_nBD = o_BHnK.permute(2, 0, 1, 3).reshape(n, B, -1) @ blk.wo.t()
         x_sBD = (yield reduce, p_nBD, sizes).add_(x_sBD)  # y + x: the bits of x + y
         g_nBD = blk.mlp_norm(x_sBD)

@@ -1,5 +1,7 @@
 """A whole `Llama` from a checkpoint of ``commfuse train``, whatever its TP / UP / DP layout
-(`load_llama`), or from a transformers Llama saved with ``save_pretrained`` (`load_hf`).
+(`load_llama`), or from a transformers Llama, Mistral, Qwen2 or Qwen3 saved with
+``save_pretrained`` or by ``commfuse train --hf-config --checkpoint-dir`` (`load_hf`;
+`load_checkpoint_model` tells the two kinds of checkpoint apart).
 
 `commfuse.parallel.checkpoint` stores every rank's shards under its own key (``rank<i>.model.
 ...``) with the layout in ``meta.json``; this reads them all in one process (no process group)
@@ -29,9 +31,10 @@ PROJ = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "m
 
 
 def checkpoint_path(root: str | Path) -> Path:
-    """The checkpoint ``root/latest`` names, or ``root`` itself if it is one (has meta.json)."""
+    """The checkpoint ``root/latest`` names, or ``root`` itself if it is one (has meta.json,
+    or config.json: a transformers model directory)."""
     root = Path(root)
-    if (root / "meta.json").is_file():
+    if (root / "meta.json").is_file() or (root / "config.json").is_file():
         return root
     if (root / "latest").is_file():
         return root / (root / "latest").read_text().strip()
@@ -75,8 +78,7 @@ def load_llama(root: str | Path, dtype: torch.dtype | None = None) -> tuple[Llam
     path = checkpoint_path(root)
     meta = json.loads((path / "meta.json").read_text())
     if "preset" not in meta:
-        raise ValueError(f"{path}: not a checkpoint of the Llama presets (meta {meta}); "
-                         "checkpoints of --hf-config runs are not supported here")
+        raise ValueError(f"{path}: not a checkpoint of the Llama presets (meta {meta})")
     tp, up, dp = meta["tp"], meta["up"], meta["dp"]
     seq = max(tp, up)
     cfg = LlamaConfig.preset(meta["preset"], **meta.get("model", {}))
@@ -135,11 +137,33 @@ def _assemble(name: str, shards, tp: int, up: int, dp: int, seq: int,
     return torch.cat(parts, seq_dim) if seq_dim is not None else parts[0]
 
 
+def is_hf_checkpoint(root: str | Path) -> bool:
+    """Whether the checkpoint at ``root`` (`checkpoint_path`) is a transformers model directory
+    (``commfuse train --hf-config``) rather than a sharded one of the built-in Llama."""
+    path = checkpoint_path(root)
+    return (path / "config.json").is_file() and not (path / "meta.json").is_file()
+
+
+def load_checkpoint_model(root: str | Path, dtype: torch.dtype | None = None):
+    """(model, its dtype) of the checkpoint at ``root``, either kind (`is_hf_checkpoint`):
+    the built-in Llama's in the dtype it trained in (`load_llama`), a transformers one's in
+    its saved dtype (`load_hf`); ``dtype`` instead if given."""
+    if is_hf_checkpoint(root):
+        model = load_hf(checkpoint_path(root), dtype)
+        return model, model.tok_emb.weight.dtype
+    from commfuse.train.config import DTYPES
+
+    model, meta = load_llama(root)
+    dtype = dtype or DTYPES[meta.get("dtype", "float32")]
+    return model.to(dtype), dtype
+
+
 def check_hf(path: str | Path, tokenize: bool = False):
     """The `LlamaConfig` of the transformers model saved in ``path``; ValueError, saying why,
     if it cannot be read or `commfuse.models.llama.from_hf` does not model it (other
-    architectures, biases, other RoPE), or (``tokenize``) if it has no tokenizer of its own
-    and its vocabulary is smaller than commfuse's tokenizer's."""
+    architectures, an o_proj or MLP bias, other RoPE, another head_dim), or (``tokenize``)
+    if it has no tokenizer of its own and its vocabulary is smaller than commfuse's
+    tokenizer's."""
     try:
         from transformers import AutoConfig
     except ImportError as e:
@@ -166,10 +190,10 @@ def check_hf(path: str | Path, tokenize: bool = False):
 
 
 def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> Llama:
-    """Our `Llama` with the weights of the transformers Llama saved in ``path``
-    (``save_pretrained``: config.json and its weights), by `commfuse.models.llama.from_hf`:
-    the same weights and rotate-half RoPE, so its logits are the transformers model's
-    (`check_hf` first)."""
+    """Our `Llama` with the weights of the transformers Llama, Mistral, Qwen2 or Qwen3 saved in
+    ``path`` (``save_pretrained``: config.json and its weights), by
+    `commfuse.models.llama.from_hf`: the same weights, biases, q/k norms, sliding windows
+    and rotate-half RoPE, so its logits are the transformers model's (`check_hf` first)."""
     check_hf(path)
     from transformers import AutoModelForCausalLM
 

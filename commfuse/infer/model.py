@@ -47,7 +47,7 @@ from torch import nn
 
 from commfuse.errors import CommFuseError
 from commfuse.infer import plans
-from commfuse.models.llama import Llama, rope_cos_sin
+from commfuse.models.llama import Llama, rope_cos_sin, window_mask
 from commfuse.ops.attention import query_split_attention
 from commfuse.ops.auto import choose_query_split
 from commfuse.ops.binding import even_sizes
@@ -81,7 +81,9 @@ def _rope(x_BSHK: torch.Tensor, cos_BSK: torch.Tensor, sin_BSK: torch.Tensor) ->
 
 
 class _Block(nn.Module):
-    """One decoder block's weights on this rank (shards of the projections, the norms whole)."""
+    """One decoder block's weights on this rank (shards of the projections and of the q/k/v
+    biases, the norms whole; q_norm / k_norm act per head, so whole too) and its sliding
+    ``window`` (None: full causal attention)."""
 
     def __init__(self, layer, rank: int, world: int):
         super().__init__()
@@ -90,11 +92,34 @@ class _Block(nn.Module):
                                     (rank + 1) * (w.shape[1] // world)]
         a, m = layer.attn, layer.mlp
         self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
+        self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        self.window = a.window
         for name, w in (("wq", rows(a.wq.weight)), ("wk", rows(a.wk.weight)),
                         ("wv", rows(a.wv.weight)), ("wo", cols(a.wo.weight)),
                         ("w_gate", rows(m.w_gate.weight)), ("w_up", rows(m.w_up.weight)),
                         ("w_down", cols(m.w_down.weight))):
             self.register_buffer(name, w.contiguous().clone())
+        for name, lin in (("bq", a.wq), ("bk", a.wk), ("bv", a.wv)):
+            self.register_buffer(name, None if lin.bias is None else rows(lin.bias).clone())
+
+    def qkv(self, q, k, v):
+        """q, k, v of the projections' outputs: plus the biases where the model has them."""
+        if self.bq is None:
+            return q, k, v
+        return q + self.bq, k + self.bk, v + self.bv
+
+    def qk_heads(self, q_BSHK, k_BSGK):
+        """q and k heads [.., heads, K] normed per head (Qwen3), before RoPE."""
+        if self.q_norm is None:
+            return q_BSHK, k_BSGK
+        return self.q_norm(q_BSHK), self.k_norm(k_BSGK)
+
+    def mask(self, q_pos, k_pos):
+        """`window_mask` of this block's window; None where it is plain causal over the
+        same positions (SDPA's ``is_causal``)."""
+        if self.window is None and q_pos is k_pos:
+            return None
+        return window_mask(q_pos, k_pos, self.window)
 
 
 class InferenceLlama(nn.Module):
@@ -166,7 +191,7 @@ class InferenceLlama(nn.Module):
 
     def _block(self, blk: _Block, x_BsD, col, row, attend):
         """One block; ``col(x, ws)`` / ``row(h, w)``: the column- / row-parallel GEMMs."""
-        q, k, v = col(blk.attn_norm(x_BsD), [blk.wq, blk.wk, blk.wv])
+        q, k, v = blk.qkv(*col(blk.attn_norm(x_BsD), [blk.wq, blk.wk, blk.wv]))
         x_BsD = x_BsD + attend(blk, q, k, v)
         g_BSf, u_BSf = col(blk.mlp_norm(x_BsD), [blk.w_gate, blk.w_up])
         return x_BsD + row(F.silu(g_BSf) * u_BSf, blk.w_down)
@@ -213,6 +238,7 @@ class InferenceLlama(nn.Module):
         sizes = layout.split(S)
         off = sum(sizes[:self.rank])
         cos, sin = (layout.permute(t[None, :S]) for t in (self.cos_LK, self.sin_LK))
+        pos_S = torch.arange(S, device=tokens_BS.device)
         layer = iter(range(self.cfg.n_layers))
 
         def attend(blk, q, k, v):
@@ -220,6 +246,7 @@ class InferenceLlama(nn.Module):
             # RoPE on the gathered rows in the layout's order (cos / sin permuted alike); the
             # cache, and attention's keys, in the natural order: k and v are read back from it
             q, k, v = (self._heads(t, B, S) for t in (q, k, v))
+            q, k = blk.qk_heads(q, k)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             k_BHSd, v_BHSd = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
             for dst, src in ((k_BHSd, k), (v_BHSd, v)):
@@ -234,7 +261,9 @@ class InferenceLlama(nn.Module):
                                               order="balanced", method=self.method,
                                               **self.opts)
                 return o_SBD.transpose(0, 1)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
+            mask = None if blk.window is None or blk.window >= S else blk.mask(pos_S, pos_S)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=mask is None,
+                                               attn_mask=mask)
             return row(o.transpose(1, 2).reshape(B, S, -1), blk.wo)
 
         col = lambda x, ws: self._col(x, ws, sizes, self.method)
@@ -278,19 +307,22 @@ class InferenceLlama(nn.Module):
         mine = sizes[self.rank] if method != "allreduce" else B
         L = int(pos_B.max()) + 1
         cos, sin = self.cos_LK[pos_B][:, None], self.sin_LK[pos_B][:, None]
-        visible_B11L = (torch.arange(L, device=pos_B.device) <= pos_B[:, None])[:, None, None]
+        key_L = torch.arange(L, device=pos_B.device)
+        visible_B11L = {w: blk.mask(pos_B, key_L)[:, None, None] for w, blk in
+                        {blk.window: blk for blk in self.blocks}.items()}
         ar_B = torch.arange(B, device=pos_B.device)
         layer = iter(range(self.cfg.n_layers))
 
         def attend(blk, q, k, v):
             i = next(layer)
             q, k, v = self._heads(q, B, 1), self._heads(k, B, 1), self._heads(v, B, 1)
+            q, k = blk.qk_heads(q, k)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             cache.k[i][ar_B, :, pos_B] = k[:, 0]
             cache.v[i][ar_B, :, pos_B] = v[:, 0]
             k_BgLK, v_BgLK = self._expand(cache.k[i][:, :, :L], cache.v[i][:, :, :L], q.size(2), 1)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k_BgLK, v_BgLK,
-                                               attn_mask=visible_B11L)
+                                               attn_mask=visible_B11L[blk.window])
             return row(o.transpose(1, 2).reshape(1, B, -1), blk.wo)
 
         x_1bD = self.tok_emb(tokens_B[None, off:off + mine])
@@ -337,10 +369,20 @@ class InferenceLlama(nn.Module):
         except Exception as e:
             raise CommFuseError(f"{what} on rank {self.rank}: {e}") from e
 
+    def windowed(self, seq: int) -> bool:
+        """Whether some block's sliding window is shorter than ``seq`` (so it matters)."""
+        return any(b.window is not None and b.window < seq for b in self.blocks)
+
     def runs_query_split(self, method: str, seq: int, batch: int, like: torch.Tensor) -> bool:
         """Whether the prefill of ``batch`` prompts of ``seq`` tokens with ``method`` runs
         query-split attention (``query_split``, or the cost model's choice under "auto")."""
         if self.group is None:
+            return False
+        if self.windowed(seq):
+            if self.query_split:
+                raise ValueError(f"query-split attention is causal over the whole prompt: not "
+                                 f"with a sliding window shorter than the prompt ({seq} tokens, "
+                                 f"windows {sorted({b.window for b in self.blocks} - {None})})")
             return False
         if self.query_split is not None:
             return self.query_split

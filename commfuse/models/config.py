@@ -63,6 +63,16 @@ class LlamaConfig:
     """Share one weight between tok_emb and output (Llama 3.2 1B/3B do)."""
     init_std: float = 0.02
     """Std of the normal init of every weight matrix (residual outputs scaled by 1/sqrt(2L))."""
+    qkv_bias: bool = False
+    """Biases on wq, wk, wv (Qwen2's); the out-projection and the MLP have none."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3's q_norm / k_norm)."""
+    sliding_window: int | None = None
+    """Sliding-window attention (Mistral's): position i attends to positions i-W+1..i only.
+    None: full causal attention."""
+    full_attention_layers: tuple[int, ...] = ()
+    """Layers that attend fully although ``sliding_window`` is set (Qwen2/Qwen3 window only
+    the layers from ``max_window_layers`` on)."""
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -88,6 +98,16 @@ class LlamaConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not
+                                                isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"LlamaConfig.sliding_window must be a positive int or None, got "
+                             f"{self.sliding_window!r}")
+        self.full_attention_layers = tuple(self.full_attention_layers)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of block ``layer`` (None: full causal attention)."""
+        return None if layer in self.full_attention_layers else self.sliding_window
 
     @property
     def head_dim(self) -> int:

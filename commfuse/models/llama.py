@@ -69,25 +69,48 @@ def apply_rope(x_BSHK: torch.Tensor, cos_SK: torch.Tensor, sin_SK: torch.Tensor)
     return x_BSHK * cos + rotated * sin
 
 
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query sees [Sq, Sk] (True: attends): causal, and with a sliding
+    ``window`` only the last ``window`` positions up to its own (transformers' rule,
+    ``q - window < k <= q``)."""
+    q, k = q_pos[:, None], k_pos[None, :]
+    return (k <= q) if window is None else (k <= q) & (k > q - window)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """Grouped-query attention; with ``cfg.qkv_bias`` biased q/k/v projections (Qwen2), with
+    ``cfg.qk_norm`` an RMSNorm over each q and k head before RoPE (Qwen3), and with a
+    ``window`` sliding-window attention (Mistral)."""
+
+    def __init__(self, cfg: LlamaConfig, window: int | None = None):
         super().__init__()
-        self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.head_dim, self.window = cfg.head_dim, window
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x_BSD: torch.Tensor, cos_SK: torch.Tensor, sin_SK: torch.Tensor):
         B, S, _ = x_BSD.shape
-        q_BSHK = apply_rope(self.wq(x_BSD).view(B, S, -1, self.head_dim), cos_SK, sin_SK)
-        k_BSGK = apply_rope(self.wk(x_BSD).view(B, S, -1, self.head_dim), cos_SK, sin_SK)
+        q_BSHK = self.wq(x_BSD).view(B, S, -1, self.head_dim)
+        k_BSGK = self.wk(x_BSD).view(B, S, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q_BSHK, k_BSGK = self.q_norm(q_BSHK), self.k_norm(k_BSGK)
+        q_BSHK, k_BSGK = apply_rope(q_BSHK, cos_SK, sin_SK), apply_rope(k_BSGK, cos_SK, sin_SK)
         v_BSGK = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q_BSHK, k_BSGK, v_BSGK))  # heads before sequence
         n_rep = q.size(1) // k.size(1)
         if n_rep > 1:  # GQA: query head h reads kv head h // n_rep
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        o_BHSK = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.window is None or self.window >= S:
+            o_BHSK = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            pos = torch.arange(S, device=x_BSD.device)
+            o_BHSK = F.scaled_dot_product_attention(q, k, v,
+                                                    attn_mask=window_mask(pos, pos, self.window))
         return self.wo(o_BHSK.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -105,10 +128,10 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, window: int | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, window)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
@@ -122,7 +145,8 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, cfg.window(i))
+                                    for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.init_weights()  # ties output to tok_emb if cfg.tie_embeddings
@@ -138,6 +162,8 @@ class Llama(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
             else:
                 scale = math.sqrt(2 * self.cfg.n_layers) if name.endswith(residual_out) else 1.0
                 p.normal_(0.0, self.cfg.init_std / scale, generator=generator)
@@ -169,33 +195,58 @@ _HF_BLOCK = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layerno
 
 
 def _name_map(cfg: LlamaConfig) -> dict[str, str]:
-    """Our parameter names -> LlamaForCausalLM's."""
+    """Our parameter names -> LlamaForCausalLM's (Mistral's, Qwen2's and Qwen3's are the same,
+    with Qwen2's q/k/v biases and Qwen3's q_norm / k_norm)."""
     names = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
     for i in range(cfg.n_layers):
         names.update({f"layers.{i}.{ours}.weight": f"model.layers.{i}.{hf}.weight"
                       for ours, hf in _HF_BLOCK.items()})
+        if cfg.qkv_bias:
+            names.update({f"layers.{i}.attn.w{c}.bias": f"model.layers.{i}.self_attn.{c}_proj.bias"
+                          for c in "qkv"})
+        if cfg.qk_norm:
+            names.update({f"layers.{i}.attn.{c}_norm.weight":
+                          f"model.layers.{i}.self_attn.{c}_norm.weight" for c in "qk"})
     return names
 
 
+HF_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""The transformers ``model_type`` values `config_from_hf` models."""
+
+
+def _hf_window(hf_config, model_type: str) -> tuple[int | None, tuple[int, ...]]:
+    """(sliding window, the layers that attend fully despite it) of a transformers config."""
+    window = getattr(hf_config, "sliding_window", None)
+    if model_type in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+        window = None
+    if window is None:
+        return None, ()
+    types = getattr(hf_config, "layer_types", None) or ["sliding_attention"] * \
+        hf_config.num_hidden_layers
+    return int(window), tuple(i for i, t in enumerate(types) if t != "sliding_attention")
+
+
 def config_from_hf(hf_config) -> LlamaConfig:
-    """Our LlamaConfig from a transformers LlamaConfig (or a MistralConfig without a sliding
-    window: the same architecture and weight names); ValueError for what we do not model
-    (other architectures: Qwen2's q/k/v biases are for `commfuse.tp`, which shards
-    transformers models as they are)."""
+    """Our LlamaConfig from a transformers Llama, Mistral (its sliding window too), Qwen2 (q/k/v
+    biases; a sliding window on the layers its ``layer_types`` say) or Qwen3 (q/k norms)
+    config: the same architecture and weight names; ValueError naming what we do not model
+    (other architectures, an out-projection or MLP bias, other RoPE, a head_dim other than
+    hidden_size / num_attention_heads)."""
     # transformers >= 5 keeps RoPE settings in rope_parameters, 4.x in rope_theta / rope_scaling
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     rope = dict(rope or {})
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     theta = rope.get("rope_theta") or getattr(hf_config, "rope_theta", 10000.0)
     model_type = getattr(hf_config, "model_type", "llama")
+    if model_type not in HF_TYPES:
+        raise ValueError(f"unsupported HF config: model_type {model_type!r} (only "
+                         f"{', '.join(map(repr, HF_TYPES))})")
+    window, full_layers = _hf_window(hf_config, model_type)
     unsupported = {
-        f"model_type {model_type!r} (only 'llama', 'mistral')": model_type not in ("llama",
-                                                                                  "mistral"),
-        "sliding_window (sliding-window attention is not modelled)":
-            getattr(hf_config, "sliding_window", None) is not None,
         "hidden_act != 'silu'": hf_config.hidden_act != "silu",
-        "attention_bias": getattr(hf_config, "attention_bias", False),
+        "attention_bias (a bias on o_proj is not modelled; Qwen2's q/k/v biases are)":
+            getattr(hf_config, "attention_bias", False),
         "mlp_bias": getattr(hf_config, "mlp_bias", False),
         f"rope_type {rope_type!r} (only 'default', 'llama3')": rope_type not in ("default",
                                                                                  "llama3"),
@@ -205,7 +256,7 @@ def config_from_hf(hf_config) -> LlamaConfig:
             (None, hf_config.hidden_size // hf_config.num_attention_heads),
     }
     if any(unsupported.values()):
-        raise ValueError(f"unsupported HF Llama config: "
+        raise ValueError(f"unsupported HF {model_type} config: "
                          f"{[k for k, v in unsupported.items() if v]}")
     scaling = None
     if rope_type == "llama3":
@@ -219,11 +270,14 @@ def config_from_hf(hf_config) -> LlamaConfig:
         ffn_hidden=hf_config.intermediate_size, max_seq_len=hf_config.max_position_embeddings,
         norm_eps=hf_config.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
         tie_embeddings=bool(hf_config.tie_word_embeddings),
-        init_std=getattr(hf_config, "initializer_range", 0.02) or 0.02)
+        init_std=getattr(hf_config, "initializer_range", 0.02) or 0.02,
+        qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3", sliding_window=window,
+        full_attention_layers=full_layers)
 
 
 def from_hf(hf_model_or_state_dict, hf_config=None) -> Llama:
-    """Our Llama with the weights of a transformers LlamaForCausalLM (or its state dict + config).
+    """Our Llama with the weights of a transformers LlamaForCausalLM, MistralForCausalLM,
+    Qwen2ForCausalLM or Qwen3ForCausalLM (or its state dict + config; `config_from_hf`).
 
     Weights are copied unchanged (same rotate-half RoPE) and keep their dtype.
     """
@@ -258,6 +312,9 @@ def to_hf(model: Llama):
     from transformers import LlamaForCausalLM
 
     cfg = model.cfg
+    if cfg.qkv_bias or cfg.qk_norm or cfg.sliding_window is not None:
+        raise ValueError("to_hf writes a transformers Llama: q/k/v biases, q/k norms and "
+                         "sliding windows have no place in it")
     hf_config = HFLlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_hidden,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,

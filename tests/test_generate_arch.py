@@ -1,0 +1,164 @@
+"""Generation (`commfuse.infer`) for every architecture `commfuse.tp` trains: Qwen2 (q/k/v
+biases), Qwen3 (q/k norms), Mistral with a sliding window shorter than the prompts, Qwen2 with
+a window on its upper layer only. Greedy tokens equal transformers' own ``generate`` on 1, 2
+and 4 ranks with every prefill and decode plan; a checkpoint of ``commfuse train --hf-config
+--checkpoint-dir`` generates transformers' tokens through ``commfuse generate --checkpoint``
+and on 2 ranks. One spawn per world size runs every case."""
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from commfuse.infer import InferenceLlama, generate  # noqa: E402
+from commfuse.infer.load import load_checkpoint_model  # noqa: E402
+from commfuse.testbed.spawn import run_local  # noqa: E402
+
+PROMPTS = [[3, 17, 99, 5, 250, 8, 41, 7, 7, 100, 4], [200], [9, 9, 1, 77, 130]]
+NEW = 6
+WINDOW = 4  # below two of the prompts' lengths (11, 5): the window hides keys in prefill too
+ARCHS = {"qwen2": ("Qwen2", {}),
+         "qwen3": ("Qwen3", {"head_dim": 8}),
+         "mistral-window": ("Mistral", {"sliding_window": WINDOW}),
+         "qwen2-window": ("Qwen2", {"use_sliding_window": True, "sliding_window": 3,
+                                    "max_window_layers": 1})}
+# (method, decode_method, prefill_chunks): fused ops, auto, decode by all-reduce, interleaved
+PLANS = [("none", None, None), ("commfuse", None, None), ("auto", None, None),
+         ("commfuse", "allreduce", None), ("none", None, 2)]
+
+
+def hf_model(arch: str, **over):
+    """A tiny random transformers model (8 heads, 4 kv heads), float64, its biases and norm
+    gains random too (transformers starts them at 0 and 1, where a lost bias or norm would
+    not show)."""
+    torch.manual_seed(0)
+    cfg = getattr(transformers, f"{arch}Config")(**{
+        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 64,
+        "tie_word_embeddings": False, **over})
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or name.endswith("norm.weight"):
+                p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
+    return model
+
+
+def greedy(hf) -> list[list[int]]:
+    """transformers' greedy tokens after each prompt, one prompt at a time (no padding)."""
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            new = hf.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                              attention_mask=torch.ones_like(ids))
+            out.append(new[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """{name: (saved model, transformers' greedy tokens)}; the window shown to matter."""
+    root = tmp_path_factory.mktemp("arch")
+    out = {}
+    for name, (arch, over) in ARCHS.items():
+        hf = hf_model(arch, **over)
+        hf.save_pretrained(root / name)
+        out[name] = (str(root / name), greedy(hf))
+    full = hf_model("Mistral", sliding_window=None)
+    assert greedy(full) != out["mistral-window"][1]  # same weights, no window: other tokens
+    return out
+
+
+def _rank(rank, world, cases):
+    """Every case with every plan on this rank: the (case, plan, tokens) that differ from
+    transformers', and the message of query-split refused under a window."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if world > 1 else None
+    wrong = []
+    for name, (path, want) in cases.items():
+        model = load_checkpoint_model(path)[0]  # a saved model, or a run's directory
+        for method, decode, chunks in PLANS:
+            m = InferenceLlama(model, group, method, decode_method=decode,
+                               prefill_chunks=chunks)
+            got = generate(m, PROMPTS, NEW)
+            if got != want:
+                wrong.append((name, method, decode, chunks, got, want))
+    refused = None
+    if group is not None:
+        m = InferenceLlama(load_checkpoint_model(cases["mistral-window"][0])[0], group, "commfuse",
+                           query_split=True)
+        try:
+            generate(m, PROMPTS, 1)
+        except ValueError as e:
+            refused = str(e)
+    return wrong, refused
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_greedy_tokens_equal_transformers(cases, trained, world):
+    """Qwen2, Qwen3, sliding-window Mistral and Qwen2: every plan's greedy tokens for a batch
+    of prompts of lengths 11, 1 and 5 are transformers' ``generate``'s on every rank; on 2
+    ranks also those of the trained ``--hf-config`` checkpoint; query-split, causal over the
+    whole prompt, refused under a shorter window."""
+    if world == 2:
+        cases = {**cases, "trained": trained}
+    results = [_rank(0, 1, cases)] if world == 1 else run_local(_rank, world, cases, timeout=600)
+    for wrong, refused in results:
+        assert not wrong, wrong[0]
+        if world > 1:
+            assert refused and "sliding window shorter than the prompt" in refused, refused
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(the step directory of a 2-step ``--hf-config qwen2-tiny`` run on 2 ranks saved with
+    --checkpoint-dir, transformers' greedy tokens from it)."""
+    from commfuse.train.config import TrainConfig
+    from commfuse.train.loop import launch
+
+    root = tmp_path_factory.mktemp("trained")
+    launch(TrainConfig(hf_config="qwen2-tiny", tp=2, steps=2, seq_len=15, batch_size=2,
+                       progress=False, peak_flops=1e9, exposed_iters=0, method="commfuse",
+                       hardware="cpu-testbed", checkpoint_dir=str(root)))
+    step = root / (root / "latest").read_text().strip()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(step).eval()
+    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    return str(root), greedy(hf)
+
+
+def test_generate_cli_reads_hf_config_checkpoint(trained):
+    """``commfuse generate --checkpoint D`` on the run's directory (its latest) prints the
+    prompt and transformers' greedy continuation from that checkpoint."""
+    from commfuse import cli
+    from commfuse.data import load_corpus_tokens, load_tokenizer
+
+    root, _ = trained
+    prompt = load_corpus_tokens()[:9].tolist()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        f"{root}/{open(f'{root}/latest').read().strip()}").eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
+                           pad_token_id=0)[0].tolist()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(["generate", "--checkpoint", root, "--prompt-tokens", "9",
+                       "--max-new-tokens", "4", "--tp", "1", "--hardware", "cpu-testbed"])
+    assert rc == 0, err.getvalue()[-2000:]
+    assert out.getvalue() == load_tokenizer().decode(want) + "\n"  # streamed, then a newline
+
+
+def test_unsupported_named():
+    """What is not modelled is refused with the missing piece named."""
+    from commfuse.models.llama import config_from_hf
+
+    for cfg, why in ((transformers.Qwen3Config(hidden_size=64, num_attention_heads=8),
+                      "head_dim != hidden_size / num_attention_heads"),
+                     (transformers.LlamaConfig(attention_bias=True), "bias on o_proj"),
+                     (transformers.GemmaConfig(), "model_type 'gemma'")):
+        with pytest.raises(ValueError, match=why):
+            config_from_hf(cfg)
