@@ -1,39 +1,49 @@
 """Generation (`commfuse.infer`) for every architecture `commfuse.tp` trains: Qwen2 (q/k/v
-biases), Qwen3 (q/k norms), Mistral with a sliding window shorter than the prompts, Qwen2 with
-a window on its upper layer only. Greedy tokens equal transformers' own ``generate`` on 1, 2
-and 4 ranks with every prefill and decode plan; a checkpoint of ``commfuse train --hf-config
---checkpoint-dir`` generates transformers' tokens through ``commfuse generate --checkpoint``
-and on 2 ranks. One spawn per world size runs every case."""
+biases), Qwen3 (q/k norms, heads wider than hidden / heads), Mistral with a sliding window
+shorter than the prompts, Qwen2 with a window on its upper layer only. Greedy tokens equal
+transformers' own ``generate`` on 1, 2 and 4 ranks with every prefill and decode plan; a
+checkpoint of ``commfuse train --hf-config --checkpoint-dir`` generates transformers' tokens
+through ``commfuse generate --checkpoint`` and on 2 ranks. One spawn per world size runs
+every case."""
 
 import contextlib
+import importlib.util
 import io
 
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from commfuse.infer import InferenceLlama, generate
+from commfuse.infer.load import load_checkpoint_model
+from commfuse.testbed.spawn import run_local
 
-from commfuse.infer import InferenceLlama, generate  # noqa: E402
-from commfuse.infer.load import load_checkpoint_model  # noqa: E402
-from commfuse.testbed.spawn import run_local  # noqa: E402
+# transformers is imported where it is used, not by the ranks (which load this module)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="needs transformers")
 
 PROMPTS = [[3, 17, 99, 5, 250, 8, 41, 7, 7, 100, 4], [200], [9, 9, 1, 77, 130]]
 NEW = 6
 WINDOW = 4  # below two of the prompts' lengths (11, 5): the window hides keys in prefill too
 ARCHS = {"qwen2": ("Qwen2", {}),
-         "qwen3": ("Qwen3", {"head_dim": 8}),
+         "qwen3": ("Qwen3", {"head_dim": 16}),  # heads wider than hidden / heads (8)
          "mistral-window": ("Mistral", {"sliding_window": WINDOW}),
          "qwen2-window": ("Qwen2", {"use_sliding_window": True, "sliding_window": 3,
                                     "max_window_layers": 1})}
-# (method, decode_method, prefill_chunks): fused ops, auto, decode by all-reduce, interleaved
-PLANS = [("none", None, None), ("commfuse", None, None), ("auto", None, None),
-         ("commfuse", "allreduce", None), ("none", None, 2)]
+# (method, decode_method, prefill_chunks) per world size: in one process the methods are plain
+# GEMMs alike; on 2 ranks the fused ops, auto, decode by all-reduce, interleaved prefill
+PLANS = {1: [("none", None, None), ("none", None, 2)],
+         2: [("none", None, None), ("commfuse", None, None), ("auto", None, None),
+             ("commfuse", "allreduce", None), ("none", None, 2)],
+         4: [("commfuse", None, None), ("auto", None, None), ("commfuse", "allreduce", None),
+             ("none", None, 2)]}
 
 
 def hf_model(arch: str, **over):
     """A tiny random transformers model (8 heads, 4 kv heads), float64, its biases and norm
     gains random too (transformers starts them at 0 and 1, where a lost bias or norm would
     not show)."""
+    import transformers
+
     torch.manual_seed(0)
     cfg = getattr(transformers, f"{arch}Config")(**{
         "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -73,16 +83,16 @@ def cases(tmp_path_factory):
     return out
 
 
-def _rank(rank, world, cases):
-    """Every case with every plan on this rank: the (case, plan, tokens) that differ from
-    transformers', and the message of query-split refused under a window."""
+def _rank(rank, world, models):
+    """Every case (our model, read in the parent) with every plan on this rank: the (case,
+    plan, tokens) that differ from transformers', and the message of query-split refused
+    under a window."""
     import torch.distributed as dist
 
     group = dist.group.WORLD if world > 1 else None
     wrong = []
-    for name, (path, want) in cases.items():
-        model = load_checkpoint_model(path)[0]  # a saved model, or a run's directory
-        for method, decode, chunks in PLANS:
+    for name, (model, want) in models.items():
+        for method, decode, chunks in PLANS[world]:
             m = InferenceLlama(model, group, method, decode_method=decode,
                                prefill_chunks=chunks)
             got = generate(m, PROMPTS, NEW)
@@ -90,8 +100,7 @@ def _rank(rank, world, cases):
                 wrong.append((name, method, decode, chunks, got, want))
     refused = None
     if group is not None:
-        m = InferenceLlama(load_checkpoint_model(cases["mistral-window"][0])[0], group, "commfuse",
-                           query_split=True)
+        m = InferenceLlama(models["mistral-window"][0], group, "commfuse", query_split=True)
         try:
             generate(m, PROMPTS, 1)
         except ValueError as e:
@@ -102,12 +111,21 @@ def _rank(rank, world, cases):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_greedy_tokens_equal_transformers(cases, trained, world):
     """Qwen2, Qwen3, sliding-window Mistral and Qwen2: every plan's greedy tokens for a batch
-    of prompts of lengths 11, 1 and 5 are transformers' ``generate``'s on every rank; on 2
-    ranks also those of the trained ``--hf-config`` checkpoint; query-split, causal over the
-    whole prompt, refused under a shorter window."""
+    of prompts of lengths 11, 1 and 5 are transformers' ``generate``'s on every rank (the
+    windowed layers' caches a ring of W slots); on 2 ranks also those of the trained
+    ``--hf-config`` checkpoint; query-split, causal over the whole prompt, refused under a
+    shorter window."""
     if world == 2:
         cases = {**cases, "trained": trained}
-    results = [_rank(0, 1, cases)] if world == 1 else run_local(_rank, world, cases, timeout=600)
+    if world == 1:  # the windowed layers keep a ring of WINDOW slots, the others every position
+        m = InferenceLlama(load_checkpoint_model(cases["qwen2-window"][0])[0])
+        assert [t.shape[2] for t in m.new_cache(2, 20).k] == [20, 3]
+        m = InferenceLlama(load_checkpoint_model(cases["mistral-window"][0])[0])
+        assert [t.shape[2] for t in m.new_cache(2, 20).k] == [WINDOW, WINDOW]
+    # a saved model, or a run's directory (its latest)
+    models = {name: (load_checkpoint_model(path)[0], want) for name, (path, want) in cases.items()}
+    results = [_rank(0, 1, models)] if world == 1 else run_local(_rank, world, models,
+                                                                   timeout=600)
     for wrong, refused in results:
         assert not wrong, wrong[0]
         if world > 1:
@@ -120,6 +138,8 @@ def trained(tmp_path_factory):
     --checkpoint-dir, transformers' greedy tokens from it)."""
     from commfuse.train.config import TrainConfig
     from commfuse.train.loop import launch
+
+    import transformers
 
     root = tmp_path_factory.mktemp("trained")
     launch(TrainConfig(hf_config="qwen2-tiny", tp=2, steps=2, seq_len=15, batch_size=2,
@@ -134,6 +154,8 @@ def trained(tmp_path_factory):
 def test_generate_cli_reads_hf_config_checkpoint(trained):
     """``commfuse generate --checkpoint D`` on the run's directory (its latest) prints the
     prompt and transformers' greedy continuation from that checkpoint."""
+    import transformers
+
     from commfuse import cli
     from commfuse.data import load_corpus_tokens, load_tokenizer
 
@@ -154,10 +176,11 @@ def test_generate_cli_reads_hf_config_checkpoint(trained):
 
 def test_unsupported_named():
     """What is not modelled is refused with the missing piece named."""
+    import transformers
+
     from commfuse.models.llama import config_from_hf
 
-    for cfg, why in ((transformers.Qwen3Config(hidden_size=64, num_attention_heads=8),
-                      "head_dim != hidden_size / num_attention_heads"),
+    for cfg, why in ((transformers.LlamaConfig(mlp_bias=True), "mlp_bias"),
                      (transformers.LlamaConfig(attention_bias=True), "bias on o_proj"),
                      (transformers.GemmaConfig(), "model_type 'gemma'")):
         with pytest.raises(ValueError, match=why):

@@ -97,10 +97,10 @@ def test_cli_generate_hf_model(tmp_path):
     assert len(json.loads((tmp_path / "b.json").read_text())["rows"]) == 8
     hf_model().save_pretrained(tmp_path / "small-vocab")
     hf_model(vocab_size=4096, attention_bias=True).save_pretrained(tmp_path / "bias")
-    hf_model("Qwen3", vocab_size=4096, head_dim=16).save_pretrained(tmp_path / "head-dim")
+    hf_model(vocab_size=4096, mlp_bias=True).save_pretrained(tmp_path / "mlp-bias")
     for path, why in ((tmp_path / "small-vocab", "below commfuse's tokenizer's 4096"),
                       (tmp_path / "bias", "attention_bias"),
-                      (tmp_path / "head-dim", "head_dim != hidden_size / num_attention_heads"),
+                      (tmp_path / "mlp-bias", "mlp_bias"),
                       (tmp_path / "nothing", "not a transformers model directory")):
         rc, err = _refused("--hf-model", str(path), "--prompt", "a", "--tp", "2", "--link",
                            "loopback")

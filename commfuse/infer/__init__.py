@@ -8,7 +8,8 @@ from __future__ import annotations
 from commfuse import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "commfuse.infer.model": ("InferenceLlama", "KVCache"),
+    "commfuse.infer.model": ("InferenceLlama",),
+    "commfuse.infer.cache": ("KVCache",),
     "commfuse.infer.loop": ("Sampling", "Timings", "generate", "pad_prompts", "sample"),
     "commfuse.infer.load": ("load_hf", "load_llama"),
 })

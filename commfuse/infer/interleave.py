@@ -96,7 +96,7 @@ def prefill(model, tokens_BS, lengths_B, cache, chunks: int):
                         f"interleaved prefill, rank {r} of {T}: chunk {c}'s "
                         f"{kind.replace('_', '-')} did not complete: {e}") from e
             advance(c, out)
-    cache.lengths_B.copy_(lengths_B)
+    cache.commit(lengths_B)
     h_BD = outs[0].new_zeros(B, model.cfg.dim)
     for c, (a, b) in enumerate(zip(bounds, bounds[1:])):  # my rows of each chunk
         start = a if rep else a + sum(even_sizes(b - a, T)[:r])
@@ -137,10 +137,10 @@ def _chunk(model, tokens_BS: torch.Tensor, cache, c0: int, c1: int, replicated: 
         q, k, v = map(heads, blk.qkv(*(g_nBD @ w.t() for w in (blk.wq, blk.wk, blk.wv))))
         q, k = blk.qk_heads(q, k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.k[i][:, :, c0:c1] = k.transpose(1, 2)
-        cache.v[i][:, :, c0:c1] = v.transpose(1, 2)
-        k_BHLK, v_BHLK = model._expand(cache.k[i][:, :, :c1], cache.v[i][:, :, :c1],
-                                      q.size(2), 1)
+        k_BgSK, v_BgSK = cache.prefill_kv(i, tokens_BS.shape[1])
+        k_BgSK[:, :, c0:c1] = k.transpose(1, 2)
+        v_BgSK[:, :, c0:c1] = v.transpose(1, 2)
+        k_BHLK, v_BHLK = model._expand(k_BgSK[:, :, :c1], v_BgSK[:, :, :c1], q.size(2), 1)
         if blk.window is not None and blk.window < c1:  # the window hides early keys
             pos = torch.arange(c1, device=q.device)
             o_BHnK = F.scaled_dot_product_attention(q.transpose(1, 2), k_BHLK, v_BHLK,

@@ -35,6 +35,14 @@ see a pad after it, so prefill needs no mask (and query-split attention stays ex
 sequence then continues at its own position (its length), overwriting its pad slots in the
 cache; decode masks the keys past each sequence's position.
 
+Architectures (`commfuse.models.llama.config_from_hf`: transformers Llama, Mistral, Qwen2,
+Qwen3): Qwen2's q/k/v biases are cut with their weights' rows and added after the
+column-parallel GEMM; Qwen3's q_norm / k_norm act on each head, so every rank holds them
+whole and norms its own heads before RoPE. A sliding window W (Mistral; Qwen2/Qwen3 on the
+layers their config says) masks prefill attention to ``q - W < k <= q`` (the interleaved
+prefill too; query-split, causal over the whole prompt, does not run where W < S), and its
+layer's cache is a ring of W slots (`commfuse.infer.cache`).
+
 Shape suffixes: B batch, S prompt length, s = this rank's rows, L cache length, D model,
 h / g this rank's query / kv heads, K head dim, f = F/T, V vocab.
 """
@@ -47,6 +55,7 @@ from torch import nn
 
 from commfuse.errors import CommFuseError
 from commfuse.infer import plans
+from commfuse.infer.cache import KVCache
 from commfuse.models.llama import Llama, rope_cos_sin, window_mask
 from commfuse.ops.attention import query_split_attention
 from commfuse.ops.auto import choose_query_split
@@ -55,21 +64,6 @@ from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scat
 from commfuse.parallel.layout import SeqLayout
 
 TAG = 7101  # P2P tag of decode's all-reduce (method "allreduce")
-
-
-class KVCache:
-    """Keys (after RoPE) and values of every layer: ``k[i]``, ``v[i]`` are [B, g, L, K].
-
-    ``lengths_B``: positions filled per sequence (the next token of sequence b goes at
-    position ``lengths_B[b]``); slots past it are stale or empty and masked."""
-
-    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device=None):
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.lengths_B = torch.zeros(batch, dtype=torch.long, device=device)
-        self.max_len = max_len
 
 
 def _rope(x_BSHK: torch.Tensor, cos_BSK: torch.Tensor, sin_BSK: torch.Tensor) -> torch.Tensor:
@@ -171,7 +165,7 @@ class InferenceLlama(nn.Module):
             raise ValueError(f"{max_len} positions exceed max_seq_len={self.cfg.max_seq_len}")
         w = self.tok_emb.weight
         return KVCache(self.cfg.n_layers, batch, self.kv_heads, max_len, self.cfg.head_dim,
-                       w.dtype, w.device)
+                       w.dtype, w.device, [blk.window for blk in self.blocks])
 
     # --- the fused ops, or plain GEMMs in one process ----------------------------------------
 
@@ -248,7 +242,7 @@ class InferenceLlama(nn.Module):
             q, k, v = (self._heads(t, B, S) for t in (q, k, v))
             q, k = blk.qk_heads(q, k)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            k_BHSd, v_BHSd = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
+            k_BHSd, v_BHSd = cache.prefill_kv(i, S)
             for dst, src in ((k_BHSd, k), (v_BHSd, v)):
                 if layout.positions is None:
                     dst.copy_(src.transpose(1, 2))
@@ -271,7 +265,7 @@ class InferenceLlama(nn.Module):
         x_BsD = self.tok_emb(layout.permute(tokens_BS)[:, off:off + sizes[self.rank]])
         for blk in self.blocks:
             x_BsD = self._block(blk, x_BsD, col, row, attend)
-        cache.lengths_B.copy_(lengths_B)
+        cache.commit(lengths_B)
         last_B = lengths_B - 1  # each sequence's last token: its row in the layout's order,
         if layout.inverse is not None:
             last_B = layout.inverse[last_B]
@@ -308,8 +302,15 @@ class InferenceLlama(nn.Module):
         L = int(pos_B.max()) + 1
         cos, sin = self.cos_LK[pos_B][:, None], self.sin_LK[pos_B][:, None]
         key_L = torch.arange(L, device=pos_B.device)
-        visible_B11L = {w: blk.mask(pos_B, key_L)[:, None, None] for w, blk in
-                        {blk.window: blk for blk in self.blocks}.items()}
+        masks = {}  # per (window, ring): the keys each sequence sees [B, 1, 1, L or W]
+
+        def visible(i: int, blk: _Block) -> torch.Tensor:
+            key = (blk.window, cache.ring[i])
+            if key not in masks:
+                ring = cache.visible(i, pos_B)
+                masks[key] = (ring if ring is not None else blk.mask(pos_B, key_L))[:, None, None]
+            return masks[key]
+
         ar_B = torch.arange(B, device=pos_B.device)
         layer = iter(range(self.cfg.n_layers))
 
@@ -318,11 +319,12 @@ class InferenceLlama(nn.Module):
             q, k, v = self._heads(q, B, 1), self._heads(k, B, 1), self._heads(v, B, 1)
             q, k = blk.qk_heads(q, k)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            cache.k[i][ar_B, :, pos_B] = k[:, 0]
-            cache.v[i][ar_B, :, pos_B] = v[:, 0]
-            k_BgLK, v_BgLK = self._expand(cache.k[i][:, :, :L], cache.v[i][:, :, :L], q.size(2), 1)
+            slot_B = cache.slots(i, pos_B)
+            cache.k[i][ar_B, :, slot_B] = k[:, 0]
+            cache.v[i][ar_B, :, slot_B] = v[:, 0]
+            k_BgLK, v_BgLK = self._expand(*cache.keys(i, L), q.size(2), 1)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k_BgLK, v_BgLK,
-                                               attn_mask=visible_B11L[blk.window])
+                                               attn_mask=visible(i, blk))
             return row(o.transpose(1, 2).reshape(1, B, -1), blk.wo)
 
         x_1bD = self.tok_emb(tokens_B[None, off:off + mine])

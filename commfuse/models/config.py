@@ -46,7 +46,7 @@ class LlamaConfig:
     n_layers: int = 4
     """Transformer blocks."""
     n_heads: int = 4
-    """Query heads H; the head dim is dim // n_heads."""
+    """Query heads H; the head dim is dim // n_heads unless ``attn_head_dim`` says."""
     n_kv_heads: int | None = None
     """Key/value heads G for grouped-query attention; must divide n_heads. None: n_heads (MHA)."""
     ffn_hidden: int | None = None
@@ -70,6 +70,9 @@ class LlamaConfig:
     sliding_window: int | None = None
     """Sliding-window attention (Mistral's): position i attends to positions i-W+1..i only.
     None: full causal attention."""
+    attn_head_dim: int | None = None
+    """Width K of each attention head when it is not dim // n_heads (Qwen3 0.6B: 1024 / 16
+    heads, K = 128); None: dim // n_heads."""
     full_attention_layers: tuple[int, ...] = ()
     """Layers that attend fully although ``sliding_window`` is set (Qwen2/Qwen3 window only
     the layers from ``max_window_layers`` on)."""
@@ -92,7 +95,12 @@ class LlamaConfig:
         for name in ("norm_eps", "rope_theta", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"LlamaConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.dim % self.n_heads:
+        if self.attn_head_dim is not None and (isinstance(self.attn_head_dim, bool) or not
+                                               isinstance(self.attn_head_dim, int)
+                                               or self.attn_head_dim < 1):
+            raise ValueError(f"LlamaConfig.attn_head_dim must be a positive int or None, got "
+                             f"{self.attn_head_dim!r}")
+        if self.attn_head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
@@ -111,7 +119,7 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     @classmethod
     def preset(cls, name: str, **overrides) -> LlamaConfig:

@@ -231,8 +231,7 @@ def config_from_hf(hf_config) -> LlamaConfig:
     """Our LlamaConfig from a transformers Llama, Mistral (its sliding window too), Qwen2 (q/k/v
     biases; a sliding window on the layers its ``layer_types`` say) or Qwen3 (q/k norms)
     config: the same architecture and weight names; ValueError naming what we do not model
-    (other architectures, an out-projection or MLP bias, other RoPE, a head_dim other than
-    hidden_size / num_attention_heads)."""
+    (other architectures, an out-projection or MLP bias, other RoPE)."""
     # transformers >= 5 keeps RoPE settings in rope_parameters, 4.x in rope_theta / rope_scaling
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     rope = dict(rope or {})
@@ -251,9 +250,6 @@ def config_from_hf(hf_config) -> LlamaConfig:
         f"rope_type {rope_type!r} (only 'default', 'llama3')": rope_type not in ("default",
                                                                                  "llama3"),
         "partial_rotary_factor != 1": rope.get("partial_rotary_factor", 1.0) != 1.0,
-        "head_dim != hidden_size / num_attention_heads":
-            getattr(hf_config, "head_dim", None) not in
-            (None, hf_config.hidden_size // hf_config.num_attention_heads),
     }
     if any(unsupported.values()):
         raise ValueError(f"unsupported HF {model_type} config: "
@@ -271,6 +267,7 @@ def config_from_hf(hf_config) -> LlamaConfig:
         norm_eps=hf_config.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
         tie_embeddings=bool(hf_config.tie_word_embeddings),
         init_std=getattr(hf_config, "initializer_range", 0.02) or 0.02,
+        attn_head_dim=getattr(hf_config, "head_dim", None) or None,
         qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3", sliding_window=window,
         full_attention_layers=full_layers)
 
