@@ -157,6 +157,13 @@ class TrainConfig:
     def world(self) -> int:
         return self.tp * self.up * self.dp
 
+    @property
+    def consults_cost_model(self) -> bool:
+        """Whether the run's ops ask the hardware model (`commfuse.ops.auto`): auto picks
+        each op's method and query-split attention by it, commfuse without --splits its m;
+        the other methods run fixed schedules."""
+        return self.method == "auto" or (self.method == "commfuse" and self.splits is None)
+
     def method_opts(self) -> dict:
         """The method's options among the flags (only those the method accepts)."""
         given = {"chunks": self.chunks, "topology": self.topology, "splits": self.splits,

@@ -132,8 +132,13 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     """One rank's training loop; returns its per-step metrics (rank 0 prints and writes)."""
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
         else torch.device("cpu")
-    # auto's cost model on this machine's compute (a GEMM per rank, one all-reduce)
-    _, line = use_hardware(cfg.hardware, torch.empty(0, dtype=DTYPES[cfg.dtype], device=device))
+    # auto's cost model on this machine's compute (a GEMM per rank, one all-reduce), fitted
+    # only where a method consults it: the fit takes seconds, --compare-none's none run too
+    if cfg.hardware == "measured" and not cfg.consults_cost_model:
+        line = f"hardware model: not fitted (method {cfg.method} consults no cost model)"
+    else:
+        _, line = use_hardware(cfg.hardware,
+                               torch.empty(0, dtype=DTYPES[cfg.dtype], device=device))
     if cfg.progress and rank == 0:
         print(f"commfuse train: {line}", flush=True)
     if cfg.hf_config:
