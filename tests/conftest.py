@@ -5,25 +5,21 @@ sys.path.insert(0, os.path.dirname(__file__))  # dist_cases, importable by spawn
 
 import pytest
 
-# What the ranks of tests import (torch with torch._dynamo alone takes 2-6 s per process here):
-# imported once by the fork server, every rank of every test starts from it.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "commfuse.ops.registry",
-           "commfuse.runtime.gloo", "commfuse.testbed.spawn", "commfuse.models.llama",
-           "commfuse.parallel", "commfuse.train.loop", "commfuse.infer", "pytest", "hypothesis",
-           "dist_cases")
+# What the ranks of tests import beyond `spawn.PRELOAD`: the fork server imports them once.
+PRELOAD = ("commfuse.models.llama", "commfuse.parallel", "commfuse.train.loop", "commfuse.infer",
+           "pytest", "hypothesis", "dist_cases")
 
 
 def pytest_addoption(parser):
     parser.addoption("--spawn-ranks", action="store_true",
-                     help="start every rank as a fresh 'spawn' process (each imports torch) "
+                     help="start every rank as a fresh interpreter (each imports torch) "
                           "instead of forking it from a server that imported it once")
 
 
 def pytest_configure(config):
-    if not config.getoption("--spawn-ranks"):
-        from commfuse.testbed import spawn
+    from commfuse.testbed import spawn
 
-        spawn.use_forkserver(PRELOAD)
+    spawn.start_ranks("spawn" if config.getoption("--spawn-ranks") else "forkserver", PRELOAD)
 
 
 @pytest.fixture(autouse=True)

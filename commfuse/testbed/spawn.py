@@ -4,11 +4,13 @@ Rendezvous is a `FileStore` in a fresh temporary directory: no fixed port, no ra
 runs. Results come back per rank; an exception on any rank is re-raised in the parent with
 that rank's traceback, and a run that exceeds ``timeout`` is killed, never left hanging.
 
-Ranks start as fresh 'spawn' processes, each importing torch (1-2 s of CPU apiece), or, after
-`use_forkserver`, as forks of a server process that imported torch once: a rank then starts
-in tens of milliseconds, still a new process per rank and per call (nothing one call leaves
-behind reaches the next). A forked rank gets the caller's environment and standard output
-and error as they are at the call, as a spawned one does.
+Each rank is a new process per call (nothing one call leaves behind reaches the next), forked
+by default from a server process that imported torch and commfuse once, when the first call
+started it: a rank then starts in tens of milliseconds where a fresh interpreter takes 2-6 s
+to import torch (with torch._dynamo, which auto's choices import) on this project's 2-core
+machines. The server never runs torch work itself, so a fork inherits no thread pool, and a
+forked rank gets the caller's environment, standard output and error as they are at the call,
+as a fresh interpreter does. ``start_ranks("spawn")`` starts every rank as a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -27,21 +29,23 @@ import torch.multiprocessing as mp
 
 from commfuse.runtime.gloo import duplex
 
-_START_METHOD = "spawn"
+PRELOAD = ("torch", "torch.distributed", "commfuse.ops.registry", "commfuse.runtime.gloo",
+           "commfuse.testbed.spawn")  # what the fork server imports: every rank needs these
+_START = {"method": "forkserver", "preload": PRELOAD}
 
 
 class RankFailed(RuntimeError):
     """A rank raised; the message carries its traceback."""
 
 
-def use_forkserver(preload: tuple[str, ...] = ("torch", "commfuse")) -> None:
-    """Start the ranks of later `run_local` calls in this process from a fork server that has
-    imported ``preload`` (module names; ``sys.path`` as it is now). The server starts on the
-    first call and is shared by all later ones; it never runs torch work itself, so a fork
-    inherits no thread pool."""
-    global _START_METHOD
-    mp.set_forkserver_preload(list(preload))
-    _START_METHOD = "forkserver"
+def start_ranks(method: str = "forkserver", preload: tuple[str, ...] = ()) -> None:
+    """How the later `run_local` calls of this process start their ranks: "forkserver" forks
+    each from the server, which imports `PRELOAD` and ``preload`` (module names, found on
+    ``sys.path`` as it is when the server starts: at the first call); "spawn" starts each as a
+    fresh interpreter."""
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"method must be 'forkserver' or 'spawn', got {method!r}")
+    _START.update(method=method, preload=tuple(dict.fromkeys(PRELOAD + tuple(preload))))
 
 
 class _Inherit:
@@ -59,22 +63,31 @@ def _inherited_fd(dup) -> int:
     return dup.detach()
 
 
-def _stdio() -> tuple | None:
-    if _START_METHOD != "forkserver":
-        return None  # a spawned process inherits them and the environment itself
-    return dict(os.environ), _Inherit(1), _Inherit(2)
+def _caller() -> tuple | None:
+    """What a forked rank takes from the caller: its environment, stdout and stderr."""
+    if _START["method"] != "forkserver":
+        return None  # a fresh interpreter inherits them itself
+
+    def fd(n: int) -> _Inherit | None:
+        try:
+            os.fstat(n)
+        except OSError:  # closed in the caller: the rank keeps the server's
+            return None
+        return _Inherit(n)
+
+    return dict(os.environ), fd(1), fd(2)
 
 
 def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, results,
             threads: int, pg_timeout_s: float, backend: str, caller: tuple | None = None) -> None:
     if caller is not None:
-        env, out, err = caller
+        env, *fds = caller
         os.environ.clear()
         os.environ.update(env)
-        os.dup2(out, 1)
-        os.dup2(err, 2)
-        os.close(out)
-        os.close(err)
+        for n, fd in enumerate(fds, 1):
+            if fd is not None:
+                os.dup2(fd, n)
+                os.close(fd)
     torch.set_num_threads(threads)
     try:
         if backend == "nccl":
@@ -103,13 +116,15 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0,
     injection) may die, hang or raise: the run returns once every other rank has reported,
     with None for a victim that has not (it is then killed).
     """
-    ctx = mp.get_context(_START_METHOD)
+    if _START["method"] == "forkserver":
+        mp.set_forkserver_preload(list(_START["preload"]))  # read when the server starts
+    ctx = mp.get_context(_START["method"])
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="commfuse-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker, daemon=True,
                              args=(r, world_size, store, fn, args, results, threads, pg_timeout_s,
-                                   backend, _stdio()))
+                                   backend, _caller()))
                  for r in range(world_size)]
         for p in procs:
             p.start()
