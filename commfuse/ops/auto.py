@@ -179,7 +179,7 @@ def resolve(spec: MethodSpec, op: str, shape, world: int, like, group=None,
             method, opts = _choose(*args)
             if group is not None:
                 agree(group, op + "+attention" * bool(attention), args[1], like,
-                      (method, opts))
+                      (method, opts), spec.timeout)
         if "splits" in OPTIONS[method]:
             opts = {"splits": 1, **opts}  # what the model timed: no splits is m=1
         return method_spec(method, {**opts, "timeout": spec.timeout} if spec.timeout else opts)
@@ -206,16 +206,17 @@ def _common(op: str, shape: tuple[int, int, int]) -> tuple[int, int, int]:
 _AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> keys agreed on
 
 
-def agree(group, op: str, shape: tuple, like: torch.Tensor, choice: tuple[str, dict]) -> None:
+def agree(group, op: str, shape: tuple, like: torch.Tensor, choice: tuple[str, dict],
+          timeout: float | None = None) -> None:
     """Make sure every rank of ``group`` runs the same ``choice`` for this op and shape: on the
     first call per (op, shape, dtype, device, group), one small all-gather of a hash of this
     rank's hardware model and of its choice; `CommFuseError` on every rank if they differ
     (`set_hardware` is per process: ranks configured differently would choose differently
     and deadlock). Later calls cost nothing. Whether a call exchanges depends only on what is
-    the same on every rank, so call `set_hardware` on every rank before the first auto op."""
-    import torch.distributed as dist
-
+    the same on every rank, so call `set_hardware` on every rank before the first auto op.
+    The exchange waits at most ``timeout`` (the op's; None: the group's)."""
     from commfuse.errors import CommFuseError
+    from commfuse.runtime.collectives import exchange
 
     key = (op, shape, like.element_size(), like.device.type)
     done = _AGREED.setdefault(group, set())
@@ -224,8 +225,12 @@ def agree(group, op: str, shape: tuple, like: torch.Tensor, choice: tuple[str, d
     hw = _hardware(like.device.type)
     mine = torch.tensor([zlib.crc32(repr(hw).encode()), zlib.crc32(repr(choice).encode())],
                         dtype=torch.int64, device=like.device)
-    every = [torch.empty_like(mine) for _ in range(group.size())]
-    dist.all_gather(every, mine, group=group)
+    try:  # with the op's deadline: a peer that died before the op must not block this one
+        every = exchange(mine, group, timeout)
+    except Exception as e:
+        raise CommFuseError(f"commfuse {op} (auto, rank {group.rank()} of {group.size()}) "
+                            f"failed agreeing on the method: {type(e).__name__}: {e}", op=op,
+                            method="auto", rank=group.rank()) from e
     hashes = [tuple(t.tolist()) for t in every]
     if len(set(hashes)) > 1:
         sides: dict[tuple, list[int]] = {}

@@ -106,12 +106,15 @@ def checked(check) -> bool:
 
 
 def agree_shapes(op: str, group, a: torch.Tensor, dim: int, sizes, *, whole: bool,
-                 b_cols: int | None = None) -> None:
+                 b_cols: int | None = None, timeout: float | None = None) -> None:
     """Checked mode: one all_gather of every rank's A shape, ``sizes`` and B's columns, then
     the same verdict on every rank: `ShapeMismatchError` naming the op and the ranks whose
     shapes do not fit together. ``whole``: A holds the whole dim (GEMM->RS, a2a->GEMM), else
-    this rank's slice of it (``sizes`` default: every slice as long as this rank's)."""
-    from commfuse.errors import ShapeMismatchError
+    this rank's slice of it (``sizes`` default: every slice as long as this rank's).
+    ``timeout``: the op's deadline for the exchange (None: the group's); a peer that failed
+    makes it a `CommFuseError`."""
+    from commfuse.errors import CommFuseError, ShapeMismatchError
+    from commfuse.runtime.collectives import exchange
 
     w = group.size()
     if a.dim() > MAX_DIMS:
@@ -122,8 +125,12 @@ def agree_shapes(op: str, group, a: torch.Tensor, dim: int, sizes, *, whole: boo
     row = [a.dim(), dim, -1 if b_cols is None else b_cols, *a.shape, *[-1] * (MAX_DIMS - a.dim()),
            *given]
     mine = torch.tensor(row, dtype=torch.int64, device=a.device)
-    every = [torch.empty_like(mine) for _ in range(w)]
-    dist.all_gather(every, mine, group=group)
+    try:  # with the op's deadline: a peer that died before the op must not block this one
+        every = exchange(mine, group, timeout)
+    except Exception as e:
+        raise CommFuseError(f"commfuse {op} (checked mode, rank {group.rank()} of {w}) failed "
+                            f"exchanging the shapes: {type(e).__name__}: {e}", op=op,
+                            rank=group.rank()) from e
     rows = [t.cpu().tolist() for t in every]
     shapes = [tuple(r[3:3 + r[0]]) for r in rows]
     problems = []

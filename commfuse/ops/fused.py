@@ -62,7 +62,8 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor], g
     spec = method_spec(method, opts)
     group = checks.resolve_group(group)
     if checks.checked(check):
-        checks.agree_shapes("ag_matmul", group, A_shard, dim, sizes, whole=False)
+        checks.agree_shapes("ag_matmul", group, A_shard, dim, sizes, whole=False,
+                            timeout=spec.timeout)
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), local=A_shard.shape[dim])
     rows = sum(sizes) * checks.other_rows(A_shard, dim)  # the same on every rank (for auto)
     spec = auto.resolve(spec, "ag_matmul", (rows, A_shard.shape[-1], sum(b.shape[1] for b in Bs)),
@@ -98,7 +99,8 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
     spec = method_spec(method, opts)
     group = checks.resolve_group(group)
     if checks.checked(check):
-        checks.agree_shapes("matmul_rs", group, A, dim, sizes, whole=True, b_cols=B.shape[1])
+        checks.agree_shapes("matmul_rs", group, A, dim, sizes, whole=True, b_cols=B.shape[1],
+                            timeout=spec.timeout)
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), total=A.shape[dim])
     spec = auto.resolve(spec, "matmul_rs", (A.numel() // max(A.shape[-1], 1), *B.shape),
                         group.size(), A, group, uniform=_flag("uniform_b", uniform_b))
@@ -124,7 +126,8 @@ def fused_matmul_all_to_all(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     group = checks.resolve_group(group)
     checks.check_divisible("B.shape[1] (columns to scatter)", B.shape[1], group.size())
     if checks.checked(check):
-        checks.agree_shapes("matmul_a2a", group, A, dim, sizes, whole=False, b_cols=B.shape[1])
+        checks.agree_shapes("matmul_a2a", group, A, dim, sizes, whole=False, b_cols=B.shape[1],
+                            timeout=spec.timeout)
     sizes = checks.check_sizes(sizes, group.size(), group.rank(), local=A.shape[dim])
     rows = sum(sizes) * checks.other_rows(A, dim)
     spec = auto.resolve(spec, "matmul_a2a", (rows, *B.shape), group.size(), A, group)
@@ -156,7 +159,8 @@ def fused_all_to_all_matmul(A: torch.Tensor, B: torch.Tensor, group=None, *, seq
     if B.device != A.device:
         raise ValueError(f"B is on {B.device} but A is on {A.device}")
     if checks.checked(check):
-        checks.agree_shapes("a2a_matmul", group, A, dim, sizes, whole=True)
+        checks.agree_shapes("a2a_matmul", group, A, dim, sizes, whole=True,
+                            timeout=spec.timeout)
     sizes = checks.check_sizes(sizes, w, group.rank(), total=A.shape[dim])
     spec = auto.resolve(spec, "a2a_matmul", (A.numel() // max(A.shape[-1], 1), *B.shape), w, A,
                         group)

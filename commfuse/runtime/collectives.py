@@ -9,10 +9,16 @@ takes the backend's on CUDA (NCCL's are the best there) and P2P elsewhere: on th
 CPU testbed gloo's own collectives run slower than the same bytes exchanged point to point
 (`none-torch` against `none` in docs/benchmarks/ops.md), and a slow baseline would flatter
 every overlap method.
+
+Every wait keeps the op's deadline: the P2P transfers' own (`commfuse.runtime.gloo`), the
+backend's collectives on CPU through `Guarded` (gloo's reduce_scatter ignores a wait's
+timeout). `exchange` is the small all-gather some ops make before their schedule (auto's
+agreement on the method, checked mode's shapes), with the same deadline.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -47,13 +53,65 @@ def launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, tag: int, pol
         if kind == "all_reduce":
             if out is not inp:
                 out.copy_(inp)
-            return dist.all_reduce(out, group=group, async_op=True)
+            return guarded(dist.all_reduce(out, group=group, async_op=True), out)
         if kind == "all_to_all":
-            return BACKEND[kind](out, inp, sizes, in_sizes, group=group, async_op=True)
+            return guarded(BACKEND[kind](out, inp, sizes, in_sizes, group=group, async_op=True),
+                           out)
         if len(set(sizes)) == 1:
-            return BACKEND[kind](out, inp, group=group, async_op=True)
+            return guarded(BACKEND[kind](out, inp, group=group, async_op=True), out)
         return _Padded(kind, out, inp, group, sizes)
     return _P2PCollective(kind, out, inp, group, tag, sizes, in_sizes)
+
+
+def guarded(work, like: torch.Tensor):
+    """``work`` of a backend collective, waited with a deadline it keeps: on CPU a `Guarded`
+    (gloo's reduce_scatter ignores a wait's timeout and waits for the group's), on CUDA as
+    it is (the stream waits; NCCL keeps its own deadlines)."""
+    return work if like.device.type == "cuda" else Guarded(work)
+
+
+class Guarded:
+    """A CPU backend collective whose ``wait(timeout)`` ends by ``timeout`` (+ `GRACE_S`, so
+    that the backend's own error, naming the cause, comes first where it keeps the deadline):
+    the backend's wait runs on a helper thread, this one waits for it at most that long. A
+    wait the backend overruns is left to finish on its (daemon) thread."""
+
+    GRACE_S = 0.5
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if timeout is None:
+            return self.work.wait()
+        done, box = threading.Event(), {}
+
+        def run() -> None:
+            try:
+                box["ok"] = self.work.wait(timeout)
+            except BaseException as e:  # handed to the waiting thread
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="commfuse-wait", daemon=True).start()
+        if not done.wait(timeout.total_seconds() + self.GRACE_S):
+            raise TimeoutError(f"the backend's collective did not complete within "
+                               f"{timeout.total_seconds():g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["ok"]
+
+
+def exchange(mine: torch.Tensor, group, timeout_s: float | None) -> list[torch.Tensor]:
+    """Every rank's ``mine`` (a small tensor of the same shape on each), by rank: the backend's
+    all_gather, waited with a deadline (``timeout_s``; None: the group's own timeout), so a
+    rank that died before it raises instead of blocking for the group's timeout."""
+    every = [torch.empty_like(mine) for _ in range(group.size())]
+    work = guarded(dist.all_gather(every, mine, group=group, async_op=True), mine)
+    seconds = gloo.group_timeout(group, mine.device) if timeout_s is None else timeout_s
+    gloo.wait_work(work, time.monotonic() + seconds)
+    return every
 
 
 def _rows(t: torch.Tensor, w: int) -> int:
@@ -76,10 +134,15 @@ class _Padded:
             for p, part in enumerate(inp.split(sizes)):
                 src[p * longest:p * longest + sizes[p]].copy_(part)
             self.tmp = out.new_empty((longest, *out.shape[1:]))
-        self.work = BACKEND[kind](self.tmp, src, group=group, async_op=True)
+        self.work = guarded(BACKEND[kind](self.tmp, src, group=group, async_op=True), out)
 
     def wait(self, timeout=None) -> bool:
-        self.work.wait(timeout) if timeout is not None else self.work.wait()
+        """Finish the collective; ``timeout`` (a timedelta) bounds the wait, None is the
+        backend's own wait (CUDA: the stream waits, the host does not)."""
+        if timeout is None:
+            self.work.wait()
+        else:
+            gloo.wait_work(self.work, time.monotonic() + timeout.total_seconds())
         if self.kind == "all_gather":
             for p, part in enumerate(self.out.split(self.sizes)):
                 part.copy_(self.tmp[p * self.longest:p * self.longest + self.sizes[p]])
@@ -111,7 +174,7 @@ class _P2PCollective:
             ins = inp.split(sizes)
             sends = list(ins)
             recvs = [torch.empty_like(out) if p != r else ins[r] for p in range(w)]
-        self.parts = recvs
+        self.parts, self.group = recvs, group
         ops, self.what = [], []
         for p in range(w):
             if p != r:
@@ -122,18 +185,32 @@ class _P2PCollective:
                 if recvs[p].numel():
                     ops.append(dist.P2POp(dist.irecv, recvs[p], peer, group, tag))
                     self.what.append(f"its receive from rank {p}")
-        self.works = gloo.post(ops, out.device) if ops else []
+        if out.device.type == "cuda":  # one batch: NCCL groups a pair's send and receive
+            self.works = gloo.post(ops, out.device) if ops else []
+        else:  # one by one, so that a refused post names its peer
+            self.works = [self._post(op, what) for op, what in zip(ops, self.what)]
+
+    @staticmethod
+    def _post(op: dist.P2POp, what: str):
+        try:
+            return gloo.post([op], op.tensor.device)[0]
+        except Exception as e:
+            raise RuntimeError(f"{what}: {e}") from e
 
     def wait(self, timeout=None) -> bool:
         """Wait for every transfer, all within ``timeout`` (a timedelta) from now; a failure
-        names the peer."""
+        names the peer. None: on CPU the group's own timeout (never unbounded), on CUDA the
+        backend's wait (the stream waits, the host does not)."""
+        cuda = self.out.device.type == "cuda"
+        if timeout is None and not cuda:
+            timeout = timedelta(seconds=gloo.group_timeout(self.group, self.out.device))
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
         for w, what in dict(zip(self.works, self.what)).items():  # NCCL: one work per batch
             try:
                 if deadline is None:
                     w.wait()
                 else:
-                    w.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+                    gloo.wait_work(w, deadline)
             except Exception as e:
                 raise RuntimeError(f"{what}: {e}") from e
         if self.kind in ("reduce_scatter", "all_reduce"):

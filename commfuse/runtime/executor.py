@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from commfuse.errors import CommFuseError
 from commfuse.runtime import modes
-from commfuse.runtime.transport import Done, Transport
+from commfuse.runtime.transport import Done, Transport, TransferFailed
 from commfuse.schedule import (Collective, Compute, Post, Reduce, Schedule, Transfer, Wait,
                                WaitCollective)
 from commfuse.schedule.prefetch import last_post
@@ -102,6 +102,8 @@ class Execution:
                     live = [(t, b) for t, b in bufs if b.numel()]
                     works = iter(transport.post(live) if live else ())
                     works = [next(works) if b.numel() else Done() for _, b in bufs]
+                except TransferFailed as e:  # the transport names the transfer it could not post
+                    raise _error(schedule, index, e.transfer, e.__cause__ or e) from e
                 except Exception as e:
                     raise _error(schedule, index, step.transfers[0], e) from e
                 handles: dict[int, _Handle] = {}  # a batch may share one work (NCCL): one handle
@@ -197,9 +199,14 @@ def _wait(handle: _Handle, transport: Transport, schedule: Schedule, index: int,
 
 
 def _error(schedule: Schedule, index: int, transfer: Transfer | None, cause: Exception):
+    """The `CommFuseError` of a failed post or wait: op, method, rank, step (-1: draining
+    what an abandoned execution left posted) and the transfer's peer (a collective: the
+    failing peer is in the cause's text)."""
     where = (f"{transfer.kind} of slot {transfer.slot} "
              f"{'to' if transfer.kind == 'send' else 'from'} rank {transfer.peer}"
              if transfer else "the collective")
     return CommFuseError(
         f"commfuse {schedule.op} (method={schedule.method}, rank {schedule.rank} of "
-        f"{schedule.world_size}) failed at step {index} waiting for {where}: {cause}")
+        f"{schedule.world_size}) failed at step {index} waiting for {where}: "
+        f"{type(cause).__name__}: {cause}", op=schedule.op, method=schedule.method,
+        rank=schedule.rank, step=index, peer=transfer.peer if transfer else None)

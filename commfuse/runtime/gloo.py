@@ -40,6 +40,7 @@ _SENDERS: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, _Sender]]" = \
     weakref.WeakKeyDictionary()
 _TWINS: "weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]" = \
     weakref.WeakKeyDictionary()
+DEFAULT_TIMEOUT_S = 600.0  # a wait's deadline when the group's own timeout cannot be read
 
 
 def duplex(group: dist.ProcessGroup | None = None) -> None:
@@ -113,21 +114,44 @@ def _sender(group: dist.ProcessGroup, peer: int) -> _Sender:
 
 
 class PendingSend:
-    """A send handed to a sender thread: waiting waits for the post, then for the work."""
+    """A send handed to a sender thread: waiting waits for the post, then for the work, both
+    within one deadline (``timeout`` None: the group's own timeout, never unbounded)."""
 
-    def __init__(self, future: Future):
-        self.future = future
+    def __init__(self, future: Future, group: dist.ProcessGroup):
+        self.future, self.group = future, group
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if timeout is None:
-            return self.future.result().wait()
-        deadline = time.monotonic() + timeout.total_seconds()
+        seconds = (group_timeout(self.group, torch.device("cpu")) if timeout is None
+                   else timeout.total_seconds())
+        deadline = time.monotonic() + seconds
         try:  # the post itself blocks while the peer does not take the message
-            work = self.future.result(timeout.total_seconds())
+            work = self.future.result(seconds)
         except FutureTimeout:
-            raise TimeoutError(f"the peer did not take the message within "
-                               f"{timeout.total_seconds():g} s") from None
-        return work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            raise TimeoutError(f"the peer did not take the message within {seconds:g} s") from None
+        return wait_work(work, deadline)
+
+
+def wait_work(work, deadline: float) -> bool:
+    """``work.wait`` until ``deadline`` (`time.monotonic`); raises if it fails, times out, or
+    returns without completing (gloo's wait returns False when the backend aborts it: the
+    buffer was never filled)."""
+    if not work.wait(remaining(deadline)):
+        raise RuntimeError("the backend gave up the wait before the transfer completed")
+    return True
+
+
+def remaining(deadline: float) -> timedelta:
+    """The time left to ``deadline`` as a wait's timeout: at least 1 ms, since c10d reads a
+    timeout that rounds to 0 ms as *no* timeout (then gloo waits for the group's)."""
+    return timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
+
+
+def group_timeout(group: dist.ProcessGroup, device: torch.device) -> float:
+    """The process group's own timeout in seconds (what its collectives would use)."""
+    try:
+        return group._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # backends without readable options
+        return DEFAULT_TIMEOUT_S
 
 
 def post(ops: list[dist.P2POp], device: torch.device) -> list:
@@ -141,7 +165,7 @@ def post(ops: list[dist.P2POp], device: torch.device) -> list:
         if op.op is dist.isend:
             group = _directed(op.group, me, op.peer)
             handles.append(PendingSend(_sender(group, op.peer).submit(
-                dist.isend, op.tensor, op.peer, group, op.tag)))
+                dist.isend, op.tensor, op.peer, group, op.tag), group))
         else:
             handles.append(dist.irecv(op.tensor, op.peer, _directed(op.group, op.peer, me), op.tag))
     return handles

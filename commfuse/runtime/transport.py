@@ -7,12 +7,15 @@ caller), collectives through `commfuse.runtime.collectives`. The CUDA transport
 (`commfuse.runtime.modes`) have transports of their own.
 
 Every wait has a deadline (a bare ``wait()`` on a gloo P2P work can outlive the group's own
-timeout), so a dead or stalled peer ends in an exception instead of a hang.
+timeout), so a dead or stalled peer ends in an exception instead of a hang; a wait that
+returns without completing (gloo's, when the backend aborts it) raises too, since its buffer
+was never filled. A transfer whose post fails raises `TransferFailed`, which names it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -20,17 +23,16 @@ import torch
 import torch.distributed as dist
 
 from commfuse.runtime import collectives, gloo
+from commfuse.runtime.gloo import DEFAULT_TIMEOUT_S, group_timeout  # noqa: F401 (re-exported)
 from commfuse.schedule import Transfer
 
-DEFAULT_TIMEOUT_S = 600.0  # used when the group's own timeout cannot be read
 
+class TransferFailed(RuntimeError):
+    """Posting ``transfer`` failed (the backend refused it: a closed connection, a bad peer)."""
 
-def group_timeout(group: dist.ProcessGroup, device: torch.device) -> float:
-    """The process group's own timeout in seconds (what its collectives would use)."""
-    try:
-        return group._get_backend(device).options._timeout.total_seconds()
-    except Exception:  # backends without readable options
-        return DEFAULT_TIMEOUT_S
+    def __init__(self, transfer: Transfer, cause: Exception):
+        super().__init__(str(cause))
+        self.transfer = transfer
 
 
 class Done:
@@ -60,12 +62,17 @@ class Transport:
         """The compute queued so far finished ``slot``'s data (CUDA: records an event)."""
 
     def post(self, transfers: list[tuple[Transfer, torch.Tensor]]) -> list[Any]:
-        ops = []
+        """One work per transfer, posted in order; `TransferFailed` names the one refused."""
+        works = []
         for t, buf in transfers:
             fn = dist.isend if t.kind == "send" else dist.irecv
-            peer = dist.get_global_rank(self.group, t.peer)
-            ops.append(dist.P2POp(fn, buf, peer, self.group, tag=t.tag))
-        return gloo.post(ops, self.device)
+            try:
+                peer = dist.get_global_rank(self.group, t.peer)
+                works += gloo.post([dist.P2POp(fn, buf, peer, self.group, tag=t.tag)],
+                                   self.device)
+            except Exception as e:
+                raise TransferFailed(t, e) from e
+        return works
 
     def launch(self, kind: str, out: torch.Tensor, inp: torch.Tensor, tag: int, **parts) -> Any:
         """Start the async collective ``kind``; ``parts``: its ``sizes``/``in_sizes`` rows per
@@ -73,4 +80,5 @@ class Transport:
         return collectives.launch(kind, out, inp, self.group, tag, self.collective, **parts)
 
     def wait(self, work: Any) -> None:
-        work.wait(self.timeout)  # bounded: a bare wait() on gloo P2P can outlive the group timeout
+        """Wait for ``work`` within the deadline; raise if it fails, times out or gives up."""
+        gloo.wait_work(work, time.monotonic() + self.timeout.total_seconds())
