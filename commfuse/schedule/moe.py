@@ -1,0 +1,241 @@
+"""Mixture-of-Experts expert parallelism as schedules (data): the dispatch all-to-all feeding
+the experts' first GEMM, and the experts' last GEMM feeding the combine all-to-all, with
+per-peer row counts that change every step.
+
+Experts: E in all, E_l = E/W per rank, global expert e on rank e // E_l (local index
+e % E_l). `ExpertCounts.tokens[p][e]` is how many rows (token copies, one per chosen
+expert) rank p routes to expert e; every rank holds the same table (`commfuse.ops.moe_counts`
+exchanges and validates it once per step). ``rows[p][q]``, the rows rank p dispatches to
+rank q, is the sum of ``tokens[p][e]`` over rank q's experts; the combine moves the same rows
+back, rank q to rank p.
+
+Layouts (the rows of the ops' tensors):
+
+- send layout (dispatch input, combine output, on rank p): rows sorted by global expert, so
+  slot q (the rows for rank q's experts) is contiguous, at `ExpertCounts.send_offsets`;
+- receive layout (dispatch output, combine input, on rank q): source-major, slot p (the rows
+  from rank p) at `ExpertCounts.recv_offsets`, sorted by local expert inside it, so each
+  (source slot, local expert) group is contiguous and one GEMM with that expert's weight.
+
+The one rule both sides of a transfer apply: a message from p to q exists iff it moves rows;
+a slot with no rows is neither sent, received nor computed. Both read the same table, so a
+send and its receive always agree on the size (gloo aborts a receiver on a mismatch).
+
+Methods (``auto`` resolves to ``commfuse``: the cost model has no MoE ops yet):
+
+- ``none``: one all-to-all of every slot (`all_to_all_single` with the split sizes), then the
+  GEMMs (dispatch); the GEMMs, then one all-to-all (combine);
+- ``sliced``: every slot cut into ``k`` near-equal chunks; chunk j of every slot moves in one
+  all-to-all, overlapped with chunk j-1's GEMMs (dispatch) or chunk j+1's (combine);
+- ``commfuse``: pairwise P2P. Dispatch posts every send and receive at once and computes the
+  own slot first, on tokens already here, while the peers' slots arrive, then slots r-1, r-2,
+  ... as each lands. Combine posts every receive at the start, computes the rows for r+1
+  first and sends them, then r+2, ..., each send hiding behind the next slot's GEMMs, its
+  own rows last.
+
+Pure: no torch, no processes; the executor (`commfuse.runtime.executor`) runs these objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from commfuse.schedule import (Compute, Post, Schedule, Step, Transfer, Wait,
+                               _collective_gather, _collective_reduce, even_sizes)
+
+OPS = ("moe_dispatch", "moe_combine")  # dispatch a2a -> GEMM, GEMM -> combine a2a
+METHODS = ("none", "sliced", "commfuse")
+
+
+@dataclass(frozen=True)
+class ExpertCounts:
+    """Rows each rank routes to each expert, the same table on every rank of the EP group.
+
+    ``tokens[p][e]``: rows rank p sends to global expert e (W rows of E non-negative ints,
+    E divisible by W). Everything else is derived from it, identically on every rank.
+    """
+
+    tokens: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self):
+        table = self.tokens
+        if not isinstance(table, tuple) or not table or not all(
+                isinstance(row, tuple) for row in table):
+            raise ValueError(f"tokens must be a non-empty tuple of tuples (ranks x experts), "
+                             f"got {table!r}")
+        lengths = {len(row) for row in table}
+        if len(lengths) != 1 or not lengths.pop():
+            raise ValueError(f"every rank's row of tokens must list the same number (> 0) of "
+                             f"experts, got lengths {[len(row) for row in table]}")
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 0
+               for row in table for n in row):
+            raise ValueError(f"tokens must be non-negative ints, got {table}")
+        if len(table[0]) % len(table):
+            raise ValueError(f"the number of experts ({len(table[0])}) must be divisible by "
+                             f"the group size ({len(table)})")
+
+    @property
+    def world(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def experts(self) -> int:
+        return len(self.tokens[0])
+
+    @property
+    def local(self) -> int:
+        """E_l: experts per rank."""
+        return self.experts // self.world
+
+    def groups(self, p: int, q: int) -> tuple[int, ...]:
+        """Rows rank p sends to each of rank q's local experts: slot (p -> q)'s groups."""
+        return self.tokens[p][q * self.local:(q + 1) * self.local]
+
+    @cached_property
+    def rows(self) -> tuple[tuple[int, ...], ...]:
+        """``rows[p][q]``: rows rank p dispatches to rank q (and q combines back to p)."""
+        return tuple(tuple(sum(self.groups(p, q)) for q in range(self.world))
+                     for p in range(self.world))
+
+    def sent(self, p: int) -> int:
+        """Rows of rank p's send layout (its dispatch input, its combine output)."""
+        return sum(self.tokens[p])
+
+    def received(self, q: int) -> int:
+        """Rows of rank q's receive layout (its dispatch output, its combine input)."""
+        return sum(self.rows[p][q] for p in range(self.world))
+
+    def send_offsets(self, p: int) -> tuple[int, ...]:
+        """Where slot q starts in rank p's send layout, for each q."""
+        return _starts(self.rows[p])
+
+    def recv_offsets(self, q: int) -> tuple[int, ...]:
+        """Where slot p starts in rank q's receive layout, for each p."""
+        return _starts([row[q] for row in self.rows])
+
+    def expert_runs(self, q: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """For each of rank q's local experts, its (start, rows) runs in q's receive layout,
+        one per source slot (in source order; empty runs included)."""
+        offs = self.recv_offsets(q)
+        runs = []
+        for e in range(self.local):
+            runs.append(tuple((offs[p] + sum(self.groups(p, q)[:e]), self.groups(p, q)[e])
+                              for p in range(self.world)))
+        return tuple(runs)
+
+    def expert_rows(self, q: int) -> tuple[int, ...]:
+        """Rows each of rank q's local experts receives, over all sources."""
+        return tuple(sum(self.groups(p, q)[e] for p in range(self.world))
+                     for e in range(self.local))
+
+
+def chunk_count(counts: ExpertCounts, chunks: int) -> int:
+    """``sliced``'s k: ``chunks``, but never more than the largest slot has rows (at least
+    1); a function of the table, so the same on every rank."""
+    longest = max(n for row in counts.rows for n in row)
+    return max(1, min(chunks, longest))
+
+
+def piece(n: int, k: int, j: int) -> tuple[int, int]:
+    """(offset, rows) of chunk j of a slot of n rows cut into k near-equal chunks."""
+    sizes = even_sizes(n, k)
+    return sum(sizes[:j]), sizes[j]
+
+
+def clip(sizes, lo: int, hi: int) -> tuple[int, ...]:
+    """The rows of each consecutive group of ``sizes`` that fall within rows [lo, hi)."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(max(0, min(hi, start + n) - max(lo, start)))
+        start += n
+    return tuple(out)
+
+
+def build(op: str, method: str, counts: ExpertCounts, rank: int, *,
+          chunks: int = 4) -> Schedule:
+    """The schedule of ``op`` ("moe_dispatch" or "moe_combine") under ``method`` for ``rank``.
+
+    Slots are ranks under ``commfuse`` (a transfer's slot is its peer: the dispatch sends slot
+    q to q and receives slot p from p; the combine sends the rows computed for p back to p and
+    receives slot q, its own rows computed by q) and chunks under ``none`` / ``sliced``.
+    """
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if not isinstance(counts, ExpertCounts):
+        raise TypeError(f"counts must be an ExpertCounts, got {type(counts).__name__}")
+    w = counts.world
+    if not 0 <= rank < w:
+        raise ValueError(f"bad rank {rank} of world size {w}")
+    if method in ("none", "sliced"):
+        k = 1 if method == "none" else chunk_count(counts, chunks)
+        steps = _collective_gather(k) if op == "moe_dispatch" else _collective_reduce(k)
+        return Schedule(op, method, w, rank, "direct", k, tuple(steps))
+    rows = counts.rows
+    if op == "moe_combine":  # the same messages, the other way: q sends rows[p][q] to p
+        rows = tuple(tuple(rows[q][p] for q in range(w)) for p in range(w))
+    fn = _dispatch if op == "moe_dispatch" else _combine
+    return Schedule(op, method, w, rank, "direct", w, tuple(fn(rows, w, rank)))
+
+
+def _pair(rows, w: int, r: int, i: int, send_slot: int, recv_slot: int) -> list[Transfer]:
+    """Step i's transfers: to rank r+i and from rank r-i (tag i on both sides), each only if
+    it moves rows (``rows[src][dst]``: rows this op moves from src to dst)."""
+    dst, src = (r + i) % w, (r - i) % w
+    out = []
+    if rows[r][dst]:
+        out.append(Transfer("send", send_slot, dst, i))
+    if rows[src][r]:
+        out.append(Transfer("recv", recv_slot, src, i))
+    return out
+
+
+def _dispatch(rows, w: int, r: int) -> list[Step]:
+    """Every transfer posted at the start (they move while the own slot computes); then each
+    peer's slot, r-1 first, computed as soon as it is here; the sends waited at the end."""
+    steps: list[Step] = []
+    sends, recvs = [], {}
+    for i in range(1, w):
+        batch = _pair(rows, w, r, i, (r + i) % w, (r - i) % w)
+        if batch:
+            steps.append(Post(tuple(batch)))  # hides behind the own slot's GEMMs
+        sends += [t for t in batch if t.kind == "send"]
+        recvs.update((t.slot, t) for t in batch if t.kind == "recv")
+    for i in range(w):
+        src = (r - i) % w
+        if not rows[src][r]:
+            continue  # nothing from src: no receive, no GEMM
+        if i:
+            steps.append(Wait(recvs[src]))  # the slot this GEMM needs
+        steps.append(Compute(src))  # hides the transfers still in flight
+    return steps + [Wait(t) for t in sends]
+
+
+def _combine(rows, w: int, r: int) -> list[Step]:
+    """Every receive posted at the start; the rows for r+1 computed first and sent at once,
+    each send hiding behind the next slot's GEMMs; the own rows last; receives, then sends,
+    waited at the end."""
+    steps: list[Step] = []
+    batches = [_pair(rows, w, r, i, (r + i) % w, (r - i) % w) for i in range(1, w)]
+    recvs = [t for batch in batches for t in batch if t.kind == "recv"]
+    if recvs:
+        steps.append(Post(tuple(recvs)))  # buffers ready before the peers send
+    sends = []
+    for batch in batches:
+        for t in batch:
+            if t.kind == "send":
+                steps += [Compute(t.peer), Post((t,))]  # the send hides behind the next GEMMs
+                sends.append(t)
+    if rows[r][r]:
+        steps.append(Compute(r))  # own rows, straight into the output
+    return steps + [Wait(t) for t in recvs + sends]
+
+
+def _starts(lengths) -> tuple[int, ...]:
+    out, off = [], 0
+    for n in lengths:
+        out.append(off)
+        off += n
+    return tuple(out)
