@@ -1,0 +1,304 @@
+"""Expert parallelism's fused ops: the dispatch all-to-all feeding the experts' first GEMM,
+the experts' last GEMM feeding the combine all-to-all, with variable per-peer counts.
+
+    moe_dispatch_matmul:  Y = dispatch(X) @ W[e]    per (source slot, local expert) group
+    moe_matmul_combine:   Y = combine(A @ W[e])     each source's rows sent back when computed
+
+Legend (suffixes): T rows of this rank's send layout (its tokens, one row per chosen expert,
+sorted by global expert), R rows of its receive layout (what its experts get, source-major,
+sorted by local expert inside each source slot), E its local experts (E_l), K the
+contraction, N the output columns. The layouts and the schedules are
+`commfuse.schedule.moe`'s; the counts, the same table on every rank, come from
+`commfuse.ops.moe_counts.exchange_counts` once per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from commfuse.ops import checks
+from commfuse.ops.methods import MethodSpec, method_spec
+from commfuse.ops.moe_counts import agree_counts
+from commfuse.ops.moe_gemm import grouped, weight_grads
+from commfuse.runtime import executor
+from commfuse.schedule import Transfer
+from commfuse.schedule import moe as plan
+from commfuse.schedule.moe import ExpertCounts, clip, piece
+
+
+class _Slots:
+    """What both bindings share: this rank's slots in the two layouts, and the chunks."""
+
+    def __init__(self, counts: ExpertCounts, rank: int, k: int | None):
+        self.counts, self.rank, self.k = counts, rank, k  # k: chunks (none/sliced), else None
+        self.to = counts.rows[rank]  # rows of my send-layout slot q (mine for / from rank q)
+        self.of = tuple(row[rank] for row in counts.rows)  # rows of my receive-layout slot p
+        self.soff, self.roff = counts.send_offsets(rank), counts.recv_offsets(rank)
+
+    def send_rows(self, q: int) -> slice:
+        return slice(self.soff[q], self.soff[q] + self.to[q])
+
+    def recv_rows(self, p: int) -> slice:
+        return slice(self.roff[p], self.roff[p] + self.of[p])
+
+    def pieces(self, sizes, j: int) -> list[tuple[int, int]]:
+        """(offset in its slot, rows) of chunk j of each slot of ``sizes``."""
+        return [piece(n, self.k, j) for n in sizes]
+
+    def gemm(self, x_RK, w_EKN, out_RN, p: int, lo: int, hi: int, at: int) -> None:
+        """Rows [lo, hi) of receive slot p of ``x_RK`` times their experts' weights, into
+        ``out_RN`` from row ``at``."""
+        if hi > lo:
+            base = self.roff[p]
+            grouped(x_RK[base + lo:base + hi], w_EKN, clip(self.counts.groups(p, self.rank), lo, hi),
+                    out_RN[at:at + hi - lo])
+
+    def reduce(self, slot, peers):
+        raise AssertionError("the MoE schedules have no reduction")
+
+
+class _Dispatch(_Slots):
+    """dispatch -> GEMM: rank p's slot for me lands in ``x_RK`` (receive layout), then
+    ``y_RN[group (p, e)] = x_RK[group] @ w_EKN[e]``."""
+
+    def __init__(self, x_TK, w_EKN, counts, rank, k):
+        super().__init__(counts, rank, k)
+        self.x, self.w = x_TK, w_EKN
+        rows = sum(self.of)
+        self.x_RK = x_TK.new_empty((rows, x_TK.shape[1]))
+        self.y_RN = x_TK.new_empty((rows, w_EKN.shape[2]))
+        self.landed: dict[int, torch.Tensor] = {}
+
+    def buffer(self, t: Transfer) -> torch.Tensor:
+        return self.x[self.send_rows(t.slot)] if t.kind == "send" else self.x_RK[self.recv_rows(t.slot)]
+
+    def compute(self, slot: int) -> None:
+        if self.k is None:  # slot: the source rank
+            if slot == self.rank:  # own tokens: already here
+                self.x_RK[self.recv_rows(slot)] = self.x[self.send_rows(slot)]
+            self.gemm(self.x_RK, self.w, self.y_RN, slot, 0, self.of[slot], self.roff[slot])
+            return
+        for p, (off, n) in enumerate(self.pieces(self.of, slot)):  # chunk j of every slot
+            self.gemm(self.x_RK, self.w, self.y_RN, p, off, off + n, self.roff[p] + off)
+
+    def collective(self, j: int, transport):
+        if self.k == 1:  # none: every slot at once, straight into the receive layout
+            return transport.launch("all_to_all", self.x_RK, self.x, j, sizes=list(self.of),
+                                    in_sizes=list(self.to))
+        sends = self.pieces(self.to, j)
+        inp = torch.cat([self.x[self.soff[q] + off:self.soff[q] + off + n]
+                         for q, (off, n) in enumerate(sends)])
+        recvs = [n for _, n in self.pieces(self.of, j)]
+        out = self.landed[j] = inp.new_empty((sum(recvs), inp.shape[1]))
+        return transport.launch("all_to_all", out, inp, j, sizes=recvs,
+                                in_sizes=[n for _, n in sends])
+
+    def collective_done(self, j: int) -> None:
+        if self.k == 1:
+            return
+        out, at = self.landed.pop(j), 0
+        for p, (off, n) in enumerate(self.pieces(self.of, j)):
+            self.x_RK[self.roff[p] + off:self.roff[p] + off + n] = out[at:at + n]
+            at += n
+
+
+class _Combine(_Slots):
+    """GEMM -> combine: ``a_RK[group (p, e)] @ w_EKN[e]`` for each source p, sent back to p;
+    the rows rank q computed for me land in my send layout ``y_TN``."""
+
+    def __init__(self, a_RK, w_EKN, counts, rank, k):
+        super().__init__(counts, rank, k)
+        self.a, self.w = a_RK, w_EKN
+        self.y_TN = a_RK.new_empty((sum(self.to), w_EKN.shape[2]))
+        self.part: dict[int, torch.Tensor] = {}  # commfuse: per destination; else per chunk
+        self.landed: dict[int, torch.Tensor] = {}
+
+    def buffer(self, t: Transfer) -> torch.Tensor:
+        return self.part[t.slot] if t.kind == "send" else self.y_TN[self.send_rows(t.slot)]
+
+    def compute(self, slot: int) -> None:
+        if self.k is None:  # slot: the rank these rows go back to
+            own = slot == self.rank
+            out = self.y_TN[self.send_rows(slot)] if own else self.a.new_empty(
+                (self.of[slot], self.w.shape[2]))
+            self.gemm(self.a, self.w, out, slot, 0, self.of[slot], 0)
+            if not own:
+                self.part[slot] = out
+            return
+        pieces = self.pieces(self.of, slot)
+        out = self.part[slot] = self.a.new_empty((sum(n for _, n in pieces), self.w.shape[2]))
+        at = 0
+        for p, (off, n) in enumerate(pieces):  # chunk j of every source slot, source order
+            self.gemm(self.a, self.w, out, p, off, off + n, at)
+            at += n
+
+    def collective(self, j: int, transport):
+        recvs = self.pieces(self.to, j)
+        out = self.y_TN if self.k == 1 else self.a.new_empty(
+            (sum(n for _, n in recvs), self.w.shape[2]))
+        self.landed[j] = out
+        return transport.launch("all_to_all", out, self.part[j], j,
+                                sizes=[n for _, n in recvs],
+                                in_sizes=[n for _, n in self.pieces(self.of, j)])
+
+    def collective_done(self, j: int) -> None:
+        del self.part[j]
+        out, at = self.landed.pop(j), 0
+        if out is self.y_TN:
+            return
+        for q, (off, n) in enumerate(self.pieces(self.to, j)):
+            self.y_TN[self.soff[q] + off:self.soff[q] + off + n] = out[at:at + n]
+            at += n
+
+
+def _run(op: str, binding_cls, a, w, counts, group, spec: MethodSpec):
+    schedule = plan.build(op, spec.method, counts, group.rank(), chunks=spec.chunks)
+    k = None if spec.method == "commfuse" else schedule.chunks
+    binding = binding_cls(a.contiguous(), w, counts, group.rank(), k)
+    executor.run(schedule, binding,
+                 executor.make_transport(group, a.device, spec.timeout, spec.collective))
+    return binding
+
+
+def dispatch_matmul(x_TK, w_EKN, counts, group, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """No autograd: ``(dispatch(x_TK) @ w_EKN[e] -> y_RN, the received rows x_RK)``."""
+    binding = _run("moe_dispatch", _Dispatch, x_TK, w_EKN, counts, group, spec)
+    return binding.y_RN, binding.x_RK
+
+
+def matmul_combine(a_RK, w_EKN, counts, group, spec) -> torch.Tensor:
+    """No autograd: ``combine(a_RK @ w_EKN[e])`` -> ``y_TN``."""
+    return _run("moe_combine", _Combine, a_RK, w_EKN, counts, group, spec).y_TN
+
+
+class DispatchMatmul(torch.autograd.Function):
+    """``Y = dispatch(X) @ W``: my tokens, sorted by expert -> my experts' rows, projected.
+
+    Shapes: X [T, K] (send layout, T = counts.sent(rank)), W [E_l, K, N] (this rank's
+    experts); returns Y [R, N] (receive layout, R = counts.received(rank)), group (p, e)
+    = the rows rank p sent to my expert e, times W[e].
+    Input grad:  dX = combine(dY @ W[e]^T), the dual GEMM -> combine with the same method.
+    Weight grad: dW[e] = X_e^T @ dY_e over every row expert e received (complete on this
+    rank: an expert lives on one rank of the EP group).
+    Extra memory: the received rows X [R, K], kept for the weight grad.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, counts, group, spec):
+        y_RN, x_RK = dispatch_matmul(x, w, counts, group, spec)
+        ctx.save_for_backward(w, x_RK)
+        ctx.counts, ctx.group, ctx.spec = counts, group, spec
+        return y_RN
+
+    @staticmethod
+    def backward(ctx, gy_RN):
+        w, x_RK = ctx.saved_tensors
+        gy_RN = gy_RN.contiguous()
+        # the combine runs on every rank whatever this one needs: its peers wait for it
+        gx_TK = matmul_combine(gy_RN, w.transpose(1, 2), ctx.counts, ctx.group, ctx.spec)
+        rank = ctx.group.rank()
+        gw = (weight_grads(x_RK, gy_RN, ctx.counts.expert_runs(rank), w.shape[0])
+              if ctx.needs_input_grad[1] else None)
+        return gx_TK if ctx.needs_input_grad[0] else None, gw, None, None, None
+
+
+class MatmulCombine(torch.autograd.Function):
+    """``Y = combine(A @ W)``: my experts' rows, projected -> back to their tokens' ranks.
+
+    Shapes: A [R, K] (receive layout), W [E_l, K, N]; returns Y [T, N] (send layout): the
+    rows rank q's experts computed for my tokens, in the order I dispatched them.
+    Input grad:  dA = dispatch(dY) @ W[e]^T, the dual dispatch -> GEMM with the same method.
+    Weight grad: dW[e] = A_e^T @ dispatch(dY)_e, from that dispatch's received rows.
+    Extra memory: A is kept for the weight grad; in flight, the rows for up to W-1 peers
+    (commfuse) or one chunk (sliced).
+    """
+
+    @staticmethod
+    def forward(ctx, a, w, counts, group, spec):
+        ctx.save_for_backward(a, w)
+        ctx.counts, ctx.group, ctx.spec = counts, group, spec
+        return matmul_combine(a, w, counts, group, spec)
+
+    @staticmethod
+    def backward(ctx, gy_TN):
+        a_RK, w = ctx.saved_tensors
+        ga_RK, gy_RN = dispatch_matmul(gy_TN.contiguous(), w.transpose(1, 2), ctx.counts,
+                                       ctx.group, ctx.spec)
+        rank = ctx.group.rank()
+        gw = (weight_grads(a_RK, gy_RN, ctx.counts.expert_runs(rank), w.shape[0])
+              if ctx.needs_input_grad[1] else None)
+        return ga_RK if ctx.needs_input_grad[0] else None, gw, None, None, None
+
+
+def moe_dispatch_matmul(x: torch.Tensor, w: torch.Tensor, counts: ExpertCounts, group=None, *,
+                        method: str = "commfuse", check: bool | None = None,
+                        **opts) -> torch.Tensor:
+    """Expert parallelism's first GEMM: ``dispatch(x) @ w[e]`` -> ``[R, N]``.
+
+    ``x`` [T, K]: this rank's rows sorted by global expert (``counts.sent(rank)`` of them);
+    ``w`` [E_l, K, N]: this rank's experts' weights (e.g. gate|up side by side); ``counts``:
+    the table every rank holds (`commfuse.ops.moe_counts.exchange_counts`). Returns the rows
+    my experts got, source-major, each source's sorted by local expert, times their weights.
+    ``method``: "none" | "sliced" (``chunks``) | "commfuse" | "auto" (commfuse: the cost model
+    has no MoE ops yet); ``timeout`` in seconds. ``check``: exchange and compare every rank's
+    ``counts`` and rows first (`CountsError` on every rank); default ``COMMFUSE_CHECK``.
+    """
+    spec, group = _prepare("moe_dispatch", x, w, counts, group, method, opts, check)
+    return DispatchMatmul.apply(x, w, counts, group, spec)
+
+
+def moe_matmul_combine(a: torch.Tensor, w: torch.Tensor, counts: ExpertCounts, group=None, *,
+                       method: str = "commfuse", check: bool | None = None,
+                       **opts) -> torch.Tensor:
+    """Expert parallelism's last GEMM: ``combine(a @ w[e])`` -> ``[T, N]``.
+
+    ``a`` [R, K]: this rank's experts' rows in the receive layout (as `moe_dispatch_matmul`
+    returns them, ``counts.received(rank)`` of them); ``w`` [E_l, K, N]. Returns, for each of
+    this rank's dispatched rows, in dispatch order, what its expert computed. Options as for
+    `moe_dispatch_matmul`.
+    """
+    spec, group = _prepare("moe_combine", a, w, counts, group, method, opts, check)
+    return MatmulCombine.apply(a, w, counts, group, spec)
+
+
+def _prepare(op, a, w, counts, group, method, opts, check):
+    """Validated (spec, group); raises before any communication (`CountsError` on every
+    rank in checked mode)."""
+    checks.check_tensor("x" if op == "moe_dispatch" else "a", a, 2)
+    checks.check_tensor("w", w, 3)
+    if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[1]:
+        raise ValueError(f"{op}: want rows [rows, K] and weights [local experts, K, N], got "
+                         f"{tuple(a.shape)} and {tuple(w.shape)}")
+    if w.dtype != a.dtype or w.device != a.device:
+        raise TypeError(f"{op}: w is {w.dtype} on {w.device}, the rows {a.dtype} on {a.device}")
+    if not isinstance(counts, ExpertCounts):
+        raise TypeError(f"counts must be a commfuse.schedule.moe.ExpertCounts, "
+                        f"got {type(counts).__name__}")
+    spec = _spec(method, opts)
+    group = checks.resolve_group(group)
+    if counts.world != group.size() or counts.local != w.shape[0]:
+        raise ValueError(f"{op}: counts are for {counts.world} ranks of {counts.local} experts, "
+                         f"but the group has {group.size()} ranks and w {w.shape[0]} experts")
+    rank = group.rank()
+    rows = counts.sent(rank) if op == "moe_dispatch" else counts.received(rank)
+    if checks.checked(check):
+        agree_counts(op, counts, a.shape[0], group, spec.timeout, torch.device("cpu")
+                     if a.device.type == "cpu" else a.device)
+    elif a.shape[0] != rows:
+        raise ValueError(f"{op} (rank {rank}): the rows have {a.shape[0]} rows but the counts "
+                         f"give this rank {rows}")
+    return spec, group
+
+
+def _spec(method, opts) -> MethodSpec:
+    """The MoE ops' methods: none, sliced, commfuse (pairwise, m = 1), auto (= commfuse)."""
+    if method == "decompose":
+        raise ValueError("the MoE ops offer method 'none', 'sliced', 'commfuse' or 'auto', "
+                         "not 'decompose'")
+    spec = method_spec(method, opts)
+    if spec.method == "auto":
+        return MethodSpec("commfuse", timeout=spec.timeout)
+    if spec.method == "commfuse" and spec.splits not in (None, 1):
+        raise ValueError(f"the MoE ops cut no slot into sub-slices: splits must be 1, "
+                         f"got {spec.splits}")
+    return spec
