@@ -102,3 +102,13 @@ def test_compare_none_prints_and_records_the_verdict_of_the_run(tmp_path, capsys
     assert v["line"] in printed.splitlines()
     assert v["line"].startswith(f"verdict: commfuse step {v['ratio']:.2f}x of none on loopback, "
                                 "which cannot show overlap")
+
+
+def test_only_methods_that_consult_the_cost_model_fit_it():
+    """The seconds-long hardware fit runs for auto and commfuse without --splits only (what
+    `commfuse.ops.auto` is asked by), so --compare-none's none run skips it."""
+    fits = {m: train.TrainConfig(method=m).consults_cost_model
+            for m in ("auto", "commfuse", "none", "sliced", "decompose")}
+    assert fits == {"auto": True, "commfuse": True, "none": False, "sliced": False,
+                    "decompose": False}
+    assert not train.TrainConfig(method="commfuse", splits=2).consults_cost_model
