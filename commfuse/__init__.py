@@ -11,6 +11,7 @@ The package, in dependency order (docs/design.md has the whole picture):
     parallel   TP / Ulysses / ZeRO-3 plans          bench     measurements on the testbed
     models     the Llama-style model                train     ``commfuse train``
     tp         TPSP styles for any model (torch's parallelize_module, transformers models)
+    moe        Mixture-of-Experts layer and its expert parallelism (fused dispatch/combine)
 
 Exports resolve lazily (PEP 562), so ``import commfuse.sim`` does not import torch.
 """
