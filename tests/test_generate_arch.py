@@ -132,23 +132,46 @@ def test_greedy_tokens_equal_transformers(cases, trained, world):
             assert refused and "sliding window shorter than the prompt" in refused, refused
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """(the step directory of a 2-step ``--hf-config qwen2-tiny`` run on 2 ranks saved with
-    --checkpoint-dir, transformers' greedy tokens from it)."""
+TRAIN = dict(hf_config="qwen2-tiny", steps=2, seq_len=15, batch_size=2, progress=False,
+             peak_flops=1e9, exposed_iters=0, method="commfuse", hardware="cpu-testbed")
+
+
+def _train(root, tp: int):
+    """The step directory of a 2-step ``--hf-config qwen2-tiny --checkpoint-dir root`` run."""
     from commfuse.train.config import TrainConfig
     from commfuse.train.loop import launch
 
+    launch(TrainConfig(tp=tp, checkpoint_dir=str(root), **TRAIN))
+    return root / (root / "latest").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(the directory of a 2-step ``--hf-config qwen2-tiny`` run on 2 ranks saved with
+    --checkpoint-dir, transformers' greedy tokens from its latest)."""
     import transformers
 
     root = tmp_path_factory.mktemp("trained")
-    launch(TrainConfig(hf_config="qwen2-tiny", tp=2, steps=2, seq_len=15, batch_size=2,
-                       progress=False, peak_flops=1e9, exposed_iters=0, method="commfuse",
-                       hardware="cpu-testbed", checkpoint_dir=str(root)))
-    step = root / (root / "latest").read_text().strip()
+    step = _train(root, 2)
     hf = transformers.AutoModelForCausalLM.from_pretrained(step).eval()
     assert type(hf).__name__ == "Qwen2ForCausalLM"
     return str(root), greedy(hf)
+
+
+def test_hf_checkpoint_holds_the_trained_weights(trained, tmp_path):
+    """The 2-rank run's checkpoint is the whole model: every weight (q/k/v biases, the k/v
+    projections of 2 kv heads, the row-parallel o/down columns) as the same run in one
+    process trains it, within what 2 Adam steps make of the ranks' rounding (a shard in
+    the wrong place would be off by the weight's own size)."""
+    from safetensors.torch import load_file
+
+    root, _ = trained
+    two = load_file(f"{root}/{open(f'{root}/latest').read().strip()}/model.safetensors")
+    one = load_file(_train(tmp_path, 1) / "model.safetensors")
+    assert two.keys() == one.keys() and any(k.endswith("k_proj.bias") for k in one)
+    for k in one:
+        assert two[k].shape == one[k].shape, k
+        assert (two[k] - one[k]).abs().max() <= 0.02 * one[k].abs().max(), k
 
 
 def test_generate_cli_reads_hf_config_checkpoint(trained):

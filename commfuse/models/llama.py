@@ -242,6 +242,7 @@ def config_from_hf(hf_config) -> LlamaConfig:
         raise ValueError(f"unsupported HF config: model_type {model_type!r} (only "
                          f"{', '.join(map(repr, HF_TYPES))})")
     window, full_layers = _hf_window(hf_config, model_type)
+    hidden, head_dim = hf_config.hidden_size, getattr(hf_config, "head_dim", None)
     unsupported = {
         "hidden_act != 'silu'": hf_config.hidden_act != "silu",
         "attention_bias (a bias on o_proj is not modelled; Qwen2's q/k/v biases are)":
@@ -267,7 +268,8 @@ def config_from_hf(hf_config) -> LlamaConfig:
         norm_eps=hf_config.rms_norm_eps, rope_theta=float(theta), rope_scaling=scaling,
         tie_embeddings=bool(hf_config.tie_word_embeddings),
         init_std=getattr(hf_config, "initializer_range", 0.02) or 0.02,
-        attn_head_dim=getattr(hf_config, "head_dim", None) or None,
+        attn_head_dim=None if head_dim in (None, hidden // hf_config.num_attention_heads)
+        else head_dim,
         qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3", sliding_window=window,
         full_attention_layers=full_layers)
 
