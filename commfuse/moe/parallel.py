@@ -66,8 +66,7 @@ class ExpertParallelMoE(nn.Module):
         order = torch.sort(flat, stable=True).indices  # the send layout: by global expert
         hist = torch.bincount(flat, minlength=self.config.experts)
         counts = self.last_counts = exchange_counts(
-            hist, self.group, rows=flat.numel(), timeout=self.opts.get("timeout"),
-            device=torch.device("cpu") if x.device.type == "cpu" else x.device)
+            hist, self.group, rows=flat.numel(), timeout=self.opts.get("timeout"))
         rows = x_TD[order // k]
         h = moe_dispatch_matmul(rows, self.w_gate_up, counts, self.group, method=self.method,
                                 **self.opts)

@@ -22,7 +22,7 @@ from commfuse.ops.moe_counts import agree_counts
 from commfuse.ops.moe_gemm import grouped, weight_grads
 from commfuse.runtime import executor
 from commfuse.schedule import Transfer
-from commfuse.schedule import moe as plan
+from commfuse.schedule import moe as moe_schedule
 from commfuse.schedule.moe import ExpertCounts, clip, piece
 
 
@@ -152,7 +152,7 @@ class _Combine(_Slots):
 
 
 def _run(op: str, binding_cls, a, w, counts, group, spec: MethodSpec):
-    schedule = plan.build(op, spec.method, counts, group.rank(), chunks=spec.chunks)
+    schedule = moe_schedule.build(op, spec.method, counts, group.rank(), chunks=spec.chunks)
     k = None if spec.method == "commfuse" else schedule.chunks
     binding = binding_cls(a.contiguous(), w, counts, group.rank(), k)
     executor.run(schedule, binding,
@@ -282,8 +282,7 @@ def _prepare(op, a, w, counts, group, method, opts, check):
     rank = group.rank()
     rows = counts.sent(rank) if op == "moe_dispatch" else counts.received(rank)
     if checks.checked(check):
-        agree_counts(op, counts, a.shape[0], group, spec.timeout, torch.device("cpu")
-                     if a.device.type == "cpu" else a.device)
+        agree_counts(op, counts, a.shape[0], group, spec.timeout, a.device)
     elif a.shape[0] != rows:
         raise ValueError(f"{op} (rank {rank}): the rows have {a.shape[0]} rows but the counts "
                          f"give this rank {rows}")
