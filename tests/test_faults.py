@@ -3,8 +3,10 @@
 Every surviving rank must raise `commfuse.CommFuseError` naming the op, the step and the peer
 within the configured timeout (plus a margin for this shared machine); no rank may hang.
 ``commfuse train`` with a rank killed exits non-zero and its last checkpoint resumes.
-Each case starts real ranks (`commfuse.testbed.spawn.run_local` with ``victims``); the link case runs
-on the emulated cluster (root and iproute2).
+Each case runs real gloo ranks forked by `commfuse.testbed.faults.run_case` (the victim
+strikes at its 2nd GEMM, inside an op); the link case runs in the emulated network's
+namespaces (root and iproute2). The deadlines themselves (a wait that gives up, a backend
+wait that overruns, a send never taken) are checked in-process first.
 """
 
 from __future__ import annotations
@@ -16,161 +18,164 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-import torch
-
-import commfuse
-from commfuse.ops import registry
-from commfuse.runtime import modes
+from commfuse.runtime import collectives, gloo
 from commfuse.schedule import OPS
-from commfuse.testbed.spawn import run_local
+from commfuse.testbed import faults, stress
 from marks import needs_netns
 
-TIMEOUT = 2.0  # the ops' `timeout` option in every case (seconds)
+TIMEOUT = 1.0  # the ops' `timeout` option in every case (seconds)
 # Scheduling slack on a loaded, shared 2-core machine: generous, since what the bounds tell
-# apart is the op's timeout from the process group's (PG_TIMEOUT) or a hang, not speed.
+# apart is the op's timeout from the process group's (faults.PG_TIMEOUT_S) or a hang, not speed.
 MARGIN = 40.0
-PG_TIMEOUT = 120.0
 DUAL = {"ag_matmul": "matmul_rs", "matmul_rs": "ag_matmul", "matmul_a2a": "a2a_matmul",
         "a2a_matmul": "matmul_a2a"}
-METHODS = [("commfuse", {}), ("commfuse", {"topology": "direct"}), ("decompose", {}),
-           ("sliced", {}), ("none", {})]
+METHODS = [("commfuse", ()), ("commfuse", (("topology", "direct"),)), ("decompose", ()),
+           ("sliced", ()), ("none", ())]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def inject(fault: str, at: int = 2) -> None:
-    """At this process's ``at``-th GEMM (inside an op, after its first transfers were posted)
-    die (``kill``: SIGKILL, no goodbye), stop answering (``stall``), or take down its own
-    network interface and go on (``link_down``: on the emulated cluster)."""
-    real, calls = modes.gemm, [0]
+# --- the deadlines, in-process ----------------------------------------------------------------
 
-    def gemm(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == at:
-            if fault == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif fault == "link_down":
-                subprocess.run(["ip", "link", "set", "dev", os.environ["GLOO_SOCKET_IFNAME"],
-                                "down"], check=True)
-            else:
-                time.sleep(3600)
-        return real(*args, **kwargs)
+class _Work:
+    """A stand-in for a backend work: ``wait`` returns ``result`` after ``delay_s``."""
 
-    modes.gemm = gemm
+    def __init__(self, result: bool = True, delay_s: float = 0.0):
+        self.result, self.delay_s, self.timeouts = result, delay_s, []
+
+    def wait(self, timeout=None) -> bool:
+        self.timeouts.append(timeout)
+        time.sleep(self.delay_s)
+        return self.result
 
 
-def run_op(op: str, method: str, opts: dict, world: int, steps: int = 2) -> None:
-    """``steps`` x ``op`` forward and backward on small random inputs (the same shapes on
-    every rank; two steps, so that communication follows any GEMM of the first)."""
-    a = torch.randn(4 * world, 3, 8, requires_grad=True)
-    for _ in range(steps):
-        b = torch.randn(*registry.b_shape(op, world, 8, 6))
-        out = registry.call(op, a, b, method, opts, timeout=TIMEOUT)
-        out.sum().backward()
+def test_a_wait_that_gives_up_raises():
+    # gloo's wait returns False when the backend aborts it: the buffer was never filled
+    with pytest.raises(RuntimeError, match="gave up the wait"):
+        gloo.wait_work(_Work(result=False), time.monotonic() + 5)
 
 
-def _faulty(rank, world, op, method, opts, fault, victim):
-    if rank == victim:
-        inject(fault)
+def test_a_deadline_never_becomes_no_timeout():
+    # c10d reads a timeout that rounds to 0 ms as none at all: a passed deadline is 1 ms
+    work = _Work()
+    gloo.wait_work(work, time.monotonic() - 10)
+    assert work.timeouts[0] >= timedelta(milliseconds=1)
+
+
+def test_a_backend_wait_that_overruns_its_timeout_still_ends():
+    slow = _Work(delay_s=30.0)  # as gloo's reduce_scatter: the wait ignores its timeout
     t0 = time.monotonic()
-    try:
-        run_op(op, method, opts, world)
-    except commfuse.CommFuseError as e:
-        return time.monotonic() - t0, str(e)
-    return time.monotonic() - t0, None
+    with pytest.raises(TimeoutError, match=r"did not complete within 0\.\d+ s"):
+        gloo.wait_work(collectives.Guarded(slow), time.monotonic() + 0.2)
+    assert time.monotonic() - t0 < 0.2 + collectives.Guarded.GRACE_S + 5
 
+
+def test_a_send_the_peer_never_takes_raises():
+    never: Future = Future()  # the sender thread's isend never returns
+    with pytest.raises(TimeoutError, match="did not take the message within 0.2 s"):
+        gloo.PendingSend(never, group=None).wait(timedelta(seconds=0.2))
+
+
+# --- a rank killed or stalled in an op ---------------------------------------------------------
 
 def _cases():
     out = []
     for i, (method, opts) in enumerate(METHODS):
         out.append(("kill", 2, OPS[i % 4], method, opts))
         out.append(("stall", 2, OPS[(i + 2) % 4], method, opts))
-    out += [("kill", 3, "ag_matmul", "commfuse", {}), ("stall", 3, "matmul_rs", "commfuse", {}),
-            ("kill", 3, "a2a_matmul", "sliced", {}), ("stall", 3, "ag_matmul", "none", {})]
+    out += [("kill", 3, "ag_matmul", "commfuse", ()), ("stall", 3, "matmul_rs", "commfuse", ()),
+            ("kill", 3, "a2a_matmul", "sliced", ()), ("stall", 3, "ag_matmul", "none", ()),
+            # the backend's collectives, and what runs before the schedule (the victim
+            # strikes before the op): auto's agreement on the method, checked mode's shapes
+            ("stall", 2, "matmul_rs", "none", (("collective", "backend"),)),
+            ("stall", 3, "matmul_rs", "auto", ()),
+            ("kill", 3, "matmul_a2a", "commfuse", (("check", True),))]
     return out
+
+
+def _at(method: str, opts) -> int:
+    """The victim's GEMM to strike at: 0 (before the op) where the op exchanges first."""
+    return 0 if method == "auto" or dict(opts).get("check") else 2
 
 
 def _id(case):
     fault, world, op, method, opts = case
-    return f"{fault}-w{world}-{op}-{method}{''.join(f'-{v}' for v in opts.values())}"
+    return f"{fault}-w{world}-{op}-{method}{''.join(f'-{v}' for _, v in opts)}"
+
+
+def _check(res: faults.RunResult, op: str, method: str) -> None:
+    """Every survivor raised within the bound, naming the op, its method, the step, a peer."""
+    for rep in res.reports:
+        msg = rep.message
+        assert rep.outcome == "raised", (rep.rank, rep.outcome, msg[-3000:])
+        assert rep.elapsed_s < TIMEOUT + MARGIN, f"rank {rep.rank}: {rep.elapsed_s:.1f} s: {msg}"
+        where = rep.where
+        assert where["op"] in (op, DUAL[op]) and where["rank"] == rep.rank, (where, msg)
+        assert re.search(rf"commfuse ({op}|{DUAL[op]}) ", msg), msg
+        if where["step"] is not None:  # in the schedule: "(method=..., rank r of W) failed at
+            assert where["method"] == method, (where, msg)  # step i waiting for ... rank p"
+            assert re.search(rf"\(method={method}, rank \d of \d\) failed at step -?\d+", msg), msg
+            if res.case.world == 2:  # the only peer (the victim, or its survivor): named
+                assert f"rank {1 - rep.rank}" in msg.split("waiting for", 1)[1], msg
+        else:  # before it: auto's agreement on the method, checked mode's shapes
+            assert re.search(r"failed (agreeing on the method|exchanging the shapes)", msg), msg
 
 
 @pytest.mark.parametrize("case", _cases(), ids=[_id(c) for c in _cases()])
 def test_survivors_raise_within_the_timeout(case):
     fault, world, op, method, opts = case
-    victim = 1
-    out = run_local(_faulty, world, op, method, opts, fault, victim, victims=(victim,),
-                    timeout=240, pg_timeout_s=PG_TIMEOUT)
-    for rank, res in enumerate(out):
-        if rank == victim:
-            continue
-        elapsed, msg = res
-        assert msg is not None, f"rank {rank} finished although rank {victim} {fault}ed"
-        assert elapsed < TIMEOUT + MARGIN, f"rank {rank} took {elapsed:.1f} s: {msg}"
-        assert re.search(rf"commfuse ({op}|{DUAL[op]}) \(method={method}", msg), msg
-        assert re.search(r"at step \d+", msg) and re.search(r"rank \d", msg), msg
-        if world == 2:  # the only peer is the victim: the error must name it
-            assert "rank 1" in msg.split("waiting for", 1)[1], msg
+    res = faults.run_case(faults.Case(fault, op, method, opts, world, victim=1,
+                                      at=_at(method, opts), timeout_s=TIMEOUT), hang_s=MARGIN)
+    assert res.outcome == "raised", [(r.rank, r.outcome, r.message[-2000:]) for r in res.reports]
+    _check(res, op, method)
 
 
-# --- the link: the victim takes its own interface down (emulated cluster) --------------------
+def test_a_peer_dead_before_the_op_is_noticed():
+    """Issue 44's case: 3 ranks, GEMM -> RS, a peer killed before the op."""
+    res = faults.run_case(faults.Case("kill", "matmul_rs", "commfuse", (), 3, victim=1, at=0,
+                                      timeout_s=TIMEOUT), hang_s=MARGIN)
+    _check(res, "matmul_rs", "commfuse")
 
 
-_LINK_DOWN = """\
-import json, os, sys, time
-sys.path.insert(0, {tests!r})
-import torch.distributed as dist
-import commfuse
-from test_faults import inject, run_op
-dist.init_process_group("gloo")
-commfuse.duplex()
-rank = dist.get_rank()
-if rank == 1:  # at the 2nd GEMM, cut this rank's link (it is in its own network namespace)
-    inject("link_down")
-t0, msg = time.monotonic(), None
-try:
-    run_op({op!r}, {method!r}, {{}}, 2)
-except commfuse.CommFuseError as e:
-    msg = str(e)
-with open(os.path.join({out!r}, f"rank{{rank}}.json"), "w") as f:
-    json.dump({{"elapsed": time.monotonic() - t0, "msg": msg}}, f)
-os._exit(0)  # the group cannot be torn down over a dead link
-"""
-
+# --- the link: the victim takes its own interface down (emulated network) ----------------------
 
 @needs_netns
 @pytest.mark.parametrize("op, method", [("matmul_rs", "commfuse"), ("ag_matmul", "sliced")])
-def test_link_down_raises_on_both_sides(tmp_path, op, method):
-    script = tmp_path / "rank.py"
-    script.write_text(_LINK_DOWN.format(tests=str(ROOT / "tests"), op=op, method=method,
-                                        out=str(tmp_path)))
-    proc = subprocess.run([sys.executable, "-m", "commfuse.testbed.launch", "--nproc", "2", "--link",
-                           "1gbit", "--timeout", "60", "--", sys.executable, str(script)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=90)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for rank, rep in enumerate(reports):
-        assert rep["msg"] is not None, (rank, proc.stderr[-2000:])
-        assert rep["elapsed"] < TIMEOUT + MARGIN, rep
-        assert re.search(rf"commfuse ({op}|{DUAL[op]}) \(method={method}.*at step \d+", rep["msg"])
+def test_link_down_raises_on_both_sides(op, method):
+    with stress.Network(2) as net:
+        res = faults.run_case(faults.Case("linkdown", op, method, (), 2, victim=1, at=2,
+                                          timeout_s=TIMEOUT), hang_s=MARGIN, network=net)
+    assert [r.rank for r in res.reports] == [0, 1]  # both ends must raise
+    _check(res, op, method)
 
 
 # --- training: a rank killed mid-run ----------------------------------------------------------
 
-def _children(pid: int) -> list[int]:
-    out = []
+def _ranks(pid: int) -> list[int]:
+    """The rank processes under ``pid``: started by spawn (``spawn_main`` in their command
+    line) or forked by a fork server (`commfuse.testbed.spawn`'s default)."""
+    procs = {}  # pid -> (parent, command line)
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 stat = (d / "stat").read_text()
-                cmd = (d / "cmdline").read_bytes()
+                procs[int(d.name)] = (int(stat.rsplit(")", 1)[1].split()[1]),
+                                      (d / "cmdline").read_bytes())
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd:
-                out.append(int(d.name))
-    return out
+    under, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [p for p, (pp, _) in procs.items() if pp == parent]
+        under.update(kids)
+        todo += kids
+    return sorted(p for p in under if b"spawn_main" in procs[p][1]
+                  or b"forkserver" in procs.get(procs[p][0], (0, b""))[1])
 
 
 def _train(*flags: str) -> list[str]:
@@ -191,7 +196,7 @@ def test_train_exits_nonzero_and_its_checkpoint_resumes(tmp_path):
         while not (ckpt / "latest").is_file() or (ckpt / "latest").read_text() < "step-00000006":
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
             time.sleep(0.1)
-        ranks = _children(proc.pid)
+        ranks = _ranks(proc.pid)
         assert len(ranks) == 2, ranks
         os.kill(ranks[1], signal.SIGKILL)
         t0 = time.monotonic()

@@ -97,7 +97,7 @@ class Guarded:
         threading.Thread(target=run, name="commfuse-wait", daemon=True).start()
         if not done.wait(timeout.total_seconds() + self.GRACE_S):
             raise TimeoutError(f"the backend's collective did not complete within "
-                               f"{timeout.total_seconds():g} s")
+                               f"{timeout.total_seconds():.3g} s")
         if "error" in box:
             raise box["error"]
         return box["ok"]

@@ -200,13 +200,20 @@ def _wait(handle: _Handle, transport: Transport, schedule: Schedule, index: int,
 
 def _error(schedule: Schedule, index: int, transfer: Transfer | None, cause: Exception):
     """The `CommFuseError` of a failed post or wait: op, method, rank, step (-1: draining
-    what an abandoned execution left posted) and the transfer's peer (a collective: the
-    failing peer is in the cause's text)."""
-    where = (f"{transfer.kind} of slot {transfer.slot} "
-             f"{'to' if transfer.kind == 'send' else 'from'} rank {transfer.peer}"
-             if transfer else "the collective")
+    what an abandoned execution left posted) and the peer: the transfer's, or for a
+    collective the other rank of a pair (of more ranks, the P2P collectives name the failing
+    peer in the cause's text; the backend's cannot)."""
+    peer = transfer.peer if transfer else None
+    if transfer:
+        where = (f"{transfer.kind} of slot {transfer.slot} "
+                 f"{'to' if transfer.kind == 'send' else 'from'} rank {transfer.peer}")
+    elif schedule.world_size == 2:
+        peer = 1 - schedule.rank
+        where = f"the collective with rank {peer}"
+    else:
+        where = f"the collective over all {schedule.world_size} ranks"
     return CommFuseError(
         f"commfuse {schedule.op} (method={schedule.method}, rank {schedule.rank} of "
         f"{schedule.world_size}) failed at step {index} waiting for {where}: "
         f"{type(cause).__name__}: {cause}", op=schedule.op, method=schedule.method,
-        rank=schedule.rank, step=index, peer=transfer.peer if transfer else None)
+        rank=schedule.rank, step=index, peer=peer)
