@@ -1,7 +1,9 @@
-"""Inference: KV-cached prefill and decode of the Llama, tensor-parallel over heads with the
-fused ops (`commfuse.infer.model`), sampling and generation (`commfuse.infer.loop`),
-checkpoints of ``commfuse train`` and transformers Llamas read back whole
-(`commfuse.infer.load`), and the ``commfuse generate`` command (`commfuse.infer.cli`)."""
+"""Inference: KV-cached prefill and decode of the Llama (and of transformers Mistral, Qwen2 and
+Qwen3: biases, q/k norms, sliding windows), tensor-parallel over heads with the fused ops
+(`commfuse.infer.model`; its cache `commfuse.infer.cache`), sampling and generation
+(`commfuse.infer.loop`), checkpoints of ``commfuse train`` (``--hf-config`` runs' too) and
+transformers models read back whole (`commfuse.infer.load`), and the ``commfuse generate``
+command (`commfuse.infer.cli`)."""
 
 from __future__ import annotations
 
