@@ -11,7 +11,7 @@ CPU testbed gloo's own collectives run slower than the same bytes exchanged poin
 every overlap method.
 
 Every wait keeps the op's deadline: the P2P transfers' own (`commfuse.runtime.gloo`), the
-backend's collectives on CPU through `Guarded` (gloo's reduce_scatter ignores a wait's
+backend's collectives theirs, gloo's reduce_scatter through `Guarded` (its wait ignores the
 timeout). `exchange` is the small all-gather some ops make before their schedule (auto's
 agreement on the method, checked mode's shapes), with the same deadline.
 """
@@ -53,21 +53,21 @@ def launch(kind: str, out: torch.Tensor, inp: torch.Tensor, group, tag: int, pol
         if kind == "all_reduce":
             if out is not inp:
                 out.copy_(inp)
-            return guarded(dist.all_reduce(out, group=group, async_op=True), out)
+            return dist.all_reduce(out, group=group, async_op=True)
         if kind == "all_to_all":
-            return guarded(BACKEND[kind](out, inp, sizes, in_sizes, group=group, async_op=True),
-                           out)
+            return BACKEND[kind](out, inp, sizes, in_sizes, group=group, async_op=True)
         if len(set(sizes)) == 1:
-            return guarded(BACKEND[kind](out, inp, group=group, async_op=True), out)
+            return guarded(BACKEND[kind](out, inp, group=group, async_op=True), kind, out)
         return _Padded(kind, out, inp, group, sizes)
     return _P2PCollective(kind, out, inp, group, tag, sizes, in_sizes)
 
 
-def guarded(work, like: torch.Tensor):
-    """``work`` of a backend collective, waited with a deadline it keeps: on CPU a `Guarded`
-    (gloo's reduce_scatter ignores a wait's timeout and waits for the group's), on CUDA as
-    it is (the stream waits; NCCL keeps its own deadlines)."""
-    return work if like.device.type == "cuda" else Guarded(work)
+def guarded(work, kind: str, like: torch.Tensor):
+    """``work`` of a backend collective ``kind``, in a form whose wait keeps its deadline: on
+    CPU a reduce_scatter's in a `Guarded` (gloo's ignores a wait's timeout and waits for the
+    group's; its all_gather, all_to_all and all_reduce keep theirs, and are waited directly,
+    with no helper thread), anything else as it is (CUDA: NCCL keeps its own deadlines)."""
+    return Guarded(work) if kind == "reduce_scatter" and like.device.type != "cuda" else work
 
 
 class Guarded:
@@ -108,7 +108,7 @@ def exchange(mine: torch.Tensor, group, timeout_s: float | None) -> list[torch.T
     all_gather, waited with a deadline (``timeout_s``; None: the group's own timeout), so a
     rank that died before it raises instead of blocking for the group's timeout."""
     every = [torch.empty_like(mine) for _ in range(group.size())]
-    work = guarded(dist.all_gather(every, mine, group=group, async_op=True), mine)
+    work = dist.all_gather(every, mine, group=group, async_op=True)
     seconds = gloo.group_timeout(group, mine.device) if timeout_s is None else timeout_s
     gloo.wait_work(work, time.monotonic() + seconds)
     return every
@@ -134,7 +134,7 @@ class _Padded:
             for p, part in enumerate(inp.split(sizes)):
                 src[p * longest:p * longest + sizes[p]].copy_(part)
             self.tmp = out.new_empty((longest, *out.shape[1:]))
-        self.work = guarded(BACKEND[kind](self.tmp, src, group=group, async_op=True), out)
+        self.work = guarded(BACKEND[kind](self.tmp, src, group=group, async_op=True), kind, out)
 
     def wait(self, timeout=None) -> bool:
         """Finish the collective; ``timeout`` (a timedelta) bounds the wait, None is the

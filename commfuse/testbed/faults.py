@@ -179,7 +179,7 @@ def _rank(rank: int, case: Case, store_path: str, conn, fault_time, port) -> Non
             report = ("returned", t0, time.monotonic(), "", None)
         except commfuse.CommFuseError as e:
             report = ("raised", t0, time.monotonic(), str(e),
-                      {k: getattr(e, k) for k in ("op", "method", "rank", "step", "peer")})
+                      {k: getattr(e, k, None) for k in ("op", "method", "rank", "step", "peer")})
         except Exception as e:
             report = ("other", t0, time.monotonic(), f"{type(e).__name__}: {e}", None)
     except BaseException:
