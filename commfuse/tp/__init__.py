@@ -6,6 +6,8 @@ all-gather / reduce-scatter fused with its GEMM by commfuse.
                    FusedRowwiseParallel, FusedProjections, SequenceParallelNorm,
                    ReplicateParallel, ShardSequence, and the shared SeqSplit
     hf.py          parallelize(model, mesh): the plan for transformers' Llama/Mistral/Qwen2/Qwen3
+    mamba.py       Mamba-2 mixers (MambaMixerParallel, MixerLayout) and the plan for
+                   transformers' Mamba2ForCausalLM (parallelize dispatches to it)
 
 Exports resolve lazily (PEP 562).
 """
@@ -19,4 +21,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                           "SequenceParallelNorm", "ReplicateParallel", "ShardSequence",
                           "SeqSplit"),
     "commfuse.tp.hf": ("parallelize", "tp_mesh"),
+    "commfuse.tp.mamba": ("MambaMixerParallel", "MixerLayout", "parallelize_mamba"),
 })

@@ -1,8 +1,9 @@
 """`parallelize`: commfuse TPSP on a Hugging Face transformers causal LM, in place.
 
 Known: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (any model with
-their module names). Every rank passes the same full ``input_ids``; between the layers the
-hidden states are sequence-sharded (``[B, s, D]``). The plan, on the TP mesh of T ranks:
+their module names); Mamba2ForCausalLM goes to `commfuse.tp.mamba.parallelize_mamba`. Every
+rank passes the same full ``input_ids``; between the layers the hidden states are
+sequence-sharded (``[B, s, D]``). The plan, on the TP mesh of T ranks:
 
     model.embed_tokens           ReplicateParallel: the full sequence on every rank
     model.layers.0               ShardSequence: its input sliced to this rank's shard
@@ -26,6 +27,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from commfuse.ops.prefetch import Prefetcher
 from commfuse.runtime.gloo import duplex
+from commfuse.tp.mamba import KNOWN as MAMBA, parallelize_mamba
 from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, FusedRowwiseParallel,
                                ReplicateParallel, SeqSplit, SequenceParallelNorm, ShardSequence)
 
@@ -106,6 +108,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     (`commfuse.ops.prefetch`; False: each gathers in its own backward; nothing to prefetch
     with ``save_gathered``).
     """
+    if type(model).__name__ in MAMBA:
+        return parallelize_mamba(model, mesh, method=method, save_gathered=save_gathered,
+                                 prefetch=prefetch, **opts)
     mesh = tp_mesh(mesh)
     T = mesh.size()
     k = check(model, T)

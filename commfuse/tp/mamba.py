@@ -1,0 +1,297 @@
+"""TPSP for Mamba-2 mixers, and `parallelize_mamba` for transformers' Mamba2ForCausalLM.
+
+A Mamba-2 mixer (transformers' Mamba2Mixer, and the same module in Bamba / Nemotron-H) is
+
+    in_proj   [z | x | B | C | dt] = h @ W_in^T      z, x: d_inner; B, C: G*N; dt: H
+    conv1d    causal depthwise conv over the x | B | C channels, then silu
+    scan      the selective scan (SSD), local per head, over the whole sequence
+    norm      y * silu(z), RMS-normalised per group of d_inner / G channels, times a weight
+    out_proj  h' = y @ W_out^T
+
+On T ranks (Megatron's split), rank r owns heads [r H/T, (r+1) H/T): their z, x and dt, the
+d_inner/T channels of y, A_log, D, dt_bias and the gated norm's weight; and the B/C groups of
+those heads: G/T groups, or, when G < T, the one group its heads read, replicated on the
+T/G ranks that share it (as kv heads are). Under sequence parallelism that is one AG->GEMM
+(`fused_all_gather_matmul`: the sequence shard in, this rank's in_proj rows of the whole
+sequence out), the conv, scan and norm on local channels, and one GEMM->RS
+(`fused_matmul_reduce_scatter`, out_proj as `FusedRowwiseParallel`).
+
+This rank's in_proj rows (z_r, x_r, B_r, C_r, dt_r) and conv channels (x_r, B_r, C_r) are not
+one contiguous block of the model's weight, so those parameters are DTensors ``Shard(0)`` of
+the *assembled* weight: every rank's rows in rank order, ``W[layout.in_rows()]`` (likewise
+``conv1d.weight[layout.conv_rows()]``), B/C rows repeated where they are replicated. Their
+``full_tensor()`` is that assembled weight, not the model's layout (`MixerLayout` maps them);
+a replicated row's gradient is summed over the ranks that share it, so its copies stay equal.
+The other parameters are plain ``Shard(0)`` / ``Shard(1)`` DTensors in the model's layout.
+
+The gated norm is exact under the split: a rank holds whole norm groups (G >= T), or the
+group's sum of squares is summed over the T/G ranks that share it (G < T). Training and
+scoring forward only: no cache (generation), no CUDA kernels (the mixer's torch path).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from commfuse.ops.fused import fused_all_gather_matmul
+from commfuse.ops.prefetch import Prefetcher
+from commfuse.runtime.gloo import duplex
+from commfuse.tp.functional import sum_grad
+from commfuse.tp.style import (FusedColwiseParallel, FusedRowwiseParallel, ReplicateParallel,
+                               SeqSplit, SequenceParallelNorm, ShardSequence, _Fused, _mesh_group,
+                               _param)
+
+KNOWN = ("Mamba2ForCausalLM",)
+MIXER = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias")
+
+
+@dataclass(frozen=True)
+class MixerLayout:
+    """Which rows of a mixer's in_proj / conv1d each of ``world`` ranks owns. ``heads`` H of
+    ``head_dim`` P, ``groups`` G of ``state`` N; d_inner = H P."""
+
+    heads: int
+    head_dim: int
+    groups: int
+    state: int
+    world: int
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold each B/C group (1 when G >= T)."""
+        return max(self.world // self.groups, 1)
+
+    @property
+    def local_heads(self) -> int:
+        return self.heads // self.world
+
+    @property
+    def local_groups(self) -> int:
+        return max(self.groups // self.world, 1)
+
+    def group_ids(self, r: int) -> range:
+        g = self.local_groups
+        return range(r // self.replicas * g, r // self.replicas * g + g)
+
+    def _bc(self, r: int, base: int) -> list[int]:
+        n, G = self.state, self.groups
+        return [base + part * G * n + g * n + i for part in (0, 1) for g in self.group_ids(r)
+                for i in range(n)]
+
+    def in_rows(self, r: int | None = None) -> torch.Tensor:
+        """Rank r's in_proj rows in the model's layout, in order z_r, x_r, B_r, C_r, dt_r
+        (every rank's, concatenated, when r is None)."""
+        if r is None:
+            return torch.cat([self.in_rows(q) for q in range(self.world)])
+        d, c, h = self.heads * self.head_dim, self.local_heads * self.head_dim, self.local_heads
+        ch = list(range(r * c, r * c + c))
+        dt = [2 * d + 2 * self.groups * self.state + r * h + i for i in range(h)]
+        return torch.tensor(ch + [d + i for i in ch] + self._bc(r, 2 * d) + dt)
+
+    def conv_rows(self, r: int | None = None) -> torch.Tensor:
+        """Rank r's conv1d channels in the model's layout: x_r, B_r, C_r."""
+        if r is None:
+            return torch.cat([self.conv_rows(q) for q in range(self.world)])
+        d, c = self.heads * self.head_dim, self.local_heads * self.head_dim
+        return torch.tensor(list(range(r * c, r * c + c)) + self._bc(r, d))
+
+
+def mixer_layout(mixer: nn.Module, T: int, where: str = "mixer") -> MixerLayout:
+    """The mixer's `MixerLayout` on ``T`` ranks; ValueError naming what is missing or what
+    does not divide."""
+    missing = [n for n in MIXER if not hasattr(mixer, n)]
+    missing += [n for n in ("num_heads", "head_dim", "n_groups", "ssm_state_size",
+                            "intermediate_size", "chunk_size")
+                if not isinstance(getattr(mixer, n, None), int)]
+    if missing:
+        raise ValueError(f"{where} ({type(mixer).__name__}) is not a Mamba-2 mixer: missing "
+                         f"{', '.join(missing)}")
+    H, G = mixer.num_heads, mixer.n_groups
+    if H % T:
+        raise ValueError(f"{where}: num_heads ({H}) must be divisible by the TP size ({T}) "
+                         f"(each rank owns whole SSM heads)")
+    if G % T and T % G:
+        raise ValueError(f"{where}: n_groups ({G}) and the TP size ({T}) must divide one "
+                         f"another (B/C groups are split, or replicated when fewer than ranks)")
+    if H % G:
+        raise ValueError(f"{where}: num_heads ({H}) must be divisible by n_groups ({G})")
+    if mixer.norm.group_size * G != mixer.intermediate_size:
+        raise ValueError(f"{where}: the gated norm's group_size ({mixer.norm.group_size}) must "
+                         f"be intermediate_size / n_groups ({mixer.intermediate_size} / {G})")
+    return MixerLayout(H, mixer.head_dim, G, mixer.ssm_state_size, T)
+
+
+class _SlotSum(torch.autograd.Function):
+    """Sum over the ranks of ``group`` that pass the same ``slot``; backward the same."""
+
+    @staticmethod
+    def forward(ctx, x, group, slot, slots):
+        ctx.args = group, slot, slots
+        return _slot_sum(x, group, slot, slots)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _slot_sum(g, *ctx.args), None, None, None
+
+
+def _slot_sum(x, group, slot, slots):
+    buf = x.new_zeros((slots, *x.shape))
+    buf[slot].copy_(x)
+    dist.all_reduce(buf, group=group)
+    return buf[slot]
+
+
+class MambaMixerParallel(_Fused):
+    """On a Mamba-2 mixer: in_proj / conv1d as assembled ``Shard(0)`` DTensors, A_log, D,
+    dt_bias and norm.weight ``Shard(0)``; its forward becomes the sequence-parallel one (the
+    module docstring). out_proj needs `FusedRowwiseParallel` in the same plan.
+    ``save_gathered``: as for `FusedColwiseParallel`."""
+
+    def __init__(self, *, save_gathered: bool = False, **kw):
+        super().__init__(**kw)
+        self.op_kwargs["save_gathered"] = save_gathered
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _mesh_group(device_mesh)
+        lay = mixer_layout(module, device_mesh.size())
+        rows = {"in_proj": lay.in_rows(), "conv1d": lay.conv_rows()}
+        for sub, idx in rows.items():
+            m = getattr(module, sub)
+            for name in ("weight", "bias"):
+                p = getattr(m, name)
+                if p is not None:
+                    m.register_parameter(name, _param(p.detach()[idx], device_mesh, Shard(0),
+                                                      p.requires_grad))
+        for m, name in ((module, "A_log"), (module, "D"), (module, "dt_bias"),
+                        (module.norm, "weight")):
+            p = getattr(m, name)
+            m.register_parameter(name, _param(p, device_mesh, Shard(0), p.requires_grad))
+        module._commfuse_layout = lay
+        return self._install(module, device_mesh, self._forward)
+
+    def _bc_summed(self, t: torch.Tensor, start: int, lay: MixerLayout, group) -> torch.Tensor:
+        """``t`` with its B/C rows [start, start + 2 G_r N) entering through `sum_grad` over
+        the ranks that share them (replicated groups)."""
+        if lay.replicas == 1:
+            return t
+        n = 2 * lay.local_groups * lay.state
+        slot, slots = group.rank() // lay.replicas, group.size() // lay.replicas
+        bc = sum_grad(t[start:start + n], group, slot, slots)
+        return torch.cat([t[:start], bc, t[start + n:]])
+
+    def _forward(self, mixer: nn.Module, group, hidden_states: torch.Tensor, cache=None,
+                 attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("commfuse.tp's Mamba mixer runs training/scoring forwards only: "
+                             "call the model with use_cache=False (no generation cache)")
+        lay: MixerLayout = mixer._commfuse_layout
+        code = sys.modules[type(mixer).__module__]  # the model's own conv and scan functions
+        b, dtype = hidden_states.shape[0], hidden_states.dtype
+        c, h, gn = lay.local_heads * lay.head_dim, lay.local_heads, lay.local_groups * lay.state
+        if attention_mask is not None:  # padding: zero this rank's rows of the input
+            sizes = self.sizes or (hidden_states.shape[self.dim],) * group.size()
+            off = sum(sizes[:group.rank()])
+            hidden_states = hidden_states * attention_mask[:, off:off + sizes[group.rank()], None]
+        # 1. in_proj: AG -> GEMM, this rank's rows z_r | x_r | B_r | C_r | dt_r of the sequence
+        w = self._bc_summed(mixer.in_proj.weight.to_local(), 2 * c, lay, group)
+        _, (zxbcdt,) = fused_all_gather_matmul(hidden_states, [w.t()], self.dim, group,
+                                               return_A=False, sizes=self.sizes,
+                                               prefetch=self.prefetch, **self.op_kwargs)
+        if mixer.in_proj.bias is not None:
+            zxbcdt = zxbcdt + self._bc_summed(mixer.in_proj.bias.to_local(), 2 * c, lay, group)
+        z, xbc, dt = zxbcdt.split([c, c + 2 * gn, h], dim=-1)
+        # 2. causal depthwise conv over this rank's x | B | C channels
+        cw = self._bc_summed(mixer.conv1d.weight.to_local(), c, lay, group).squeeze(1)
+        cb = mixer.conv1d.bias
+        cb = None if cb is None else self._bc_summed(cb.to_local(), c, lay, group)
+        xbc = code.causal_conv1d_fn(xbc.transpose(1, 2), cw, cb,
+                                    activation=mixer.activation).transpose(1, 2)
+        if attention_mask is not None:
+            xbc = (xbc * attention_mask[:, :, None]).to(xbc.dtype)
+        x, B, C = xbc.split([c, gn, gn], dim=-1)
+        # 3. the scan, local per head, over the whole sequence
+        S = x.shape[1]
+        y = code.mamba2_chunk_scan(
+            x.reshape(b, S, h, lay.head_dim), dt, -torch.exp(mixer.A_log.to_local().float()),
+            B.reshape(b, S, lay.local_groups, lay.state),
+            C.reshape(b, S, lay.local_groups, lay.state), chunk_size=mixer.chunk_size,
+            D=mixer.D.to_local(), z=None, dt_bias=mixer.dt_bias.to_local(), dt_softplus=True,
+            dt_limit=mixer.time_step_limit).reshape(b, S, c)
+        # 4. gated RMS norm per group, 5. out_proj: GEMM -> RS (FusedRowwiseParallel)
+        y = self._gated_norm(mixer.norm, y, z, lay, group)
+        return mixer.out_proj(y.to(dtype))
+
+    @staticmethod
+    def _gated_norm(norm: nn.Module, y, z, lay: MixerLayout, group) -> torch.Tensor:
+        """``norm(y, z)`` on this rank's channels: whole groups here (G >= T), or one part of
+        a group whose sum of squares is summed over the ranks that share it (G < T)."""
+        dtype = y.dtype
+        y = y.float() * nn.functional.silu(z.float())
+        parts = lay.local_groups if lay.replicas == 1 else 1
+        yg = y.unflatten(-1, (parts, -1))
+        ss = yg.pow(2).sum(-1, keepdim=True)
+        if lay.replicas > 1:
+            ss = _SlotSum.apply(ss, group, group.rank() // lay.replicas,
+                                group.size() // lay.replicas)
+        var = ss / norm.group_size
+        y = (yg * torch.rsqrt(var + norm.variance_epsilon)).flatten(-2)
+        return norm.weight.to_local() * y.to(dtype)
+
+
+def check(model: nn.Module, T: int) -> list[MixerLayout]:
+    """Raise if ``model`` (a Mamba2ForCausalLM) cannot run on ``T`` TP ranks; its layers'
+    mixer layouts."""
+    have = dict(model.named_modules())
+    need = ["backbone.embeddings", "backbone.layers", "backbone.norm_f", "lm_head"]
+    missing = [n for n in need if n not in have]
+    if not missing and (not isinstance(have["backbone.layers"], nn.ModuleList)
+                        or not len(have["backbone.layers"])):
+        missing.append("backbone.layers (a non-empty ModuleList)")
+    if not missing:
+        missing = [f"backbone.layers.{i}.{n}" for i, _ in enumerate(model.backbone.layers)
+                   for n in ("norm", "mixer") if f"backbone.layers.{i}.{n}" not in have]
+    if missing:
+        raise ValueError(f"commfuse.tp.parallelize does not know {type(model).__name__} as a "
+                         f"Mamba-2 model ({', '.join(KNOWN)}); missing: {', '.join(missing)}")
+    if model.lm_head.weight is model.backbone.embeddings.weight:
+        raise ValueError("tied input/output embeddings are not supported by commfuse.tp "
+                         "(the head is vocab-sharded, the embedding replicated): untie them")
+    if model.lm_head.out_features < T:
+        raise ValueError(f"vocab size ({model.lm_head.out_features}) is below the TP size ({T})")
+    return [mixer_layout(layer.mixer, T, f"backbone.layers.{i}.mixer")
+            for i, layer in enumerate(model.backbone.layers)]
+
+
+def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
+                      save_gathered: bool = False, prefetch: bool = True, **opts) -> nn.Module:
+    """`commfuse.tp.parallelize` for a Mamba2ForCausalLM (same arguments and contract): the
+    embedding replicated, the sequence sharded from layer 0 on, each block's norm a
+    `SequenceParallelNorm`, each mixer `MambaMixerParallel` + `FusedRowwiseParallel` out_proj,
+    the head vocab-parallel with full logits on every rank. Sets ``config.use_cache = False``
+    (no generation cache under TP)."""
+    from commfuse.tp.hf import tp_mesh
+    mesh = tp_mesh(mesh)
+    check(model, mesh.size())
+    duplex(mesh.get_group())
+    split, chain = SeqSplit(), Prefetcher(1 if prefetch else 0)
+    kw = dict(method=method, split=split, **opts)
+    ag = dict(kw, save_gathered=save_gathered)
+    mixer, row, norm = MambaMixerParallel(prefetch=chain, **ag), \
+        FusedRowwiseParallel(prefetch=chain, **kw), SequenceParallelNorm()
+    plan = {"backbone.embeddings": ReplicateParallel(),
+            "backbone.layers.0": ShardSequence(split, prefetch=chain),
+            "backbone.norm_f": norm, "lm_head": FusedColwiseParallel(gather_output=True, **ag)}
+    for i in range(len(model.backbone.layers)):
+        p = f"backbone.layers.{i}."
+        plan.update({p + "norm": norm, p + "mixer": mixer, p + "mixer.out_proj": row})
+    model.config.use_cache = False
+    parallelize_module(model, mesh, plan)
+    return model
