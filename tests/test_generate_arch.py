@@ -109,14 +109,14 @@ def _rank(rank, world, models):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_greedy_tokens_equal_transformers(cases, trained, world):
+def test_greedy_tokens_equal_transformers(cases, request, world):
     """Qwen2, Qwen3, sliding-window Mistral and Qwen2: every plan's greedy tokens for a batch
     of prompts of lengths 11, 1 and 5 are transformers' ``generate``'s on every rank (the
     windowed layers' caches a ring of W slots); on 2 ranks also those of the trained
     ``--hf-config`` checkpoint; query-split, causal over the whole prompt, refused under a
     shorter window."""
     if world == 2:
-        cases = {**cases, "trained": trained}
+        cases = {**cases, "trained": request.getfixturevalue("trained")}
     if world == 1:  # the windowed layers keep a ring of WINDOW slots, the others every position
         m = InferenceLlama(load_checkpoint_model(cases["qwen2-window"][0])[0])
         assert [t.shape[2] for t in m.new_cache(2, 20).k] == [20, 3]
