@@ -80,7 +80,7 @@ class TrainConfig:
     """A `LlamaConfig.preset` name: the model."""
     hf_config: str | None = field(default=None, metadata={"metavar": "PATH_OR_NAME"})
     """Train a transformers causal LM built from this config instead (llama-tiny, qwen2-tiny,
-    a config.json or directory, or a hub name), with commfuse.tp over --tp and FSDP2 over
+    qwen3-tiny, mistral-sw-tiny, a config.json or directory, or a hub name), with commfuse.tp over --tp and FSDP2 over
     --dp (`commfuse.train.hf`); if not given (None), the preset."""
     model: dict = field(default_factory=dict)
     """LlamaConfig fields overriding the preset."""
