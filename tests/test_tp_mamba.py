@@ -1,0 +1,191 @@
+"""commfuse.tp on transformers' Mamba2ForCausalLM against the unsharded model (tiny random
+configs, float32, the mixer's torch path, gloo).
+
+One spawn per world size runs every case: each rank builds the reference model from the seed,
+computes its logits, loss and gradients in one process, then parallelizes a copy with
+`commfuse.tp.parallelize` and compares logits, loss and every parameter's full gradient
+(``grad.full_tensor()``; in_proj and conv1d are DTensors of the assembled rows, compared with
+the reference gradient's rows ``MixerLayout.in_rows()`` / ``conv_rows()``, which also checks
+that replicated B/C rows got equal gradients); training runs AdamW steps of both and compares
+the losses. The layouts: 2 B/C groups (split on 2 ranks, replicated on 4), 1 group
+(replicated on every rank, the gated norm's statistics summed over ranks), 4 groups with
+in_proj / out_proj biases (split on 2 and 4), and a padding mask.
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from commfuse.testbed.spawn import run_local
+
+CFG = dict(vocab_size=63, hidden_size=16, expand=2, num_heads=8, head_dim=4, state_size=8,
+           chunk_size=4, num_hidden_layers=2, conv_kernel=4, tie_word_embeddings=False)
+LAYOUTS = {"g2": {"n_groups": 2}, "g1": {"n_groups": 1},
+           "g4-bias": {"n_groups": 4, "use_bias": True}}
+METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
+TOL = 1e-5  # norm-relative, float32 (the mixer computes its norm and scan in float32)
+# (layout, method, padding mask): 11 tokens, split unevenly over 2 and 4 ranks, 3 scan chunks
+EXACT = ([("g2", m, False) for m in METHODS] + [("g1", m, False) for m in ("none", "commfuse",
+                                                                           "auto")]
+         + [("g4-bias", "commfuse", False), ("g4-bias", "auto", False), ("g2", "commfuse", True)])
+TRAIN = [("g2", "commfuse"), ("g1", "auto")]
+STEPS, BATCH, SEQ = 20, 4, 12
+
+
+def build(layout: str, seed: int = 0, **over):
+    import transformers
+    cfg = transformers.Mamba2Config(**{**CFG, **LAYOUTS.get(layout, {}), **over})
+    torch.manual_seed(seed)
+    return transformers.Mamba2ForCausalLM(cfg).float()
+
+
+def _rel(x, ref) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def _want_grad(model, name: str, ref_grad: torch.Tensor) -> torch.Tensor:
+    """The reference gradient in the parameter's own layout (in_proj / conv1d: assembled)."""
+    owner, _, _ = name.rpartition(".")
+    sub, _, kind = owner.rpartition(".")
+    if kind in ("in_proj", "conv1d"):
+        lay = model.get_submodule(sub)._commfuse_layout
+        return ref_grad[lay.in_rows() if kind == "in_proj" else lay.conv_rows()]
+    return ref_grad
+
+
+def _check_exact(layout, method, mask, mesh) -> list[str]:
+    import commfuse.tp as tp
+    from torch.distributed.tensor import DTensor
+    ref = build(layout)
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(11)
+    ids, labels = torch.randint(CFG["vocab_size"], (2, 2, 11), generator=g)
+    labels[0, 2] = -100  # an ignored position
+    kw = {}
+    if mask:  # left padding: row 0's first 3 tokens
+        kw["attention_mask"] = torch.ones_like(ids)
+        kw["attention_mask"][0, :3] = 0
+        labels[0, :3] = -100
+    out = ref(ids, labels=labels, use_cache=False, **kw)
+    out.loss.backward()
+    tp.parallelize(model, mesh, method=method, **METHODS[method])
+    got = model(ids, labels=labels, **kw)
+    got.loss.backward()
+    problems = []
+    if _rel(got.logits.detach(), out.logits.detach()) > TOL:
+        problems.append(f"logits rel {_rel(got.logits.detach(), out.logits.detach()):.1e}")
+    if abs(got.loss.item() - out.loss.item()) > TOL * abs(out.loss.item()):
+        problems.append(f"loss {got.loss.item()} vs {out.loss.item()}")
+    want = dict(ref.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    if sorted(names) != sorted(want):
+        problems.append(f"parameter names differ: {set(names) ^ set(want)}")
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            problems.append(f"{name} is not a DTensor")
+            continue
+        w = _want_grad(model, name, want[name].grad)
+        if p.grad is None or _rel(p.grad.full_tensor(), w) > TOL:
+            problems.append(f"grad {name} rel "
+                            f"{'none' if p.grad is None else f'{_rel(p.grad.full_tensor(), w):.1e}'}")
+    return problems
+
+
+def _train(model, ids, labels) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(len(ids)):
+        loss = model(ids[step], labels=labels[step], use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _check_train(layout, method, mesh) -> list[str]:
+    """``STEPS`` AdamW steps on two batches taken in turn (so the loss falls)."""
+    import commfuse.tp as tp
+    two = torch.randint(CFG["vocab_size"], (2, BATCH, SEQ),
+                        generator=torch.Generator().manual_seed(5))
+    ids = two[torch.arange(STEPS) % 2]
+    labels = ids.roll(-1, 2)
+    want = _train(build(layout), ids, labels)
+    got = _train(tp.parallelize(build(layout), mesh, method=method), ids, labels)
+    err = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    ok = err < 1e-4 and want[-1] < want[0] - 0.5  # and it learned something
+    return [] if ok else [f"losses {got} vs {want} (max rel {err:.1e})"]
+
+
+def _run(rank: int, world: int) -> dict[str, list[str]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for layout, method, mask in EXACT:
+        case = f"exact-{layout}-{method}{'-mask' if mask else ''}"
+        try:
+            out[case] = _check_exact(layout, method, mask, mesh)
+        except Exception as e:  # one broken case must not hide the others' results
+            out[case] = [f"{type(e).__name__}: {e}"]
+    for layout, method in TRAIN:
+        try:
+            out[f"train-{layout}-{method}"] = _check_train(layout, method, mesh)
+        except Exception as e:
+            out[f"train-{layout}-{method}"] = [f"{type(e).__name__}: {e}"]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results(world: int) -> list[dict]:
+    return run_local(_run, world, timeout=600, pg_timeout_s=60)
+
+
+CASES = [(w, f"exact-{l}-{m}{'-mask' if k else ''}") for w in (2, 4) for l, m, k in EXACT]
+CASES += [(w, f"train-{l}-{m}") for w in (2, 4) for l, m in TRAIN]
+
+
+@pytest.mark.parametrize("world,case", CASES, ids=[f"{w}-{c}" for w, c in CASES])
+def test_matches_unsharded_model(world, case):
+    problems = {r: res[case] for r, res in enumerate(results(world)) if res[case]}
+    assert not problems, problems
+
+
+# --- no processes: the layout, and what parallelize refuses --------------------------------
+
+def test_layout_rows_are_each_ranks_heads_and_groups():
+    from commfuse.tp.mamba import MixerLayout
+    # H=4 heads of P=1, G=2 groups of N=1: in_proj rows z 0-3, x 4-7, B 8-9, C 10-11, dt 12-15;
+    # with G=1: B 8, C 9, dt 10-13
+    split = MixerLayout(heads=4, head_dim=1, groups=2, state=1, world=2)
+    assert split.in_rows(1).tolist() == [2, 3, 6, 7, 9, 11, 14, 15]
+    assert split.conv_rows(1).tolist() == [2, 3, 5, 7]  # conv channels x 0-3, B 4-5, C 6-7
+    repl = MixerLayout(heads=4, head_dim=1, groups=1, state=1, world=4)  # G < T: replicated
+    assert repl.replicas == 4 and repl.in_rows(3).tolist() == [3, 7, 8, 9, 13]
+    assert repl.in_rows().shape == (4 * 5,)
+
+
+@pytest.mark.parametrize("over,T,match", [
+    ({"num_heads": 6, "head_dim": 4, "hidden_size": 12}, 4,
+     r"mixer: num_heads \(6\) must be divisible by the TP size \(4\)"),
+    ({"num_heads": 6, "head_dim": 4, "hidden_size": 12, "n_groups": 3}, 2,
+     r"n_groups \(3\) and the TP size \(2\) must divide one another"),
+    ({"tie_word_embeddings": True}, 2, "tied input/output embeddings"),
+])
+def test_check_rejects(over, T, match):
+    from commfuse.tp.mamba import check
+    with pytest.raises(ValueError, match=match):
+        check(build("g2", **over), T)
+
+
+def test_check_names_what_is_missing():
+    import transformers
+    from commfuse.tp.mamba import check, mixer_layout
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=10, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2))
+    with pytest.raises(ValueError, match=r"missing: backbone\.embeddings, backbone\.layers"):
+        check(llama, 2)
+    with pytest.raises(ValueError, match=r"not a Mamba-2 mixer: missing in_proj, conv1d"):
+        mixer_layout(torch.nn.Linear(2, 2), 2)
