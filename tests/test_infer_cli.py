@@ -1,24 +1,43 @@
 """`commfuse generate`: a checkpoint of `commfuse train` generates the same text on 1 and 2
-ranks, --bench prints every method, bad flags are refused before any rank starts."""
+ranks, --bench prints every method, bad flags are refused before any rank starts.
+
+The commands run in this process (`commfuse.cli.main`, their ranks forked as `commfuse` forks
+them); what they and their ranks print is read from the file descriptors. The installed entry
+point in a fresh interpreter is run by tests/test_train_cli.py."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from dataclasses import dataclass
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
 
 
-def _cli(*args, timeout=300):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "commfuse.cli", "generate", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def command(capfd):
+    """``command("generate", ...)``: run a command here, as ``commfuse ...`` would."""
+    from commfuse import cli as entry
+
+    def run(*args) -> Ran:
+        capfd.readouterr()
+        try:
+            rc = entry.main(list(args))
+        except SystemExit as e:
+            rc = e.code
+        out, err = capfd.readouterr()
+        return Ran(rc, out, err)
+
+    return run
 
 
 def _refused(*args) -> tuple[int, str]:
     """`commfuse generate ARGS` in this process, for flags refused before any rank starts
-    (exit status, stderr): no interpreter to start, as `_cli` does."""
+    (exit status, stderr)."""
     import contextlib
     import io
 
@@ -33,29 +52,26 @@ def _refused(*args) -> tuple[int, str]:
     return rc, err.getvalue()
 
 
-def test_cli_generate_end_to_end(tmp_path):
+def test_cli_generate_end_to_end(tmp_path, command):
     """Checkpoint of commfuse train (tp=2) -> generate with tp=1 and tp=2: the same text;
     --bench prints every method; bad flags are refused."""
     ck = tmp_path / "ck"
-    train = subprocess.run(
-        [sys.executable, "-m", "commfuse.cli", "train", "--tp", "2", "--steps", "2",
-         "--batch-size", "2", "--seq-len", "32", "--checkpoint-dir", str(ck), "--link",
-         "loopback", "--hardware", "cpu-testbed"], cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    train = command("train", "--tp", "2", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+                    "--checkpoint-dir", str(ck), "--link", "loopback", "--hardware", "cpu-testbed")
     assert train.returncode == 0, train.stderr[-2000:]
     texts = []
     for tp in ("1", "2"):
-        p = _cli("--prompt", "The history of", "--max-new-tokens", "6", "--tp", tp,
-                 "--checkpoint", str(ck), "--link", "loopback", "--method", "commfuse",
-                 "--hardware", "cpu-testbed")  # no fit: it only picks for auto
+        p = command("generate", "--prompt", "The history of", "--max-new-tokens", "6", "--tp", tp,
+                    "--checkpoint", str(ck), "--link", "loopback", "--method", "commfuse",
+                    "--hardware", "cpu-testbed")  # no fit: it only picks for auto
         assert p.returncode == 0, p.stderr[-2000:]
         assert p.stdout.startswith("The history of")
         assert f"tp={tp}" in p.stderr and "tokens/s" in p.stderr
         texts.append(p.stdout)
     assert texts[0] == texts[1]
-    p = _cli("--prompt-tokens", "5", "--max-new-tokens", "3", "--random-init", "--bench",
-             "--iters", "1", "--tp", "2", "--link", "loopback", "--json",
-             str(tmp_path / "b.json"))
+    p = command("generate", "--prompt-tokens", "5", "--max-new-tokens", "3", "--random-init",
+                "--bench", "--iters", "1", "--tp", "2", "--link", "loopback", "--json",
+                str(tmp_path / "b.json"))
     assert p.returncode == 0, p.stderr[-2000:]
     for m in ("none", "sliced", "decompose", "commfuse", "auto"):
         assert f"      5 {m}" in p.stdout
@@ -78,9 +94,9 @@ def test_cli_generate_end_to_end(tmp_path):
     assert (auto["decode_ran"], allreduce["decode_ran"]) == ("allreduce", "allreduce")
     assert auto["sim_decode_tokens_per_s"] == allreduce["sim_decode_tokens_per_s"]
     assert rows[3]["decode_ran"] == "commfuse"
-    p = _cli("--prompt", "a", "--prompt", "bb b", "--tp", "2", "--random-init",
-             "--max-new-tokens", "2", "--temperature", "0.7", "--top-k", "5", "--link",
-             "loopback", "--hardware", "cpu-testbed")
+    p = command("generate", "--prompt", "a", "--prompt", "bb b", "--tp", "2", "--random-init",
+                "--max-new-tokens", "2", "--temperature", "0.7", "--top-k", "5", "--link",
+                "loopback", "--hardware", "cpu-testbed")
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.startswith("[0] a|") and "\n[1] bb b|" in p.stdout
     for flags, why in ((["--random-init", "--prefill-chunks", "0"],
