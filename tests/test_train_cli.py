@@ -76,6 +76,7 @@ def test_verdict_says_what_the_ratio_means():
     assert "no gain beyond the 3 %" in _verdict(step_s=0.39).line()
     assert "1.10x of none (10 % MORE time per step): slower" in _verdict(step_s=0.44).line()
     assert "little to hide" in _verdict(none_exposed_s=0.02, exposed_s=0.01).line()
+    assert "exposed more communication than none" in _verdict(exposed_s=0.3).line()
     assert "losses DIFFER by up to 0.3" in _verdict(max_loss_diff=0.3).line()
     assert "loopback, which cannot show overlap" in _verdict(link="loopback").line()
     assert "hidden" not in _verdict(link="loopback").line()

@@ -98,7 +98,8 @@ class Verdict:
         elif r < 1 - SAME:
             what = f"{speed} ({100 * (1 - r):.0f} % less time per step){self._hiding()}"
         elif r > 1 + SAME:
-            what = f"{speed} ({100 * (r - 1):.0f} % MORE time per step): slower here{self._hiding()}"
+            what = (f"{speed} ({100 * (r - 1):.0f} % MORE time per step): slower "
+                    f"here{self._hiding()}")
         else:
             what = (f"{speed}: no gain beyond the {100 * SAME:.0f} % two sequential runs "
                     f"vary{self._hiding()}")
@@ -110,15 +111,17 @@ class Verdict:
 
     def _hiding(self) -> str:
         """What the method did with none's exposed communication, for the line."""
-        if self.hidden is None:
+        if self.exposed_s is None or self.none_exposed_s is None:
             return ""
         ms = lambda s: f"{s * 1e3:.0f} ms"
+        change = f"({ms(self.none_exposed_s)} -> {ms(self.exposed_s)} per fwd+bwd)"
         if self.none_fwd_bwd_s and self.none_exposed_s < 0.15 * self.none_fwd_bwd_s:
             return (f"; little to hide: none exposes {ms(self.none_exposed_s)} of its "
                     f"{ms(self.none_fwd_bwd_s)} fwd+bwd")
-        return (f": {100 * max(0.0, self.hidden):.0f} % of the communication none leaves "
-                f"exposed hidden ({ms(self.none_exposed_s)} -> {ms(self.exposed_s)} per "
-                f"fwd+bwd)")
+        if self.hidden < 0:
+            return f"; yet it exposed more communication than none {change}: a noisy machine?"
+        return (f": {100 * self.hidden:.0f} % of the communication none leaves exposed hidden "
+                f"{change}")
 
     def fields(self) -> dict:
         """The verdict as JSON fields: the measurements, the derived figures and the line."""
