@@ -58,14 +58,18 @@ class TrainConfig:
     device's preset with its GEMM and attention rates fitted at start to kernels timed on
     every rank, commfuse.ops.auto.calibrate) or a preset name (commfuse.sim.hardware.PRESETS,
     e.g. cpu-testbed)."""
-    steps: int = 150
+    steps: int = 40
     """Optimizer steps of the whole run (a resumed run continues to this step)."""
     seed: int = 0
     """Model init and data order."""
-    batch_size: int = 8
+    batch_size: int = 4
     """Global batch (sequences per step), split over the DP ranks."""
-    seq_len: int = 128
-    """Tokens per sequence (any length: tp / up split it as evenly as it goes)."""
+    seq_len: int = 1024
+    """Tokens per sequence (any length: tp / up split it as evenly as it goes). Attention's
+    work per token grows with the length and the bytes the TP collectives move per token do
+    not, so at the default the tiny preset's compute per rank is comparable to its
+    collectives' time on a 1 Gbit/s link and --compare-none can show the overlap (at 128
+    tokens the transfers dominate the step and there is little compute to hide them)."""
     variable_length: bool = False
     """Step i trains on a prefix of each sequence, seq_len/2..seq_len tokens (`seq_len_at`),
     so the length, and with it every sequence split, changes from step to step."""
