@@ -1,5 +1,6 @@
-"""commfuse.tp on transformers' Mamba2ForCausalLM against the unsharded model (tiny random
-configs, float32, the mixer's torch path, gloo).
+"""commfuse.tp on transformers' Mamba2ForCausalLM and the hybrid BambaForCausalLM (a Mamba-2
+layer and an attention layer) against the unsharded model (tiny random configs, float32, the
+mixer's torch path, gloo).
 
 One spawn per world size runs every case: each rank builds the reference model from the seed,
 computes its logits, loss and gradients in one process, then parallelizes a copy with
@@ -9,7 +10,8 @@ the reference gradient's rows ``MixerLayout.in_rows()`` / ``conv_rows()``, which
 that replicated B/C rows got equal gradients); training runs AdamW steps of both and compares
 the losses. The layouts: 2 B/C groups (split on 2 ranks, replicated on 4), 1 group
 (replicated on every rank, the gated norm's statistics summed over ranks), 4 groups with
-in_proj / out_proj biases (split on 2 and 4), and a padding mask.
+in_proj / out_proj biases (split on 2 and 4), a padding mask, and Bamba (its kv heads
+replicated on 4 ranks: their gradients compared block-repeated).
 """
 
 import copy
@@ -24,19 +26,30 @@ CFG = dict(vocab_size=63, hidden_size=16, expand=2, num_heads=8, head_dim=4, sta
            chunk_size=4, num_hidden_layers=2, conv_kernel=4, tie_word_embeddings=False)
 LAYOUTS = {"g2": {"n_groups": 2}, "g1": {"n_groups": 1},
            "g4-bias": {"n_groups": 4, "use_bias": True}}
+# the hybrid: layer 0 Mamba-2 (2 groups), layer 1 attention (4 heads, 2 kv heads), SwiGLU MLPs
+BAMBA = dict(vocab_size=63, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+             attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
+             mamba_n_heads=8, mamba_d_head=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+             mamba_expand=2, mamba_chunk_size=4, max_position_embeddings=64,
+             tie_word_embeddings=False)
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
 TOL = 1e-5  # norm-relative, float32 (the mixer computes its norm and scan in float32)
 # (layout, method, padding mask): 11 tokens, split unevenly over 2 and 4 ranks, 3 scan chunks
 EXACT = ([("g2", m, False) for m in METHODS] + [("g1", m, False) for m in ("none", "commfuse",
                                                                            "auto")]
-         + [("g4-bias", "commfuse", False), ("g4-bias", "auto", False), ("g2", "commfuse", True)])
-TRAIN = [("g2", "commfuse"), ("g1", "auto")]
+         + [("g4-bias", "commfuse", False), ("g4-bias", "auto", False), ("g2", "commfuse", True)]
+         + [("bamba", m, False) for m in ("none", "commfuse", "auto")])
+TRAIN = [("g2", "commfuse"), ("g1", "auto"), ("bamba", "commfuse")]
 STEPS, BATCH, SEQ = 20, 4, 12
 
 
 def build(layout: str, seed: int = 0, **over):
     import transformers
-    cfg = transformers.Mamba2Config(**{**CFG, **LAYOUTS.get(layout, {}), **over})
+    if layout == "bamba":
+        cfg = transformers.BambaConfig(**{**BAMBA, **over})
+        torch.manual_seed(seed)
+        return transformers.BambaForCausalLM(cfg).float()
+    cfg = transformers.Mamba2Config(**{**CFG, **LAYOUTS[layout], **over})
     torch.manual_seed(seed)
     return transformers.Mamba2ForCausalLM(cfg).float()
 
@@ -52,6 +65,11 @@ def _want_grad(model, name: str, ref_grad: torch.Tensor) -> torch.Tensor:
     if kind in ("in_proj", "conv1d"):
         lay = model.get_submodule(sub)._commfuse_layout
         return ref_grad[lay.in_rows() if kind == "in_proj" else lay.conv_rows()]
+    p = model.get_parameter(name)
+    if p.shape != ref_grad.shape:  # k/v heads replicated k times: blocks b0 b1 -> b0 b0 b1 b1
+        k = p.shape[0] // ref_grad.shape[0]
+        blocks = ref_grad.reshape(p.device_mesh.size() // k, -1, *ref_grad.shape[1:])
+        return blocks.repeat_interleave(k, 0).flatten(0, 1)
     return ref_grad
 
 
@@ -174,18 +192,33 @@ def test_layout_rows_are_each_ranks_heads_and_groups():
     ({"tie_word_embeddings": True}, 2, "tied input/output embeddings"),
 ])
 def test_check_rejects(over, T, match):
-    from commfuse.tp.mamba import check
+    from commfuse.tp.hf_mamba import check
     with pytest.raises(ValueError, match=match):
         check(build("g2", **over), T)
 
 
+@pytest.mark.parametrize("over,T,match", [
+    ({"num_attention_heads": 4, "num_key_value_heads": 4, "mamba_n_heads": 8}, 8,
+     r"num_attention_heads \(4\) must be divisible by the TP size \(8\)"),
+    ({"mamba_n_groups": 3}, 4, r"model\.layers\.0\.mamba: n_groups \(3\) and the TP size \(4\)"),
+])
+def test_check_rejects_hybrid(over, T, match):
+    from commfuse.tp.hf_mamba import check
+    with pytest.raises(ValueError, match=match):
+        check(build("bamba", **over), T)
+
+
 def test_check_names_what_is_missing():
-    import transformers
-    from commfuse.tp.mamba import check, mixer_layout
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=10, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
-        num_attention_heads=2))
-    with pytest.raises(ValueError, match=r"missing: backbone\.embeddings, backbone\.layers"):
-        check(llama, 2)
+    from commfuse.tp.hf_mamba import check
+    from commfuse.tp.mamba import mixer_layout
+    model = build("g2")
+    del model.backbone.layers[1].norm, model.backbone.norm_f
+    with pytest.raises(ValueError, match=r"does not know Mamba2ForCausalLM as a Mamba-2 model .*"
+                                         r"missing: backbone\.norm_f$"):
+        check(model, 2)
+    model = build("g2")
+    del model.backbone.layers[1].norm
+    with pytest.raises(ValueError, match=r"missing: backbone\.layers\.1\.norm$"):
+        check(model, 2)
     with pytest.raises(ValueError, match=r"not a Mamba-2 mixer: missing in_proj, conv1d"):
         mixer_layout(torch.nn.Linear(2, 2), 2)

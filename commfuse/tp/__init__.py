@@ -6,8 +6,9 @@ all-gather / reduce-scatter fused with its GEMM by commfuse.
                    FusedRowwiseParallel, FusedProjections, SequenceParallelNorm,
                    ReplicateParallel, ShardSequence, and the shared SeqSplit
     hf.py          parallelize(model, mesh): the plan for transformers' Llama/Mistral/Qwen2/Qwen3
-    mamba.py       Mamba-2 mixers (MambaMixerParallel, MixerLayout) and the plan for
-                   transformers' Mamba2ForCausalLM (parallelize dispatches to it)
+    mamba.py       MambaMixerParallel: a Mamba-2 mixer's TPSP (MixerLayout: its rows per rank)
+    hf_mamba.py    parallelize_mamba: the plans for transformers' Mamba2ForCausalLM and
+                   BambaForCausalLM (parallelize dispatches to it)
 
 Exports resolve lazily (PEP 562).
 """
@@ -21,5 +22,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                           "SequenceParallelNorm", "ReplicateParallel", "ShardSequence",
                           "SeqSplit"),
     "commfuse.tp.hf": ("parallelize", "tp_mesh"),
-    "commfuse.tp.mamba": ("MambaMixerParallel", "MixerLayout", "parallelize_mamba"),
+    "commfuse.tp.mamba": ("MambaMixerParallel", "MixerLayout"),
+    "commfuse.tp.hf_mamba": ("parallelize_mamba",),
 })

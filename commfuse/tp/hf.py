@@ -1,8 +1,8 @@
 """`parallelize`: commfuse TPSP on a Hugging Face transformers causal LM, in place.
 
 Known: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (any model with
-their module names); Mamba2ForCausalLM goes to `commfuse.tp.mamba.parallelize_mamba`. Every
-rank passes the same full ``input_ids``; between the layers the hidden states are
+their module names); Mamba2ForCausalLM and BambaForCausalLM go to
+`commfuse.tp.hf_mamba.parallelize_mamba`. Every rank passes the same full ``input_ids``; between the layers the hidden states are
 sequence-sharded (``[B, s, D]``). The plan, on the TP mesh of T ranks:
 
     model.embed_tokens           ReplicateParallel: the full sequence on every rank
@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from commfuse.ops.prefetch import Prefetcher
 from commfuse.runtime.gloo import duplex
-from commfuse.tp.mamba import KNOWN as MAMBA, parallelize_mamba
+from commfuse.tp.hf_mamba import KNOWN as MAMBA, parallelize_mamba
 from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, FusedRowwiseParallel,
                                ReplicateParallel, SeqSplit, SequenceParallelNorm, ShardSequence)
 

@@ -1,4 +1,5 @@
-"""TPSP for Mamba-2 mixers, and `parallelize_mamba` for transformers' Mamba2ForCausalLM.
+"""TPSP for Mamba-2 mixers: `MambaMixerParallel`, a ParallelStyle (the model plans that use
+it are in `commfuse.tp.hf_mamba`).
 
 A Mamba-2 mixer (transformers' Mamba2Mixer, and the same module in Bamba / Nemotron-H) is
 
@@ -39,17 +40,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import parallelize_module
 
 from commfuse.ops.fused import fused_all_gather_matmul
-from commfuse.ops.prefetch import Prefetcher
-from commfuse.runtime.gloo import duplex
 from commfuse.tp.functional import sum_grad
-from commfuse.tp.style import (FusedColwiseParallel, FusedRowwiseParallel, ReplicateParallel,
-                               SeqSplit, SequenceParallelNorm, ShardSequence, _Fused, _mesh_group,
-                               _param)
+from commfuse.tp.style import _Fused, _mesh_group, _param
 
-KNOWN = ("Mamba2ForCausalLM",)
 MIXER = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias")
 
 
@@ -244,54 +239,3 @@ class MambaMixerParallel(_Fused):
         var = ss / norm.group_size
         y = (yg * torch.rsqrt(var + norm.variance_epsilon)).flatten(-2)
         return norm.weight.to_local() * y.to(dtype)
-
-
-def check(model: nn.Module, T: int) -> list[MixerLayout]:
-    """Raise if ``model`` (a Mamba2ForCausalLM) cannot run on ``T`` TP ranks; its layers'
-    mixer layouts."""
-    have = dict(model.named_modules())
-    need = ["backbone.embeddings", "backbone.layers", "backbone.norm_f", "lm_head"]
-    missing = [n for n in need if n not in have]
-    if not missing and (not isinstance(have["backbone.layers"], nn.ModuleList)
-                        or not len(have["backbone.layers"])):
-        missing.append("backbone.layers (a non-empty ModuleList)")
-    if not missing:
-        missing = [f"backbone.layers.{i}.{n}" for i, _ in enumerate(model.backbone.layers)
-                   for n in ("norm", "mixer") if f"backbone.layers.{i}.{n}" not in have]
-    if missing:
-        raise ValueError(f"commfuse.tp.parallelize does not know {type(model).__name__} as a "
-                         f"Mamba-2 model ({', '.join(KNOWN)}); missing: {', '.join(missing)}")
-    if model.lm_head.weight is model.backbone.embeddings.weight:
-        raise ValueError("tied input/output embeddings are not supported by commfuse.tp "
-                         "(the head is vocab-sharded, the embedding replicated): untie them")
-    if model.lm_head.out_features < T:
-        raise ValueError(f"vocab size ({model.lm_head.out_features}) is below the TP size ({T})")
-    return [mixer_layout(layer.mixer, T, f"backbone.layers.{i}.mixer")
-            for i, layer in enumerate(model.backbone.layers)]
-
-
-def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
-                      save_gathered: bool = False, prefetch: bool = True, **opts) -> nn.Module:
-    """`commfuse.tp.parallelize` for a Mamba2ForCausalLM (same arguments and contract): the
-    embedding replicated, the sequence sharded from layer 0 on, each block's norm a
-    `SequenceParallelNorm`, each mixer `MambaMixerParallel` + `FusedRowwiseParallel` out_proj,
-    the head vocab-parallel with full logits on every rank. Sets ``config.use_cache = False``
-    (no generation cache under TP)."""
-    from commfuse.tp.hf import tp_mesh
-    mesh = tp_mesh(mesh)
-    check(model, mesh.size())
-    duplex(mesh.get_group())
-    split, chain = SeqSplit(), Prefetcher(1 if prefetch else 0)
-    kw = dict(method=method, split=split, **opts)
-    ag = dict(kw, save_gathered=save_gathered)
-    mixer, row, norm = MambaMixerParallel(prefetch=chain, **ag), \
-        FusedRowwiseParallel(prefetch=chain, **kw), SequenceParallelNorm()
-    plan = {"backbone.embeddings": ReplicateParallel(),
-            "backbone.layers.0": ShardSequence(split, prefetch=chain),
-            "backbone.norm_f": norm, "lm_head": FusedColwiseParallel(gather_output=True, **ag)}
-    for i in range(len(model.backbone.layers)):
-        p = f"backbone.layers.{i}."
-        plan.update({p + "norm": norm, p + "mixer": mixer, p + "mixer.out_proj": row})
-    model.config.use_cache = False
-    parallelize_module(model, mesh, plan)
-    return model
