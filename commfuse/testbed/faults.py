@@ -41,6 +41,13 @@ FAULTS = ("kill", "stall", "linkdown")
 OUTCOMES = ("raised", "hang", "silent", "other")
 PG_TIMEOUT_S = 120.0  # the group's own timeout: far above any op's, so the two are told apart
 _CLONE_NEWNET = 0x40000000
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """This process gets SIGKILL when its parent dies (a rank, a load process: none may
+    outlive a runner that was killed)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +156,7 @@ def _enter_netns(netns: str) -> None:
 def _rank(rank: int, case: Case, store_path: str, conn, fault_time, port) -> None:
     """One rank (a forked child): meet, fault or run, report ``(outcome, t0, t1, message)``
     on ``conn``, then stay until the parent ends the run."""
+    die_with_parent()
     stacks = open(f"{store_path}.stacks{rank}", "w")  # where SIGUSR1 dumps every thread's stack
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:

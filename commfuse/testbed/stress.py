@@ -69,7 +69,8 @@ class Load:
 
     def __init__(self, n: int, kind: str = "gemm"):
         self.procs = [subprocess.Popen([sys.executable, "-c", _LOAD[kind]],
-                                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                       env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                       preexec_fn=faults.die_with_parent)
                       for _ in range(n)]
 
     def __enter__(self) -> "Load":
