@@ -19,7 +19,9 @@ run by its worst survivor:
 - ``silent``: a survivor returned normally although its peer failed;
 - ``other``: a survivor raised something else, or died without a report.
 
-A survivor's time to error counts from the later of its op's start and the fault.
+A survivor's time to error counts from the later of its op's start and the fault. A hung
+survivor's report carries every thread's Python stack (SIGUSR1 to `faulthandler`), which shows
+the wait that did not keep its deadline.
 """
 
 from __future__ import annotations
