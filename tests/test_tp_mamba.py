@@ -104,6 +104,10 @@ def _check_exact(layout, method, mask, mesh) -> list[str]:
         if not isinstance(p, DTensor):
             problems.append(f"{name} is not a DTensor")
             continue
+        if name.endswith("in_proj.weight"):  # the assembled weight maps back to the model's
+            lay = model.get_submodule(name[:-len(".in_proj.weight")])._commfuse_layout
+            if not torch.equal(lay.to_model(p.full_tensor().detach(), lay.in_rows()), want[name]):
+                problems.append(f"{name}: to_model(full_tensor()) is not the model's weight")
         w = _want_grad(model, name, want[name].grad)
         if p.grad is None or _rel(p.grad.full_tensor(), w) > TOL:
             problems.append(f"grad {name} rel "
@@ -182,6 +186,10 @@ def test_layout_rows_are_each_ranks_heads_and_groups():
     repl = MixerLayout(heads=4, head_dim=1, groups=1, state=1, world=4)  # G < T: replicated
     assert repl.replicas == 4 and repl.in_rows(3).tolist() == [3, 7, 8, 9, 13]
     assert repl.in_rows().shape == (4 * 5,)
+    w = torch.randn(14, 3)  # in_proj of H=4, G=1, N=1: z 4, x 4, B 1, C 1, dt 4 rows
+    assert torch.equal(repl.to_model(w[repl.in_rows()], repl.in_rows()), w)
+    c = torch.randn(6, 1, 4)  # conv1d: x 4, B 1, C 1 channels
+    assert torch.equal(repl.to_model(c[repl.conv_rows()], repl.conv_rows()), c)
 
 
 @pytest.mark.parametrize("over,T,match", [

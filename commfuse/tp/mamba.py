@@ -1,7 +1,8 @@
 """TPSP for Mamba-2 mixers: `MambaMixerParallel`, a ParallelStyle (the model plans that use
 it are in `commfuse.tp.hf_mamba`).
 
-A Mamba-2 mixer (transformers' Mamba2Mixer, and the same module in Bamba / Nemotron-H) is
+A Mamba-2 mixer (transformers' Mamba2Mixer and BambaMixer; NemotronHMamba2Mixer has the same
+parts) is
 
     in_proj   [z | x | B | C | dt] = h @ W_in^T      z, x: d_inner; B, C: G*N; dt: H
     conv1d    causal depthwise conv over the x | B | C channels, then silu
@@ -21,13 +22,14 @@ This rank's in_proj rows (z_r, x_r, B_r, C_r, dt_r) and conv channels (x_r, B_r,
 one contiguous block of the model's weight, so those parameters are DTensors ``Shard(0)`` of
 the *assembled* weight: every rank's rows in rank order, ``W[layout.in_rows()]`` (likewise
 ``conv1d.weight[layout.conv_rows()]``), B/C rows repeated where they are replicated. Their
-``full_tensor()`` is that assembled weight, not the model's layout (`MixerLayout` maps them);
-a replicated row's gradient is summed over the ranks that share it, so its copies stay equal.
+``full_tensor()`` is that assembled weight, not the model's layout (so is a DCP checkpoint's
+copy: `MixerLayout.to_model` maps it back); a replicated row's gradient is summed over the ranks that share it, so its copies stay equal.
 The other parameters are plain ``Shard(0)`` / ``Shard(1)`` DTensors in the model's layout.
 
 The gated norm is exact under the split: a rank holds whole norm groups (G >= T), or the
 group's sum of squares is summed over the T/G ranks that share it (G < T). Training and
-scoring forward only: no cache (generation), no CUDA kernels (the mixer's torch path).
+scoring forward only: no cache (generation). The conv and scan are the model module's own
+functions (its torch code on CPU); the fused split-conv1d-scan kernel is not used.
 """
 
 from __future__ import annotations
@@ -97,6 +99,13 @@ class MixerLayout:
             return torch.cat([self.conv_rows(q) for q in range(self.world)])
         d, c = self.heads * self.head_dim, self.local_heads * self.head_dim
         return torch.tensor(list(range(r * c, r * c + c)) + self._bc(r, d))
+
+    def to_model(self, assembled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The model's layout of an assembled weight (``rows``: `in_rows()` or `conv_rows()`);
+        a replicated row's copies are equal, any one is kept."""
+        out = assembled.new_empty((int(rows.max()) + 1, *assembled.shape[1:]))
+        out[rows] = assembled
+        return out
 
 
 def mixer_layout(mixer: nn.Module, T: int, where: str = "mixer") -> MixerLayout:
