@@ -55,8 +55,9 @@ from torch import nn
 
 from commfuse.errors import CommFuseError
 from commfuse.infer import plans
+from commfuse.infer.block import Block, rope
 from commfuse.infer.cache import KVCache
-from commfuse.models.llama import Llama, rope_cos_sin, window_mask
+from commfuse.models.llama import Llama, rope_cos_sin
 from commfuse.ops.attention import query_split_attention
 from commfuse.ops.auto import choose_query_split
 from commfuse.ops.binding import even_sizes
@@ -64,56 +65,6 @@ from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scat
 from commfuse.parallel.layout import SeqLayout
 
 TAG = 7101  # P2P tag of decode's all-reduce (method "allreduce")
-
-
-def _rope(x_BSHK: torch.Tensor, cos_BSK: torch.Tensor, sin_BSK: torch.Tensor) -> torch.Tensor:
-    """`commfuse.models.llama.apply_rope` with a position per (sequence, token)."""
-    x1, x2 = x_BSHK.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    cos, sin = cos_BSK[:, :, None, :].to(x_BSHK.dtype), sin_BSK[:, :, None, :].to(x_BSHK.dtype)
-    return x_BSHK * cos + rotated * sin
-
-
-class _Block(nn.Module):
-    """One decoder block's weights on this rank (shards of the projections and of the q/k/v
-    biases, the norms whole; q_norm / k_norm act per head, so whole too) and its sliding
-    ``window`` (None: full causal attention)."""
-
-    def __init__(self, layer, rank: int, world: int):
-        super().__init__()
-        rows = lambda w: w.detach()[rank * (w.shape[0] // world):(rank + 1) * (w.shape[0] // world)]
-        cols = lambda w: w.detach()[:, rank * (w.shape[1] // world):
-                                    (rank + 1) * (w.shape[1] // world)]
-        a, m = layer.attn, layer.mlp
-        self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
-        self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        self.window = a.window
-        for name, w in (("wq", rows(a.wq.weight)), ("wk", rows(a.wk.weight)),
-                        ("wv", rows(a.wv.weight)), ("wo", cols(a.wo.weight)),
-                        ("w_gate", rows(m.w_gate.weight)), ("w_up", rows(m.w_up.weight)),
-                        ("w_down", cols(m.w_down.weight))):
-            self.register_buffer(name, w.contiguous().clone())
-        for name, lin in (("bq", a.wq), ("bk", a.wk), ("bv", a.wv)):
-            self.register_buffer(name, None if lin.bias is None else rows(lin.bias).clone())
-
-    def qkv(self, q, k, v):
-        """q, k, v of the projections' outputs: plus the biases where the model has them."""
-        if self.bq is None:
-            return q, k, v
-        return q + self.bq, k + self.bk, v + self.bv
-
-    def qk_heads(self, q_BSHK, k_BSGK):
-        """q and k heads [.., heads, K] normed per head (Qwen3), before RoPE."""
-        if self.q_norm is None:
-            return q_BSHK, k_BSGK
-        return self.q_norm(q_BSHK), self.k_norm(k_BSGK)
-
-    def mask(self, q_pos, k_pos):
-        """`window_mask` of this block's window; None where it is plain causal over the
-        same positions (SDPA's ``is_causal``)."""
-        if self.window is None and q_pos is k_pos:
-            return None
-        return window_mask(q_pos, k_pos, self.window)
 
 
 class InferenceLlama(nn.Module):
@@ -152,7 +103,7 @@ class InferenceLlama(nn.Module):
         self.query_split = query_split
         self.prefill_chunks = plans.checked_chunks(prefill_chunks)
         self.tuner = plans.PlanTuner() if tune else None
-        self.blocks = nn.ModuleList(_Block(layer, r, T) for layer in model.layers)
+        self.blocks = nn.ModuleList(Block(layer, r, T) for layer in model.layers)
         self.tok_emb, self.norm, self.output = model.tok_emb, model.norm, model.output
         cos, sin = rope_cos_sin(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta,
                                 model.tok_emb.weight.device, cfg.rope_scaling)
@@ -183,7 +134,7 @@ class InferenceLlama(nn.Module):
         return fused_matmul_reduce_scatter(h_BSf, w.t(), "sum", 1, self.group, sizes=sizes,
                                            method=method, **self.opts)
 
-    def _block(self, blk: _Block, x_BsD, col, row, attend):
+    def _block(self, blk: Block, x_BsD, col, row, attend):
         """One block; ``col(x, ws)`` / ``row(h, w)``: the column- / row-parallel GEMMs."""
         q, k, v = blk.qkv(*col(blk.attn_norm(x_BsD), [blk.wq, blk.wk, blk.wv]))
         x_BsD = x_BsD + attend(blk, q, k, v)
@@ -241,7 +192,7 @@ class InferenceLlama(nn.Module):
             # cache, and attention's keys, in the natural order: k and v are read back from it
             q, k, v = (self._heads(t, B, S) for t in (q, k, v))
             q, k = blk.qk_heads(q, k)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             k_BHSd, v_BHSd = cache.prefill_kv(i, S)
             for dst, src in ((k_BHSd, k), (v_BHSd, v)):
                 if layout.positions is None:
@@ -304,7 +255,7 @@ class InferenceLlama(nn.Module):
         key_L = torch.arange(L, device=pos_B.device)
         masks = {}  # per (window, ring): the keys each sequence sees [B, 1, 1, L or W]
 
-        def visible(i: int, blk: _Block) -> torch.Tensor:
+        def visible(i: int, blk: Block) -> torch.Tensor:
             key = (blk.window, cache.ring[i])
             if key not in masks:
                 ring = cache.visible(i, pos_B)
@@ -318,7 +269,7 @@ class InferenceLlama(nn.Module):
             i = next(layer)
             q, k, v = self._heads(q, B, 1), self._heads(k, B, 1), self._heads(v, B, 1)
             q, k = blk.qk_heads(q, k)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             slot_B = cache.slots(i, pos_B)
             cache.k[i][ar_B, :, slot_B] = k[:, 0]
             cache.v[i][ar_B, :, slot_B] = v[:, 0]
@@ -339,7 +290,7 @@ class InferenceLlama(nn.Module):
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group in one round, in place: every rank's partial sent point to
-        point (gloo's own all-reduce took 3-4x longer for decode's few KiB here) and added in
+        point (gloo's own all-reduce is several times slower for decode's few KiB) and added in
         rank order, so the sum is bitwise the same on every rank."""
         from commfuse.runtime import modes
 
