@@ -11,7 +11,8 @@ that replicated B/C rows got equal gradients); training runs AdamW steps of both
 the losses. The layouts: 2 B/C groups (split on 2 ranks, replicated on 4), 1 group
 (replicated on every rank, the gated norm's statistics summed over ranks), 4 groups with
 in_proj / out_proj biases (split on 2 and 4), a padding mask, bfloat16, and Bamba (its kv heads
-replicated on 4 ranks: their gradients compared block-repeated).
+replicated on 4 ranks: their gradients compared block-repeated), also under FSDP2 over "dp"
+of a 2 x 2 mesh.
 """
 
 import copy
@@ -121,7 +122,8 @@ def _check_exact(layout, method, variant, mesh) -> list[str]:
     return problems
 
 
-def _train(model, ids, labels) -> list[float]:
+def _train(model, ids, labels, tensors: bool = False) -> list:
+    """The losses of ``len(ids)`` AdamW steps (floats, or detached tensors)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for step in range(len(ids)):
@@ -129,22 +131,51 @@ def _train(model, ids, labels) -> list[float]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(loss.detach() if tensors else loss.item())
     return losses
 
 
-def _check_train(layout, method, mesh) -> list[str]:
-    """``STEPS`` AdamW steps on two batches taken in turn (so the loss falls)."""
-    import commfuse.tp as tp
+def _batches(steps: int):
+    """Two batches taken in turn (so the loss falls), labels the next token."""
     two = torch.randint(CFG["vocab_size"], (2, BATCH, SEQ),
                         generator=torch.Generator().manual_seed(5))
-    ids = two[torch.arange(STEPS) % 2]
-    labels = ids.roll(-1, 2)
+    ids = two[torch.arange(steps) % 2]
+    return ids, ids.roll(-1, 2)
+
+
+def _check_train(layout, method, mesh) -> list[str]:
+    """``STEPS`` AdamW steps (`_batches`)."""
+    import commfuse.tp as tp
+    ids, labels = _batches(STEPS)
     want = _train(build(layout), ids, labels)
     got = _train(tp.parallelize(build(layout), mesh, method=method), ids, labels)
     err = max(abs(a - b) / abs(b) for a, b in zip(got, want))
     ok = err < 1e-4 and want[-1] < want[0] - 0.5  # and it learned something
     return [] if ok else [f"losses {got} vs {want} (max rel {err:.1e})"]
+
+
+def _check_fsdp(method) -> list[str]:
+    """FSDP2 (fully_shard over "dp") x commfuse TP (over "tp") of Bamba on a 2 x 2 mesh: each
+    dp rank trains on its half of every batch; the dp-averaged losses equal one process's."""
+    import torch.distributed as dist
+    import commfuse.tp as tp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ids, labels = _batches(8)
+    want = _train(build("bamba"), ids, labels)
+    model = tp.parallelize(build("bamba"), mesh, method=method)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    half = BATCH // 2
+    rows = slice(mesh.get_local_rank("dp") * half, (mesh.get_local_rank("dp") + 1) * half)
+    got = []
+    for loss in _train(model, ids[:, rows], labels[:, rows], tensors=True):
+        dist.all_reduce(loss, group=mesh["dp"].get_group())
+        got.append(loss.item() / 2)
+    err = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    return [] if err < 1e-4 else [f"losses {got} vs {want} (max rel {err:.1e})"]
 
 
 def _run(rank: int, world: int) -> dict[str, list[str]]:
@@ -162,6 +193,11 @@ def _run(rank: int, world: int) -> dict[str, list[str]]:
             out[f"train-{layout}-{method}"] = _check_train(layout, method, mesh)
         except Exception as e:
             out[f"train-{layout}-{method}"] = [f"{type(e).__name__}: {e}"]
+    if world == 4:
+        try:
+            out["fsdp2-bamba-commfuse"] = _check_fsdp("commfuse")
+        except Exception as e:
+            out["fsdp2-bamba-commfuse"] = [f"{type(e).__name__}: {e}"]
     return out
 
 
@@ -171,7 +207,7 @@ def results(world: int) -> list[dict]:
 
 
 CASES = [(w, f"exact-{l}-{m}{'-' * bool(v)}{v}") for w in (2, 4) for l, m, v in EXACT]
-CASES += [(w, f"train-{l}-{m}") for w in (2, 4) for l, m in TRAIN]
+CASES += [(w, f"train-{l}-{m}") for w in (2, 4) for l, m in TRAIN] + [(4, "fsdp2-bamba-commfuse")]
 
 
 @pytest.mark.parametrize("world,case", CASES, ids=[f"{w}-{c}" for w, c in CASES])
