@@ -6,8 +6,12 @@ sys.path.insert(0, os.path.dirname(__file__))  # dist_cases, importable by spawn
 import pytest
 
 # What the ranks of tests import beyond `spawn.PRELOAD`: the fork server imports them once.
+# transformers with its Llama (~2 s; the other architectures share most of it) is imported by
+# the ranks of test_tp*, test_infer_hf and test_generate_arch: once here, not per rank (an
+# ImportError, where it is not installed, leaves it out).
 PRELOAD = ("commfuse.models.llama", "commfuse.parallel", "commfuse.train.loop", "commfuse.infer",
-           "pytest", "hypothesis", "dist_cases")
+           "commfuse.tp", "pytest", "hypothesis", "dist_cases", "transformers",
+           "transformers.models.llama.modeling_llama")
 
 
 def pytest_addoption(parser):
