@@ -6,6 +6,7 @@ all-gather / reduce-scatter fused with its GEMM by commfuse.
                    FusedRowwiseParallel, FusedProjections, SequenceParallelNorm,
                    ReplicateParallel, ShardSequence, and the shared SeqSplit
     hf.py          parallelize(model, mesh): the plan for transformers' Llama/Mistral/Qwen2/Qwen3
+    mesh.py        tp_mesh: the "tp" dim of a user's mesh
     mamba.py       MambaMixerParallel: a Mamba-2 mixer's TPSP (MixerLayout: its rows per rank)
     hf_mamba.py    parallelize_mamba: the plans for transformers' Mamba2ForCausalLM and
                    BambaForCausalLM (parallelize dispatches to it)
@@ -21,7 +22,8 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "commfuse.tp.style": ("FusedColwiseParallel", "FusedRowwiseParallel", "FusedProjections",
                           "SequenceParallelNorm", "ReplicateParallel", "ShardSequence",
                           "SeqSplit"),
-    "commfuse.tp.hf": ("parallelize", "tp_mesh"),
+    "commfuse.tp.hf": ("parallelize",),
+    "commfuse.tp.mesh": ("tp_mesh",),
     "commfuse.tp.mamba": ("MambaMixerParallel", "MixerLayout"),
     "commfuse.tp.hf_mamba": ("parallelize_mamba",),
 })

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from commfuse.ops.prefetch import Prefetcher
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.hf_mamba import KNOWN as MAMBA, parallelize_mamba
+from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, FusedRowwiseParallel,
                                ReplicateParallel, SeqSplit, SequenceParallelNorm, ShardSequence)
 
@@ -36,18 +37,6 @@ LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.
          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
          "post_attention_layernorm")
 CONFIG = ("num_attention_heads", "num_key_value_heads", "hidden_size")
-
-
-def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """``mesh`` if it is 1-D, else its dim named "tp"."""
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim == 1:
-        return mesh
-    if "tp" not in (mesh.mesh_dim_names or ()):
-        raise ValueError(f"a {mesh.ndim}-D mesh needs a dim named 'tp', got names "
-                         f"{mesh.mesh_dim_names}")
-    return mesh["tp"]
 
 
 def _missing(model: nn.Module) -> list[str]:

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from commfuse.ops.prefetch import Prefetcher
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.mamba import MambaMixerParallel, MixerLayout, mixer_layout
+from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, FusedRowwiseParallel,
                                ReplicateParallel, SeqSplit, SequenceParallelNorm, ShardSequence)
 
@@ -95,7 +96,6 @@ def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto
     """Shard ``model`` (one of ``KNOWN``, the same on every rank) for commfuse TPSP over
     ``mesh`` (1-D, or its "tp" dim), in place; returns it. Arguments as
     `commfuse.tp.parallelize`."""
-    from commfuse.tp.hf import tp_mesh
     mesh = tp_mesh(mesh)
     T = mesh.size()
     check(model, T)
