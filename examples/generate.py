@@ -5,7 +5,7 @@
     python examples/generate.py ck                      # a `commfuse train --checkpoint-dir ck`
 
 Without a checkpoint the model is the ``tiny`` preset with random weights (seeded alike on
-every rank), so the text is noise; ``commfuse train --steps 150 --checkpoint-dir ck --link
+every rank), so the text is noise; ``commfuse train --checkpoint-dir ck --link
 loopback`` trains one that writes Shakespeare-like words. ``InferenceLlama`` cuts the model
 over the 2 ranks (each its heads' q/k/v rows and out-projection columns, its FFN shard);
 ``generate`` prefills the prompt sequence-parallel with the fused all-gather -> GEMM and
