@@ -3,6 +3,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # dist_cases, importable by spawned ranks too
 
+from dataclasses import dataclass
+
 import pytest
 
 # What the ranks of tests import beyond `spawn.PRELOAD`: the fork server imports them once.
@@ -41,3 +43,29 @@ def default_hardware():
     auto.set_hardware("cpu-testbed")
     auto._HARDWARE.clear()
     auto._HARDWARE.update(saved)
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def command(capfd):
+    """``command("generate", ...)``: run a ``commfuse`` subcommand in this process, as the
+    installed command would (its ranks forked as it forks them); its exit status and what it
+    and its ranks printed, read from the file descriptors."""
+    from commfuse import cli as entry
+
+    def run(*args) -> Ran:
+        capfd.readouterr()
+        try:
+            rc = entry.main(list(args))
+        except SystemExit as e:
+            rc = e.code
+        out, err = capfd.readouterr()
+        return Ran(rc, out, err)
+
+    return run

@@ -6,33 +6,6 @@ them); what they and their ranks print is read from the file descriptors. The in
 point in a fresh interpreter is run by tests/test_train_cli.py."""
 
 import json
-from dataclasses import dataclass
-
-import pytest
-
-
-@dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def command(capfd):
-    """``command("generate", ...)``: run a command here, as ``commfuse ...`` would."""
-    from commfuse import cli as entry
-
-    def run(*args) -> Ran:
-        capfd.readouterr()
-        try:
-            rc = entry.main(list(args))
-        except SystemExit as e:
-            rc = e.code
-        out, err = capfd.readouterr()
-        return Ran(rc, out, err)
-
-    return run
 
 
 def _refused(*args) -> tuple[int, str]:

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from commfuse.infer import InferenceLlama, generate, load_hf, pad_prompts  # noqa: E402
 from commfuse.testbed.spawn import run_local  # noqa: E402
-from test_infer_cli import _cli, _refused  # noqa: E402
+from test_infer_cli import _refused  # noqa: E402
 
 PROMPTS = [[3, 17, 99, 5, 250, 8, 41], [200], [9, 9, 1, 77, 130]]
 NEW = 6
@@ -76,23 +76,23 @@ def test_hf_llama_tokens_equal_transformers(tmp_path, arch, world):
         assert err < 1e-10, err
 
 
-def test_cli_generate_hf_model(tmp_path):
+def test_cli_generate_hf_model(tmp_path, command):
     """--hf-model: the same text on 1 and 2 ranks, its vocabulary checked against commfuse's
     tokenizer (no tokenizer of its own saved), and models it does not take refused with the
     reason, before any rank starts."""
     hf_model(vocab_size=4096).save_pretrained(tmp_path / "m")
     texts = []
     for tp in ("1", "2"):
-        p = _cli("--hf-model", str(tmp_path / "m"), "--prompt", "The history of",
-                 "--max-new-tokens", "5", "--tp", tp, "--link", "loopback", "--hardware",
-                 "cpu-testbed")
+        p = command("generate", "--hf-model", str(tmp_path / "m"), "--prompt",
+                    "The history of", "--max-new-tokens", "5", "--tp", tp, "--link", "loopback",
+                    "--hardware", "cpu-testbed")
         assert p.returncode == 0, p.stderr[-2000:]
         assert p.stdout.startswith("The history of")
         texts.append(p.stdout)
     assert texts[0] == texts[1]
-    p = _cli("--hf-model", str(tmp_path / "m"), "--prompt-tokens", "9", "--bench", "--iters",
-             "1", "--max-new-tokens", "2", "--tp", "2", "--link", "loopback", "--json",
-             str(tmp_path / "b.json"))
+    p = command("generate", "--hf-model", str(tmp_path / "m"), "--prompt-tokens", "9", "--bench",
+                "--iters", "1", "--max-new-tokens", "2", "--tp", "2", "--link", "loopback",
+                "--json", str(tmp_path / "b.json"))
     assert p.returncode == 0, p.stderr[-2000:]
     assert len(json.loads((tmp_path / "b.json").read_text())["rows"]) == 8
     hf_model().save_pretrained(tmp_path / "small-vocab")
