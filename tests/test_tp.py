@@ -68,6 +68,21 @@ def _full_grad(name: str, p, want_shape, world: int) -> tuple[torch.Tensor, list
     return blocks[:, 0].reshape(want_shape), [] if same else [f"{name}: copies' grads differ"]
 
 
+def outputs_match(got, out, model, ref, tol) -> list[str]:
+    """What differs between the sharded ``model``'s output ``got`` and the unsharded ``ref``'s
+    ``out``: logits, loss (relative ``tol``) and the parameter names."""
+    problems = []
+    if _rel(got.logits.detach(), out.logits.detach()) > tol:
+        problems.append(f"logits rel {_rel(got.logits.detach(), out.logits.detach()):.1e}")
+    if abs(got.loss.item() - out.loss.item()) > tol * abs(out.loss.item()):
+        problems.append(f"loss {got.loss.item()} vs {out.loss.item()}")
+    names = sorted(n for n, _ in model.named_parameters())
+    want = sorted(n for n, _ in ref.named_parameters())
+    if names != want:
+        problems.append(f"parameter names differ: {set(names) ^ set(want)}")
+    return problems
+
+
 def _check_exact(arch, method, attn, seq, mesh) -> list[str]:
     import commfuse.tp as tp
     from torch.distributed.tensor import DTensor
@@ -82,15 +97,8 @@ def _check_exact(arch, method, attn, seq, mesh) -> list[str]:
                    **METHODS[method])
     got = model(ids, labels=labels)
     got.loss.backward()
-    problems = []
-    if _rel(got.logits.detach(), out.logits.detach()) > tol:
-        problems.append(f"logits rel {_rel(got.logits.detach(), out.logits.detach()):.1e}")
-    if abs(got.loss.item() - out.loss.item()) > tol * abs(out.loss.item()):
-        problems.append(f"loss {got.loss.item()} vs {out.loss.item()}")
+    problems = outputs_match(got, out, model, ref, tol)
     want = dict(ref.named_parameters())
-    names = [n for n, _ in model.named_parameters()]
-    if sorted(names) != sorted(want):
-        problems.append(f"parameter names differ: {set(names) ^ set(want)}")
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
             problems.append(f"{name} is not a DTensor")

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from commfuse.testbed.spawn import run_local
+from test_tp import outputs_match
 
 CFG = dict(vocab_size=63, hidden_size=16, expand=2, num_heads=8, head_dim=4, state_size=8,
            chunk_size=4, num_hidden_layers=2, conv_kernel=4, tie_word_embeddings=False)
@@ -97,15 +98,8 @@ def _check_exact(layout, method, variant, mesh) -> list[str]:
     tp.parallelize(model, mesh, method=method, **METHODS[method])
     got = model(ids, labels=labels, **kw)
     got.loss.backward()
-    problems = []
-    if _rel(got.logits.detach(), out.logits.detach()) > tol:
-        problems.append(f"logits rel {_rel(got.logits.detach(), out.logits.detach()):.1e}")
-    if abs(got.loss.item() - out.loss.item()) > tol * abs(out.loss.item()):
-        problems.append(f"loss {got.loss.item()} vs {out.loss.item()}")
+    problems = outputs_match(got, out, model, ref, tol)
     want = dict(ref.named_parameters())
-    names = [n for n, _ in model.named_parameters()]
-    if sorted(names) != sorted(want):
-        problems.append(f"parameter names differ: {set(names) ^ set(want)}")
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
             problems.append(f"{name} is not a DTensor")
