@@ -1,5 +1,5 @@
-"""commfuse.tp on transformers' Mamba2ForCausalLM and the hybrid BambaForCausalLM (a Mamba-2
-layer and an attention layer) against the unsharded model (tiny random configs, float32, the
+"""commfuse.tp on transformers' Mamba2ForCausalLM and the hybrids BambaForCausalLM (a Mamba-2
+layer and an attention layer) and NemotronHForCausalLM (Mamba-2, MLP and attention layers) against the unsharded model (tiny random configs, float32, the
 mixer's torch path, gloo).
 
 One spawn per world size runs every case: each rank builds the reference model from the seed,
@@ -12,7 +12,8 @@ the losses. The layouts: 2 B/C groups (split on 2 ranks, replicated on 4), 1 gro
 (replicated on every rank, the gated norm's statistics summed over ranks), 4 groups with
 in_proj / out_proj biases (split on 2 and 4), a padding mask, bfloat16, and Bamba (its kv heads
 replicated on 4 ranks: their gradients compared block-repeated), also under FSDP2 over "dp"
-of a 2 x 2 mesh.
+of a 2 x 2 mesh, and Nemotron-H (a Mamba-2 layer with conv bias, a squared-ReLU MLP layer and
+an attention layer without RoPE, its 2 kv heads replicated on 4 ranks).
 """
 
 import copy
@@ -34,6 +35,12 @@ BAMBA = dict(vocab_size=63, hidden_size=16, intermediate_size=24, num_hidden_lay
              mamba_n_heads=8, mamba_d_head=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
              mamba_expand=2, mamba_chunk_size=4, max_position_embeddings=64,
              tie_word_embeddings=False)
+# Nemotron-H's pattern "M-*-": Mamba-2 (2 groups), MLP, attention (4 heads, 2 kv heads), MLP
+NEMOTRON_H = dict(vocab_size=63, hidden_size=16, intermediate_size=24,
+                  layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=4, mamba_num_heads=8,
+                  mamba_head_dim=4, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4,
+                  max_position_embeddings=64, tie_word_embeddings=False)
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
 # norm-relative; float32 everywhere (the mixer keeps its scan and norm in float32 even for a
 # float64 model, so float64 is not tighter), or the sharded model in bfloat16 vs float32 (the
@@ -44,8 +51,9 @@ TOL = {"": 1e-5, "mask": 1e-5, "bf16": 8e-2}
 EXACT = ([("g2", m, "") for m in METHODS] + [("g1", m, "") for m in ("none", "commfuse", "auto")]
          + [("g4-bias", "commfuse", ""), ("g4-bias", "auto", ""), ("g2", "commfuse", "mask"),
             ("g1", "commfuse", "bf16")]
-         + [("bamba", m, "") for m in ("none", "commfuse", "auto")])
-TRAIN = [("g2", "commfuse"), ("g1", "auto"), ("bamba", "commfuse")]
+         + [("bamba", m, "") for m in ("none", "commfuse", "auto")]
+         + [("nemotron-h", m, "") for m in ("none", "commfuse", "auto")])
+TRAIN = [("g2", "commfuse"), ("g1", "auto"), ("bamba", "commfuse"), ("nemotron-h", "auto")]
 STEPS, BATCH, SEQ = 20, 4, 12
 
 
@@ -55,6 +63,10 @@ def build(layout: str, seed: int = 0, **over):
         cfg = transformers.BambaConfig(**{**BAMBA, **over})
         torch.manual_seed(seed)
         return transformers.BambaForCausalLM(cfg).float()
+    if layout == "nemotron-h":
+        cfg = transformers.NemotronHConfig(**{**NEMOTRON_H, **over})
+        torch.manual_seed(seed)
+        return transformers.NemotronHForCausalLM(cfg).float()
     cfg = transformers.Mamba2Config(**{**CFG, **LAYOUTS[layout], **over})
     torch.manual_seed(seed)
     return transformers.Mamba2ForCausalLM(cfg).float()
@@ -266,3 +278,15 @@ def test_check_names_what_is_missing():
         check(model, 2)
     with pytest.raises(ValueError, match=r"not a Mamba-2 mixer: missing in_proj, conv1d"):
         mixer_layout(torch.nn.Linear(2, 2), 2)
+
+
+def test_check_refuses_nemotron_h_moe():
+    from commfuse.tp.hf_mamba import check
+    model = build("nemotron-h", layers_block_type=["linear_attention", "moe"], n_routed_experts=2,
+                  num_experts_per_tok=1, moe_intermediate_size=8,
+                  moe_shared_expert_intermediate_size=8)
+    with pytest.raises(ValueError, match=r"missing: model\.layers\.1\.mixer: unsupported: a 'moe' "
+                                         r"block \(the plan takes linear_attention, "
+                                         r"full_attention, mlp\)$"):
+        check(model, 2)
+    check(build("nemotron-h"), 4)  # the shipped pattern fits 4 ranks

@@ -18,6 +18,13 @@ sequence-sharded hidden states between the layers, full logits and loss on every
       *.mamba, *.mamba.out_proj                                            as *.mixer above
       *.self_attn: FusedProjections(q, k, v) (k/v replicated when kv heads < T), o_proj row
       *.feed_forward: FusedProjections(gate, up), down_proj row
+    NemotronHForCausalLM (one mixer per layer: Mamba-2, attention without RoPE, or a
+    squared-ReLU MLP, by ``config.layers_block_type``)
+      model.embeddings, model.layers.0, model.norm_f, lm_head, *.norm      as above
+      *.mixer (linear_attention)    as Mamba2's *.mixer, *.mixer.out_proj
+      *.mixer (full_attention)      FusedProjections(q, k, v) as Bamba's self_attn, o_proj row
+      *.mixer (mlp)                 FusedProjections(up), down_proj row
+      ("moe" layers are refused: no expert-parallel plan here)
 
 Mixer parameters are DTensors; in_proj and conv1d are shards of the assembled weight
 (`commfuse.tp.mamba`). Sets ``config.use_cache = False``: no generation cache under TP.
@@ -38,11 +45,30 @@ from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, FusedRoww
 
 # class name -> (embedding, layers, final norm): the module names its plan uses
 KNOWN = {"Mamba2ForCausalLM": ("backbone.embeddings", "backbone.layers", "backbone.norm_f"),
-         "BambaForCausalLM": ("model.embed_tokens", "model.layers", "model.final_layernorm")}
-LAYER = {"Mamba2ForCausalLM": ("norm", "mixer"),
-         "BambaForCausalLM": ("input_layernorm", "pre_ff_layernorm", "feed_forward.gate_proj",
-                              "feed_forward.up_proj", "feed_forward.down_proj")}
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+         "BambaForCausalLM": ("model.embed_tokens", "model.layers", "model.final_layernorm"),
+         "NemotronHForCausalLM": ("model.embeddings", "model.layers", "model.norm_f")}
+# a role's linears, relative to its module: what the plan shards
+LINEARS = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+           "swiglu": ("gate_proj", "up_proj", "down_proj"), "mlp": ("up_proj", "down_proj")}
+NEMOTRON_H = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
+
+
+def layer_roles(name: str, layer: nn.Module, p: str) -> dict[str, str]:
+    """Module name (prefix ``p``) -> role ("norm", "mamba", "attention", "swiglu", "mlp") of
+    one layer of a ``KNOWN`` class; a role "missing: ..." or "unsupported: ..." marks what
+    the plan cannot take."""
+    if name == "Mamba2ForCausalLM":
+        return {p + "norm": "norm", p + "mixer": "mamba"}
+    if name == "BambaForCausalLM":
+        kinds = [n for n in ("mamba", "self_attn") if isinstance(getattr(layer, n, None), nn.Module)]
+        mixer = ({p + kinds[0]: "mamba" if kinds == ["mamba"] else "attention"} if len(kinds) == 1
+                 else {p + "mamba or " + p + "self_attn (exactly one)": "missing"})
+        return {p + "input_layernorm": "norm", p + "pre_ff_layernorm": "norm", **mixer,
+                p + "feed_forward": "swiglu"}
+    kind = getattr(layer, "block_type", None)
+    role = NEMOTRON_H.get(kind, f"unsupported: a {kind!r} block (the plan takes "
+                                f"{', '.join(NEMOTRON_H)})")
+    return {p + "norm": "norm", p + "mixer": role}
 
 
 def _missing(model: nn.Module, name: str) -> list[str]:
@@ -54,15 +80,24 @@ def _missing(model: nn.Module, name: str) -> list[str]:
     if not isinstance(have[layers], nn.ModuleList) or not len(have[layers]):
         return [f"{layers} (a non-empty ModuleList)"]
     for i, layer in enumerate(have[layers]):
-        p = f"{layers}.{i}."
-        missing += [p + n for n in LAYER[name] if p + n not in have]
-        if name == "BambaForCausalLM":
-            kinds = [n for n in ("mamba", "self_attn") if p + n in have]
-            if len(kinds) != 1:
-                missing.append(p + "mamba or " + p + "self_attn (exactly one)")
-            elif kinds == ["self_attn"]:
-                missing += [p + "self_attn." + n for n in ATTN if p + "self_attn." + n not in have]
+        for mod, role in layer_roles(name, layer, f"{layers}.{i}.").items():
+            if role == "missing":
+                missing.append(mod)
+            elif role.startswith("unsupported"):
+                missing.append(f"{mod}: {role}")
+            elif mod not in have:
+                missing.append(mod)
+            else:
+                missing += [f"{mod}.{n}" for n in LINEARS.get(role, ())
+                            if not isinstance(have.get(f"{mod}.{n}"), nn.Linear)]
     return missing
+
+
+def _roles(model: nn.Module) -> dict[str, str]:
+    name = type(model).__name__
+    _, layers, _ = KNOWN[name]
+    return {mod: role for i, layer in enumerate(model.get_submodule(layers))
+            for mod, role in layer_roles(name, layer, f"{layers}.{i}.").items()}
 
 
 def check(model: nn.Module, T: int) -> dict[str, MixerLayout]:
@@ -73,22 +108,22 @@ def check(model: nn.Module, T: int) -> dict[str, MixerLayout]:
     if missing:
         raise ValueError(f"commfuse.tp.parallelize does not know {name} as a Mamba-2 model "
                          f"({', '.join(KNOWN)}); missing: {', '.join(missing)}")
-    emb, layers, _ = KNOWN[name]
+    emb, _, _ = KNOWN[name]
     if model.lm_head.weight is model.get_submodule(emb).weight:
         raise ValueError("tied input/output embeddings are not supported by commfuse.tp "
                          "(the head is vocab-sharded, the embedding replicated): untie them")
     if model.lm_head.out_features < T:
         raise ValueError(f"vocab size ({model.lm_head.out_features}) is below the TP size ({T})")
-    mixers = {n: m for n, m in model.named_modules()
-              if n.startswith(layers + ".") and n.rsplit(".", 1)[1] in ("mixer", "mamba")}
-    if any(n.endswith(".self_attn") for n, _ in model.named_modules()):
+    roles = _roles(model)
+    if "attention" in roles.values():
         H, G = model.config.num_attention_heads, model.config.num_key_value_heads
         if H % T:
             raise ValueError(f"num_attention_heads ({H}) must be divisible by the TP size ({T})")
         if G % T and T % G:
             raise ValueError(f"num_key_value_heads ({G}) and the TP size ({T}) must divide one "
                              f"another (kv heads are split, or replicated when fewer than ranks)")
-    return {n: mixer_layout(m, T, n) for n, m in mixers.items()}
+    return {n: mixer_layout(model.get_submodule(n), T, n)
+            for n, role in roles.items() if role == "mamba"}
 
 
 def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
@@ -106,25 +141,21 @@ def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto
     col, row, norm = FusedColwiseParallel(**ag), FusedRowwiseParallel(prefetch=chain, **kw), \
         SequenceParallelNorm()
     mixer = MambaMixerParallel(prefetch=chain, **ag)
-    name = type(model).__name__
-    emb, layers, final = KNOWN[name]
+    emb, layers, final = KNOWN[type(model).__name__]
     plan = {emb: ReplicateParallel(), f"{layers}.0": ShardSequence(split, prefetch=chain),
             final: norm, "lm_head": FusedColwiseParallel(gather_output=True, **ag)}
-    for i, layer in enumerate(model.get_submodule(layers)):
-        p = f"{layers}.{i}."
-        if name == "Mamba2ForCausalLM":
-            plan.update({p + "norm": norm, p + "mixer": mixer, p + "mixer.out_proj": row})
-            continue
-        plan.update({p + "input_layernorm": norm, p + "pre_ff_layernorm": norm,
-                     p + "feed_forward": FusedProjections(("gate_proj", "up_proj"),
-                                                          prefetch=chain, **ag),
-                     p + "feed_forward.gate_proj": col, p + "feed_forward.up_proj": col,
-                     p + "feed_forward.down_proj": row})
-        if hasattr(layer, "mamba"):
-            plan.update({p + "mamba": mixer, p + "mamba.out_proj": row})
-        else:
-            plan.update(_attention(layer.self_attn, p + "self_attn", model.config, T, chain, ag,
+    for mod, role in _roles(model).items():
+        if role == "norm":
+            plan[mod] = norm
+        elif role == "mamba":
+            plan.update({mod: mixer, mod + ".out_proj": row})
+        elif role == "attention":
+            plan.update(_attention(model.get_submodule(mod), mod, model.config, T, chain, ag,
                                    col, row))
+        else:  # swiglu / mlp: the column-parallel projections fused, down_proj row-parallel
+            ups = LINEARS[role][:-1]
+            plan.update({mod: FusedProjections(ups, prefetch=chain, **ag),
+                         **{f"{mod}.{n}": col for n in ups}, mod + ".down_proj": row})
     model.config.use_cache = False
     parallelize_module(model, mesh, plan)
     return model
