@@ -1,7 +1,7 @@
 """`parallelize`: commfuse TPSP on a Hugging Face transformers causal LM, in place.
 
 Known: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (any model with
-their module names); Mamba2ForCausalLM and BambaForCausalLM go to
+their module names); Mamba2ForCausalLM, BambaForCausalLM and NemotronHForCausalLM go to
 `commfuse.tp.hf_mamba.parallelize_mamba`. Every rank passes the same full ``input_ids``; between the layers the hidden states are
 sequence-sharded (``[B, s, D]``). The plan, on the TP mesh of T ranks:
 
