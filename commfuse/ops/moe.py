@@ -14,6 +14,8 @@ contraction, N the output columns. The layouts and the schedules are
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from commfuse.ops import checks
@@ -23,14 +25,16 @@ from commfuse.ops.moe_gemm import grouped, weight_grads
 from commfuse.runtime import executor
 from commfuse.schedule import Transfer
 from commfuse.schedule import moe as moe_schedule
-from commfuse.schedule.moe import ExpertCounts, clip, piece
+from commfuse.schedule.moe import TAIL, ExpertCounts, clip, piece
 
 
 class _Slots:
-    """What both bindings share: this rank's slots in the two layouts, and the chunks."""
+    """What both bindings share: this rank's slots in the two layouts, and the chunks.
+    ``k``: none/sliced's chunks, else None (commfuse: slot p*m + j is piece j of slot p);
+    ``tail``: what ``Compute(TAIL)`` runs (`commfuse.schedule.moe.build`'s ``tail``)."""
 
-    def __init__(self, counts: ExpertCounts, rank: int, k: int | None):
-        self.counts, self.rank, self.k = counts, rank, k  # k: chunks (none/sliced), else None
+    def __init__(self, counts: ExpertCounts, rank: int, k: int | None, m: int = 1, tail=None):
+        self.counts, self.rank, self.k, self.m, self.tail = counts, rank, k, m, tail
         self.to = counts.rows[rank]  # rows of my send-layout slot q (mine for / from rank q)
         self.of = tuple(row[rank] for row in counts.rows)  # rows of my receive-layout slot p
         self.soff, self.roff = counts.send_offsets(rank), counts.recv_offsets(rank)
@@ -44,6 +48,11 @@ class _Slots:
     def pieces(self, sizes, j: int) -> list[tuple[int, int]]:
         """(offset in its slot, rows) of chunk j of each slot of ``sizes``."""
         return [piece(n, self.k, j) for n in sizes]
+
+    def split(self, slot: int, sizes) -> tuple[int, int, int]:
+        """commfuse: (slot p, offset in it, rows) of P2P slot p*m + j of ``sizes``."""
+        p, j = divmod(slot, self.m)
+        return (p, *piece(sizes[p], self.m, j))
 
     def gemm(self, x_RK, w_EKN, out_RN, p: int, lo: int, hi: int, at: int) -> None:
         """Rows [lo, hi) of receive slot p of ``x_RK`` times their experts' weights, into
@@ -61,8 +70,8 @@ class _Dispatch(_Slots):
     """dispatch -> GEMM: rank p's slot for me lands in ``x_RK`` (receive layout), then
     ``y_RN[group (p, e)] = x_RK[group] @ w_EKN[e]``."""
 
-    def __init__(self, x_TK, w_EKN, counts, rank, k):
-        super().__init__(counts, rank, k)
+    def __init__(self, x_TK, w_EKN, counts, rank, k, m=1, tail=None):
+        super().__init__(counts, rank, k, m, tail)
         self.x, self.w = x_TK, w_EKN
         rows = sum(self.of)
         self.x_RK = x_TK.new_empty((rows, x_TK.shape[1]))
@@ -70,13 +79,22 @@ class _Dispatch(_Slots):
         self.landed: dict[int, torch.Tensor] = {}
 
     def buffer(self, t: Transfer) -> torch.Tensor:
-        return self.x[self.send_rows(t.slot)] if t.kind == "send" else self.x_RK[self.recv_rows(t.slot)]
+        if t.kind == "send":
+            q, off, n = self.split(t.slot, self.to)
+            return self.x[self.soff[q] + off:self.soff[q] + off + n]
+        p, off, n = self.split(t.slot, self.of)
+        return self.x_RK[self.roff[p] + off:self.roff[p] + off + n]
 
     def compute(self, slot: int) -> None:
-        if self.k is None:  # slot: the source rank
-            if slot == self.rank:  # own tokens: already here
-                self.x_RK[self.recv_rows(slot)] = self.x[self.send_rows(slot)]
-            self.gemm(self.x_RK, self.w, self.y_RN, slot, 0, self.of[slot], self.roff[slot])
+        if slot == TAIL:
+            self.tail_out = self.tail(self)
+            return
+        if self.k is None:  # piece j of the source rank p's slot
+            p, off, n = self.split(slot, self.of)
+            if p == self.rank:  # own tokens: already here
+                self.x_RK[self.roff[p] + off:self.roff[p] + off + n] = \
+                    self.x[self.soff[p] + off:self.soff[p] + off + n]
+            self.gemm(self.x_RK, self.w, self.y_RN, p, off, off + n, self.roff[p] + off)
             return
         for p, (off, n) in enumerate(self.pieces(self.of, slot)):  # chunk j of every slot
             self.gemm(self.x_RK, self.w, self.y_RN, p, off, off + n, self.roff[p] + off)
@@ -106,22 +124,29 @@ class _Combine(_Slots):
     """GEMM -> combine: ``a_RK[group (p, e)] @ w_EKN[e]`` for each source p, sent back to p;
     the rows rank q computed for me land in my send layout ``y_TN``."""
 
-    def __init__(self, a_RK, w_EKN, counts, rank, k):
-        super().__init__(counts, rank, k)
+    def __init__(self, a_RK, w_EKN, counts, rank, k, m=1, tail=None):
+        super().__init__(counts, rank, k, m, tail)
         self.a, self.w = a_RK, w_EKN
         self.y_TN = a_RK.new_empty((sum(self.to), w_EKN.shape[2]))
         self.part: dict[int, torch.Tensor] = {}  # commfuse: per destination; else per chunk
         self.landed: dict[int, torch.Tensor] = {}
 
     def buffer(self, t: Transfer) -> torch.Tensor:
-        return self.part[t.slot] if t.kind == "send" else self.y_TN[self.send_rows(t.slot)]
+        if t.kind == "send":
+            return self.part[t.slot]
+        q, off, n = self.split(t.slot, self.to)
+        return self.y_TN[self.soff[q] + off:self.soff[q] + off + n]
 
     def compute(self, slot: int) -> None:
-        if self.k is None:  # slot: the rank these rows go back to
-            own = slot == self.rank
-            out = self.y_TN[self.send_rows(slot)] if own else self.a.new_empty(
-                (self.of[slot], self.w.shape[2]))
-            self.gemm(self.a, self.w, out, slot, 0, self.of[slot], 0)
+        if slot == TAIL:
+            self.tail_out = self.tail(self)
+            return
+        if self.k is None:  # piece j of the rows for rank p (its tokens, back to it)
+            p, off, n = self.split(slot, self.of)
+            own = p == self.rank
+            out = self.y_TN[self.soff[p] + off:self.soff[p] + off + n] if own else \
+                self.a.new_empty((n, self.w.shape[2]))
+            self.gemm(self.a, self.w, out, p, off, off + n, 0)
             if not own:
                 self.part[slot] = out
             return
@@ -151,24 +176,34 @@ class _Combine(_Slots):
             at += n
 
 
-def _run(op: str, binding_cls, a, w, counts, group, spec: MethodSpec):
-    schedule = moe_schedule.build(op, spec.method, counts, group.rank(), chunks=spec.chunks)
+def _run(op: str, binding_cls, a, w, counts, group, spec: MethodSpec, tail=None):
+    """Run ``op``'s schedule; ``tail(binding)``, if given, runs once its last GEMM is done
+    (before the final waits, `commfuse.schedule.moe.TAIL`; after the collective under none),
+    its result in ``binding.tail_out``."""
+    m = spec.splits or 1 if spec.method == "commfuse" else 1
+    schedule = moe_schedule.build(op, spec.method, counts, group.rank(), chunks=spec.chunks,
+                                  splits=m, tail=tail is not None)
     k = None if spec.method == "commfuse" else schedule.chunks
-    binding = binding_cls(a.contiguous(), w, counts, group.rank(), k)
+    binding = binding_cls(a.contiguous(), w, counts, group.rank(), k, m, tail)
+    binding.tail_out = None
     executor.run(schedule, binding,
                  executor.make_transport(group, a.device, spec.timeout, spec.collective))
+    if tail is not None and moe_schedule.TAIL not in schedule.computes():
+        binding.tail_out = tail(binding)
     return binding
 
 
-def dispatch_matmul(x_TK, w_EKN, counts, group, spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """No autograd: ``(dispatch(x_TK) @ w_EKN[e] -> y_RN, the received rows x_RK)``."""
-    binding = _run("moe_dispatch", _Dispatch, x_TK, w_EKN, counts, group, spec)
-    return binding.y_RN, binding.x_RK
+def dispatch_matmul(x_TK, w_EKN, counts, group, spec, tail=None):
+    """No autograd: ``(dispatch(x_TK) @ w_EKN[e] -> y_RN, the received rows x_RK, what
+    ``tail(binding)`` returned)``."""
+    binding = _run("moe_dispatch", _Dispatch, x_TK, w_EKN, counts, group, spec, tail)
+    return binding.y_RN, binding.x_RK, binding.tail_out
 
 
-def matmul_combine(a_RK, w_EKN, counts, group, spec) -> torch.Tensor:
-    """No autograd: ``combine(a_RK @ w_EKN[e])`` -> ``y_TN``."""
-    return _run("moe_combine", _Combine, a_RK, w_EKN, counts, group, spec).y_TN
+def matmul_combine(a_RK, w_EKN, counts, group, spec, tail=None):
+    """No autograd: ``(combine(a_RK @ w_EKN[e]) -> y_TN, what ``tail(binding)`` returned)``."""
+    binding = _run("moe_combine", _Combine, a_RK, w_EKN, counts, group, spec, tail)
+    return binding.y_TN, binding.tail_out
 
 
 class DispatchMatmul(torch.autograd.Function):
@@ -185,7 +220,7 @@ class DispatchMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, counts, group, spec):
-        y_RN, x_RK = dispatch_matmul(x, w, counts, group, spec)
+        y_RN, x_RK, _ = dispatch_matmul(x, w, counts, group, spec)
         ctx.save_for_backward(w, x_RK)
         ctx.counts, ctx.group, ctx.spec = counts, group, spec
         return y_RN
@@ -194,11 +229,13 @@ class DispatchMatmul(torch.autograd.Function):
     def backward(ctx, gy_RN):
         w, x_RK = ctx.saved_tensors
         gy_RN = gy_RN.contiguous()
-        # the combine runs on every rank whatever this one needs: its peers wait for it
-        gx_TK = matmul_combine(gy_RN, w.transpose(1, 2), ctx.counts, ctx.group, ctx.spec)
-        rank = ctx.group.rank()
-        gw = (weight_grads(x_RK, gy_RN, ctx.counts.expert_runs(rank), w.shape[0])
-              if ctx.needs_input_grad[1] else None)
+        runs = ctx.counts.expert_runs(ctx.group.rank())
+        wgrad = (lambda _: weight_grads(x_RK, gy_RN, runs, w.shape[0])) \
+            if ctx.needs_input_grad[1] else None
+        # the combine runs on every rank whatever this one needs: its peers wait for it; the
+        # weight grads hide its last transfers (the schedule's tail)
+        gx_TK, gw = matmul_combine(gy_RN, w.transpose(1, 2), ctx.counts, ctx.group, ctx.spec,
+                                   wgrad)
         return gx_TK if ctx.needs_input_grad[0] else None, gw, None, None, None
 
 
@@ -217,16 +254,18 @@ class MatmulCombine(torch.autograd.Function):
     def forward(ctx, a, w, counts, group, spec):
         ctx.save_for_backward(a, w)
         ctx.counts, ctx.group, ctx.spec = counts, group, spec
-        return matmul_combine(a, w, counts, group, spec)
+        return matmul_combine(a, w, counts, group, spec)[0]
 
     @staticmethod
     def backward(ctx, gy_TN):
         a_RK, w = ctx.saved_tensors
-        ga_RK, gy_RN = dispatch_matmul(gy_TN.contiguous(), w.transpose(1, 2), ctx.counts,
-                                       ctx.group, ctx.spec)
-        rank = ctx.group.rank()
-        gw = (weight_grads(a_RK, gy_RN, ctx.counts.expert_runs(rank), w.shape[0])
-              if ctx.needs_input_grad[1] else None)
+        runs = ctx.counts.expert_runs(ctx.group.rank())
+        wgrad = (lambda b: weight_grads(a_RK, b.x_RK, runs, w.shape[0])) \
+            if ctx.needs_input_grad[1] else None
+        # the weight grads need every received row: they run after the last GEMM, beside
+        # the sends still in flight
+        ga_RK, _, gw = dispatch_matmul(gy_TN.contiguous(), w.transpose(1, 2), ctx.counts,
+                                       ctx.group, ctx.spec, wgrad)
         return ga_RK if ctx.needs_input_grad[0] else None, gw, None, None, None
 
 
@@ -239,8 +278,9 @@ def moe_dispatch_matmul(x: torch.Tensor, w: torch.Tensor, counts: ExpertCounts, 
     ``w`` [E_l, K, N]: this rank's experts' weights (e.g. gate|up side by side); ``counts``:
     the table every rank holds (`commfuse.ops.moe_counts.exchange_counts`). Returns the rows
     my experts got, source-major, each source's sorted by local expert, times their weights.
-    ``method``: "none" | "sliced" (``chunks``) | "commfuse" | "auto" (commfuse: the cost model
-    has no MoE ops yet); ``timeout`` in seconds. ``check``: exchange and compare every rank's
+    ``method``: "none" | "sliced" (``chunks``) | "commfuse" (``splits``: pieces per slot,
+    default 1) | "auto" (the fastest of those on the simulator's cost model for these counts,
+    `commfuse.sim.moe.fastest`); ``timeout`` in seconds. ``check``: exchange and compare every rank's
     ``counts`` and rows first (`CountsError` on every rank); default ``COMMFUSE_CHECK``.
     """
     spec, group = _prepare("moe_dispatch", x, w, counts, group, method, opts, check)
@@ -286,18 +326,40 @@ def _prepare(op, a, w, counts, group, method, opts, check):
     elif a.shape[0] != rows:
         raise ValueError(f"{op} (rank {rank}): the rows have {a.shape[0]} rows but the counts "
                          f"give this rank {rows}")
+    if spec.method == "auto":
+        spec = _auto(op, counts, tuple(w.shape[1:]), a, spec)
     return spec, group
 
 
+_CHOICES: dict[tuple, MethodSpec] = {}  # auto's choices, per table and shape (a few kept)
+
+
+def _auto(op: str, counts: ExpertCounts, kn: tuple[int, int], like: torch.Tensor,
+          spec: MethodSpec) -> MethodSpec:
+    """auto: the method (none, sliced, commfuse and its pieces m) the simulator times fastest
+    for this op and its backward with these counts (`commfuse.sim.moe.fastest`), on the
+    hardware model auto uses for the device (`commfuse.ops.auto.set_hardware`). Every rank
+    holds the same table, so ranks with the same hardware model choose alike."""
+    from commfuse.ops.auto import _hardware
+    from commfuse.sim.choose import STEP_OVERHEAD_S
+    from commfuse.sim.moe import fastest
+
+    hw, dev = _hardware(like.device.type), like.device.type
+    key = (op, counts.tokens, kn, like.element_size(), dev, id(hw))
+    if key not in _CHOICES:
+        dual = ("moe_combine" if op == "moe_dispatch" else "moe_dispatch", kn[1], kn[0])
+        method, opts, _ = fastest(op, counts, *kn, hw, like.element_size(),
+                                  STEP_OVERHEAD_S.get(dev, 50e-6), dual=dual)
+        if len(_CHOICES) > 256:
+            _CHOICES.clear()
+        _CHOICES[key] = method_spec(method, opts)
+    return replace(_CHOICES[key], timeout=spec.timeout)
+
+
 def _spec(method, opts) -> MethodSpec:
-    """The MoE ops' methods: none, sliced, commfuse (pairwise, m = 1), auto (= commfuse)."""
+    """The MoE ops' methods: none, sliced (``chunks``), commfuse (pairwise, each slot in
+    ``splits`` pieces, default 1), auto (`_auto`, once the counts are known)."""
     if method == "decompose":
         raise ValueError("the MoE ops offer method 'none', 'sliced', 'commfuse' or 'auto', "
                          "not 'decompose'")
-    spec = method_spec(method, opts)
-    if spec.method == "auto":
-        return MethodSpec("commfuse", timeout=spec.timeout)
-    if spec.method == "commfuse" and spec.splits not in (None, 1):
-        raise ValueError(f"the MoE ops cut no slot into sub-slices: splits must be 1, "
-                         f"got {spec.splits}")
-    return spec
+    return method_spec(method, opts)

@@ -21,7 +21,7 @@ The one rule both sides of a transfer apply: a message from p to q exists iff it
 a slot with no rows is neither sent, received nor computed. Both read the same table, so a
 send and its receive always agree on the size (gloo aborts a receiver on a mismatch).
 
-Methods (``auto`` resolves to ``commfuse``: the cost model has no MoE ops yet):
+Methods (``auto`` is the fastest of them on the simulator's cost model, `commfuse.sim.moe`):
 
 - ``none``: one all-to-all of every slot (`all_to_all_single` with the split sizes), then the
   GEMMs (dispatch); the GEMMs, then one all-to-all (combine);
@@ -31,7 +31,15 @@ Methods (``auto`` resolves to ``commfuse``: the cost model has no MoE ops yet):
   own slot first, on tokens already here, while the peers' slots arrive, then slots r-1, r-2,
   ... as each lands. Combine posts every receive at the start, computes the rows for r+1
   first and sends them, then r+2, ..., each send hiding behind the next slot's GEMMs, its
-  own rows last.
+  own rows last. ``splits`` m cuts every slot into m near-equal pieces (slot p*m + j is
+  piece j of slot p, its transfer tagged i*m + j at pairwise step i), so a peer's rows are
+  computed (dispatch) or sent (combine) piece by piece: a transfer that outlasts a slot's
+  GEMMs is hidden behind all but its last piece's.
+
+``tail=True`` (the backward's use: the weight grads, which need no transfer) adds one
+``Compute(TAIL)`` after the last GEMM and before the final waits of ``sliced`` and
+``commfuse``, so that work hides the last transfers; ``none`` keeps its collective and GEMMs
+strictly one after the other.
 
 Pure: no torch, no processes; the executor (`commfuse.runtime.executor`) runs these objects.
 """
@@ -41,11 +49,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from commfuse.schedule import (Compute, Post, Schedule, Step, Transfer, Wait,
+from commfuse.schedule import (Compute, Post, Schedule, Step, Transfer, Wait, WaitCollective,
                                _collective_gather, _collective_reduce, even_sizes)
 
 OPS = ("moe_dispatch", "moe_combine")  # dispatch a2a -> GEMM, GEMM -> combine a2a
 METHODS = ("none", "sliced", "commfuse")
+TAIL = -1  # the slot of the extra work `build(..., tail=True)` runs before the final waits
 
 
 @dataclass(frozen=True)
@@ -153,12 +162,14 @@ def clip(sizes, lo: int, hi: int) -> tuple[int, ...]:
 
 
 def build(op: str, method: str, counts: ExpertCounts, rank: int, *,
-          chunks: int = 4) -> Schedule:
+          chunks: int = 4, splits: int = 1, tail: bool = False) -> Schedule:
     """The schedule of ``op`` ("moe_dispatch" or "moe_combine") under ``method`` for ``rank``.
 
     Slots are ranks under ``commfuse`` (a transfer's slot is its peer: the dispatch sends slot
     q to q and receives slot p from p; the combine sends the rows computed for p back to p and
-    receives slot q, its own rows computed by q) and chunks under ``none`` / ``sliced``.
+    receives slot q, its own rows computed by q), pieces of them with ``splits`` m > 1 (slot
+    p*m + j), and chunks under ``none`` / ``sliced``. ``tail``: a ``Compute(TAIL)`` before
+    the final waits (module doc).
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -166,59 +177,79 @@ def build(op: str, method: str, counts: ExpertCounts, rank: int, *,
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(counts, ExpertCounts):
         raise TypeError(f"counts must be an ExpertCounts, got {type(counts).__name__}")
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits must be an int >= 1, got {splits!r}")
     w = counts.world
     if not 0 <= rank < w:
         raise ValueError(f"bad rank {rank} of world size {w}")
     if method in ("none", "sliced"):
         k = 1 if method == "none" else chunk_count(counts, chunks)
         steps = _collective_gather(k) if op == "moe_dispatch" else _collective_reduce(k)
+        if tail and method == "sliced":
+            steps = _with_tail(steps, op)
         return Schedule(op, method, w, rank, "direct", k, tuple(steps))
     rows = counts.rows
     if op == "moe_combine":  # the same messages, the other way: q sends rows[p][q] to p
         rows = tuple(tuple(rows[q][p] for q in range(w)) for p in range(w))
     fn = _dispatch if op == "moe_dispatch" else _combine
-    return Schedule(op, method, w, rank, "direct", w, tuple(fn(rows, w, rank)))
+    steps = fn(rows, w, rank, splits)
+    if tail:
+        steps = _with_tail(steps, op)
+    return Schedule(op, method, w, rank, "direct", w * splits, tuple(steps))
 
 
-def _pair(rows, w: int, r: int, i: int, send_slot: int, recv_slot: int) -> list[Transfer]:
-    """Step i's transfers: to rank r+i and from rank r-i (tag i on both sides), each only if
-    it moves rows (``rows[src][dst]``: rows this op moves from src to dst)."""
+def _with_tail(steps: list[Step], op: str) -> list[Step]:
+    """``steps`` with ``Compute(TAIL)`` after the last GEMM (combine: before the final waits,
+    which it hides; dispatch: nothing is in flight after its last GEMM but its sends)."""
+    last = max((i for i, st in enumerate(steps) if isinstance(st, Compute)), default=-1)
+    if op == "moe_combine":  # after the last GEMM's send, before the waits
+        last = max(last, max((i for i, st in enumerate(steps)
+                              if not isinstance(st, (Wait, WaitCollective))), default=-1))
+    return steps[:last + 1] + [Compute(TAIL)] + steps[last + 1:]
+
+
+def _pair(rows, w: int, r: int, i: int, m: int, j: int) -> list[Transfer]:
+    """Piece j of step i's transfers: to rank r+i and from rank r-i (tag i*m + j on both
+    sides), each only if that piece moves rows (``rows[src][dst]``: rows this op moves from
+    src to dst, cut into m pieces)."""
     dst, src = (r + i) % w, (r - i) % w
     out = []
-    if rows[r][dst]:
-        out.append(Transfer("send", send_slot, dst, i))
-    if rows[src][r]:
-        out.append(Transfer("recv", recv_slot, src, i))
+    if piece(rows[r][dst], m, j)[1]:
+        out.append(Transfer("send", dst * m + j, dst, i * m + j))
+    if piece(rows[src][r], m, j)[1]:
+        out.append(Transfer("recv", src * m + j, src, i * m + j))
     return out
 
 
-def _dispatch(rows, w: int, r: int) -> list[Step]:
+def _dispatch(rows, w: int, r: int, m: int = 1) -> list[Step]:
     """Every transfer posted at the start (they move while the own slot computes); then each
-    peer's slot, r-1 first, computed as soon as it is here; the sends waited at the end."""
+    peer's slot, r-1 first, piece by piece, each computed as soon as it is here; the sends
+    waited at the end."""
     steps: list[Step] = []
     sends, recvs = [], {}
     for i in range(1, w):
-        batch = _pair(rows, w, r, i, (r + i) % w, (r - i) % w)
+        batch = [t for j in range(m) for t in _pair(rows, w, r, i, m, j)]
         if batch:
             steps.append(Post(tuple(batch)))  # hides behind the own slot's GEMMs
         sends += [t for t in batch if t.kind == "send"]
         recvs.update((t.slot, t) for t in batch if t.kind == "recv")
     for i in range(w):
         src = (r - i) % w
-        if not rows[src][r]:
-            continue  # nothing from src: no receive, no GEMM
-        if i:
-            steps.append(Wait(recvs[src]))  # the slot this GEMM needs
-        steps.append(Compute(src))  # hides the transfers still in flight
+        for j in range(m):
+            if not piece(rows[src][r], m, j)[1]:
+                continue  # nothing from src in this piece: no receive, no GEMM
+            if i:
+                steps.append(Wait(recvs[src * m + j]))  # the piece this GEMM needs
+            steps.append(Compute(src * m + j))  # hides the transfers still in flight
     return steps + [Wait(t) for t in sends]
 
 
-def _combine(rows, w: int, r: int) -> list[Step]:
-    """Every receive posted at the start; the rows for r+1 computed first and sent at once,
-    each send hiding behind the next slot's GEMMs; the own rows last; receives, then sends,
-    waited at the end."""
+def _combine(rows, w: int, r: int, m: int = 1) -> list[Step]:
+    """Every receive posted at the start; the rows for r+1 computed first, piece by piece,
+    each piece sent at once and hiding behind the next piece's GEMMs; then r+2, ...; the own
+    rows last; receives, then sends, waited at the end."""
     steps: list[Step] = []
-    batches = [_pair(rows, w, r, i, (r + i) % w, (r - i) % w) for i in range(1, w)]
+    batches = [_pair(rows, w, r, i, m, j) for i in range(1, w) for j in range(m)]
     recvs = [t for batch in batches for t in batch if t.kind == "recv"]
     if recvs:
         steps.append(Post(tuple(recvs)))  # buffers ready before the peers send
@@ -226,10 +257,11 @@ def _combine(rows, w: int, r: int) -> list[Step]:
     for batch in batches:
         for t in batch:
             if t.kind == "send":
-                steps += [Compute(t.peer), Post((t,))]  # the send hides behind the next GEMMs
+                steps += [Compute(t.slot), Post((t,))]  # the send hides behind the next GEMMs
                 sends.append(t)
-    if rows[r][r]:
-        steps.append(Compute(r))  # own rows, straight into the output
+    for j in range(m):
+        if piece(rows[r][r], m, j)[1]:
+            steps.append(Compute(r * m + j))  # own rows, straight into the output
     return steps + [Wait(t) for t in recvs + sends]
 
 

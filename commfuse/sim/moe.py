@@ -1,0 +1,319 @@
+"""Mixture-of-Experts expert parallelism on the simulator: the dispatch / combine schedules of
+`commfuse.schedule.moe` timed with their per-peer bytes, an EP layer forward and backward,
+and ``auto``'s choice for the MoE ops.
+
+Pure (no torch). The counts are an `ExpertCounts` table (rows each rank routes to each
+expert), the one the ops run with, so every rank's program is its own: a skewed router gives
+each rank other GEMMs and other messages, and all W ranks are simulated (no symmetry).
+
+Costs, per rank, on a `Hardware`:
+
+- a ``Compute`` of a slot (or chunk, or piece): one GEMM per local expert over that slot's
+  rows of it, ``gemm_time(rows_e, K, N)`` (the grouped GEMM's groups); the dispatch's own
+  slot also copies its rows into the receive layout;
+- ``Compute(TAIL)`` (``tail=True``, the backward): the weight grads, one
+  ``gemm_time(K, rows_e, N)`` per local expert over all its rows, with the copy that gathers
+  an expert's rows from several sources;
+- a P2P transfer: its rows times the row width (dispatch: K, the rows sent; combine: N, the
+  rows computed) times the dtype's bytes, drained by the engine's fluid link model;
+- a ``none`` / ``sliced`` all-to-all of a chunk: ``(W - 1) * link_latency + B / bandwidth``
+  over ``collective_efficiency``, B the most bytes any rank sends or receives off-rank in it
+  (the even case is `Hardware.collective_time`'s ring all-to-all);
+- host costs per ``Post`` / ``Collective`` as for every op (`commfuse.sim.program`).
+
+`moe_layer_time` is the layer `commfuse.moe.parallel.ExpertParallelMoE` runs (and the ``moe``
+workload of ``commfuse bench``): router, count exchange, dispatch -> gate|up, SwiGLU,
+down -> combine, the weighted sum; backward the duals with their weight grads as tails.
+Elementwise work is timed by its bytes at ``mem_bandwidth`` x ``mem_efficiency``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from commfuse.schedule import Collective, Compute, Post, Reduce, Wait, WaitCollective
+from commfuse.schedule.moe import TAIL, ExpertCounts, build, clip, piece
+from commfuse.sim.engine import Engine
+from commfuse.sim.hardware import Hardware
+from commfuse.sim.hardware import resolve as resolve_hw
+
+# auto's candidates for the MoE ops, in order of preference at equal predicted time
+CANDIDATES = (("none", {}), ("commfuse", {"splits": 1}), ("commfuse", {"splits": 2}),
+              ("commfuse", {"splits": 4}), ("commfuse", {"splits": 8}),
+              ("sliced", {"chunks": 4}))
+ROUTINGS = ("balanced", "zipf")
+
+
+@dataclass(frozen=True)
+class MoEOp:
+    """One MoE op call on the simulator: ``op`` ("moe_dispatch" / "moe_combine") with
+    per-expert weights [K, N] under ``method`` (``chunks`` for sliced, ``splits`` for
+    commfuse); ``tail``: its weight grads run as the schedule's tail (the backward's duals).
+    ``op="work"`` is local work of ``seconds`` on every rank (``per_rank`` overrides it)."""
+
+    op: str
+    method: str = "none"
+    K: int = 0
+    N: int = 0
+    chunks: int = 4
+    splits: int = 1
+    tail: bool = False
+    seconds: float = 0.0
+    per_rank: tuple = ()
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class MoESim:
+    """Predicted seconds: the slowest rank's finish, compute alone (no transfers), each
+    rank's finish."""
+
+    total_s: float
+    compute_s: float
+    rank_s: tuple
+
+
+def routing_counts(routing: str, tokens: int, experts: int, top_k: int, world: int,
+                   seed: int = 0, zipf_s: float = 1.2) -> ExpertCounts:
+    """The table of ``tokens`` tokens per rank, each sent to ``top_k`` distinct experts of
+    ``experts``, the same for a given seed on every caller:
+
+    - ``"balanced"``: every expert gets as close to ``tokens * top_k / experts`` rows from
+      each rank as integers allow (the remainder spread by rank, so the table stays even);
+    - ``"zipf"``: expert popularity ~ 1 / rank^``zipf_s`` over a seeded shuffle of the
+      experts; each token draws its k experts without replacement in proportion to it.
+    """
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    if not (0 < top_k <= experts) or tokens < 0 or experts % world:
+        raise ValueError(f"bad routing shape: {tokens} tokens, top-{top_k} of {experts} "
+                         f"experts on {world} ranks")
+    import random
+
+    if routing == "balanced":
+        rows = tokens * top_k
+        table = []
+        for p in range(world):
+            base, extra = divmod(rows, experts)
+            table.append(tuple(base + ((e - p) % experts < extra) for e in range(experts)))
+        return ExpertCounts(tuple(table))
+    rng = random.Random(seed)
+    order = list(range(experts))
+    rng.shuffle(order)
+    weight = [0.0] * experts
+    for rank_, e in enumerate(order):
+        weight[e] = 1.0 / (rank_ + 1) ** zipf_s
+    table = []
+    for p in range(world):
+        hist = [0] * experts
+        for _ in range(tokens):
+            pool = list(range(experts))
+            for _ in range(top_k):
+                e = rng.choices(pool, [weight[x] for x in pool])[0]
+                pool.remove(e)
+                hist[e] += 1
+        table.append(tuple(hist))
+    return ExpertCounts(tuple(table))
+
+
+def simulate_moe(ops, counts: ExpertCounts, hw, dtype_bytes: float = 4,
+                 step_s: float = 0.0) -> MoESim:
+    """Run the `MoEOp`s back to back on every rank of ``counts``' group and time them on
+    ``hw`` (a `Hardware` or a preset name); ``step_s`` of host time added per schedule step
+    (`commfuse.sim.choose.STEP_OVERHEAD_S`)."""
+    hw = resolve_hw(hw)
+    ops = list(ops)
+    total = _MoEEngine(hw, counts, ops, dtype_bytes, True, step_s).run()[0]
+    alone = _MoEEngine(hw, counts, ops, dtype_bytes, False, step_s).run()[0]
+    return MoESim(max(total), max(alone), tuple(total))
+
+
+def moe_op_time(op: str, method: str, counts: ExpertCounts, K: int, N: int, hw,
+                dtype_bytes: float = 4, *, chunks: int = 4, splits: int = 1,
+                tail: bool = False, step_s: float = 0.0) -> float:
+    """Predicted seconds of one MoE op (the slowest rank)."""
+    return simulate_moe([MoEOp(op, method, K, N, chunks, splits, tail)], counts, hw,
+                        dtype_bytes, step_s).total_s
+
+
+def layer_ops(counts: ExpertCounts, dim: int, ffn: int, hw, method: str = "commfuse",
+              dtype_bytes: float = 4, backward: bool = True, opts: dict | None = None,
+              choose_step_s: float | None = None, top_k: int = 2) -> list[MoEOp]:
+    """The ops of one EP MoE layer (module doc), forward then backward, for tokens routed to
+    ``top_k`` experts each (the table counts their rows). ``method`` for every MoE op, with
+    ``opts``; "auto" picks each op's own (`fastest`, with ``choose_step_s``)."""
+    hw, opts, d = resolve_hw(hw), dict(opts or {}), dtype_bytes
+    w = counts.world
+    k_rows = [counts.sent(p) for p in range(w)]
+    experts = counts.experts
+    recv = [counts.received(q) for q in range(w)]
+
+    def mem(nbytes_per_rank, label):
+        bw = hw.mem_bandwidth * hw.mem_efficiency
+        return MoEOp("work", per_rank=tuple(b / bw for b in nbytes_per_rank), label=label)
+
+    def op(name, K, N, tail, dual):
+        m, o = method, opts
+        if method == "auto":
+            m, o, _ = fastest(name, counts, K, N, hw, d, choose_step_s or 0.0, dual=dual)
+        return MoEOp(name, m, K, N, o.get("chunks", 4), o.get("splits", 1), tail)
+
+    # forward: the router (the tokens are T/k per rank), the count exchange, the gather
+    tokens = [n / top_k for n in k_rows]
+    router = MoEOp("work", per_rank=tuple(
+        hw.gemm_time(t, dim, experts, r) + 2 * (hw.host_collective_s + (w - 1) * hw.link_latency)
+        for r, t in enumerate(tokens)), label="router")
+    ops = [router, mem([n * dim * d * 2 for n in k_rows], "gather rows"),
+           op("moe_dispatch", dim, 2 * ffn, False, ("moe_combine", 2 * ffn, dim)),
+           mem([n * ffn * d * 3 for n in recv], "swiglu"),
+           op("moe_combine", ffn, dim, False, ("moe_dispatch", dim, ffn)),
+           mem([n * dim * d * 3 for n in k_rows], "weighted sum")]
+    if not backward:
+        return ops
+    gu, dn = ops[2], ops[4]
+    ops += [mem([n * dim * d * 4 for n in k_rows], "weighted sum backward"),
+            MoEOp("moe_dispatch", dn.method, dim, ffn, dn.chunks, dn.splits, True),
+            mem([n * ffn * d * 5 for n in recv], "swiglu backward"),
+            MoEOp("moe_combine", gu.method, 2 * ffn, dim, gu.chunks, gu.splits, True),
+            MoEOp("work", per_rank=tuple(2 * hw.gemm_time(t, experts, dim, r)
+                                         for r, t in enumerate(tokens)), label="router bwd"),
+            mem([n * dim * d * 3 for n in k_rows], "scatter-add rows")]
+    return ops
+
+
+def moe_layer_time(counts: ExpertCounts, dims: tuple[int, int], hw, method: str = "commfuse",
+                   dtype_bytes: float = 4, *, top_k: int = 2, backward: bool = True,
+                   step_s: float = 0.0, **opts) -> MoESim:
+    """Predicted time of one expert-parallel MoE layer (`layer_ops`): ``counts`` the routed
+    rows (`routing_counts` for an expected balanced or skewed table), ``dims`` = (model width
+    D, expert hidden width F), ``top_k`` experts per token, ``method`` for both MoE ops
+    ("auto": each op's fastest; ``opts``: ``chunks`` / ``splits``), forward and
+    (``backward``) backward. The planner's entry point."""
+    dim, ffn = dims
+    ops = layer_ops(counts, dim, ffn, hw, method, dtype_bytes, backward, opts, step_s, top_k)
+    return simulate_moe(ops, counts, hw, dtype_bytes, step_s)
+
+
+def fastest(op: str, counts: ExpertCounts, K: int, N: int, hw, dtype_bytes: float,
+            step_s: float = 0.0, candidates=CANDIDATES,
+            dual: tuple | None = None) -> tuple[str, dict, float]:
+    """(method, options, predicted seconds) of the fastest candidate for ``op`` with these
+    ``counts``: the op, then (``dual`` = (its backward's op, K, N)) its backward with the
+    weight grads as tail, each with ``step_s`` per schedule step. Ties go to the earlier
+    candidate. A pure function of its arguments: every rank holding the same table and
+    hardware model chooses the same (the choice sets the message sizes)."""
+    hw = resolve_hw(hw)
+    best = (math.inf, -1)
+    for i, (m, o) in enumerate(candidates):
+        ops = [MoEOp(op, m, K, N, o.get("chunks", 4), o.get("splits", 1))]
+        if dual:
+            ops.append(MoEOp(dual[0], m, dual[1], dual[2], o.get("chunks", 4),
+                             o.get("splits", 1), True))
+        if m == "commfuse" and o.get("splits", 1) > 1 and o["splits"] > max(
+                n for row in counts.rows for n in row):
+            continue  # more pieces than rows: the same schedule as a smaller m
+        t = _MoEEngine(hw, counts, ops, dtype_bytes, True, step_s).run()[0]
+        best = min(best, (max(t), i))
+    t, i = best
+    return candidates[i][0], dict(candidates[i][1]), t
+
+
+class _MoEEngine(Engine):
+    """The engine on programs compiled here from the MoE schedules (every rank simulated)."""
+
+    def __init__(self, hw: Hardware, counts: ExpertCounts, ops, dtype_bytes: float,
+                 comm: bool, step_s: float):
+        self.hw, self.w, self.comm, self.timeline = hw, counts.world, comm, False
+        self.nr = counts.world
+        self.progs, self.coll_time = [[] for _ in range(self.w)], {}
+        for job, o in enumerate(ops):
+            for r in range(self.w):
+                if o.op == "work":
+                    s = o.per_rank[r] if o.per_rank else o.seconds
+                    self.progs[r].append(("work", s, "compute", f"{job}:{o.label}"))
+                else:
+                    _compile(self.progs[r], self.coll_time, hw, counts, job, o, r,
+                             dtype_bytes, comm, step_s)
+
+
+def _compile(prog, coll_time, hw: Hardware, c: ExpertCounts, job: int, o: MoEOp, r: int,
+             d: float, comm: bool, step_s: float) -> None:
+    sched = build(o.op, o.method, c, r, chunks=o.chunks, splits=o.splits, tail=o.tail)
+    w, dispatch = c.world, o.op == "moe_dispatch"
+    of = [row[r] for row in c.rows]  # my receive-layout slots: rows from / for rank p
+    to = c.rows[r]  # my send-layout slots
+    width = o.K if dispatch else o.N  # what a moved row holds
+    m, k = o.splits, sched.chunks
+
+    def gemm(p, lo, hi):
+        return sum(hw.gemm_time(n, o.K, o.N, r) for n in clip(c.groups(p, r), lo, hi) if n)
+
+    def compute_s(slot):
+        if slot == TAIL:
+            t = sum(hw.gemm_time(o.K, n, o.N, r) for n in c.expert_rows(r) if n)
+            split = sum(n * (o.K + o.N) * d for e, n in enumerate(c.expert_rows(r))
+                        if sum(1 for p in range(w) if c.groups(p, r)[e]) > 1)
+            return t + hw.copy_time(split, r)
+        if o.method == "commfuse":
+            p, j = divmod(slot, m)
+            off, n = piece(of[p], m, j)
+            own = hw.copy_time(n * o.K * d, r) if dispatch and p == r else 0.0
+            return gemm(p, off, off + n) + own
+        return sum(gemm(p, off, off + n) for p, (off, n) in
+                   enumerate(piece(of[p], k, slot) for p in range(w)))
+
+    def nbytes(t):
+        sizes = to if (t.kind == "send") == dispatch else of
+        p, j = divmod(t.slot, m)
+        return piece(sizes[p], m, j)[1] * width * d if comm else 0.0
+
+    def key(t):
+        return (job, r, t.peer, t.tag) if t.kind == "send" else (job, t.peer, r, t.tag)
+
+    host_c, host_p = (hw.host_collective_s, hw.host_p2p_s) if comm else (0.0, 0.0)
+    step = step_s if comm else 0.0
+    for st in sched.steps:
+        if step:
+            prog.append(("work", step, "host", f"{job}:{o.op} step"))
+        if isinstance(st, Compute):
+            prog.append(("work", compute_s(st.slot), "compute", f"{job}:{o.op} {st.slot}"))
+        elif isinstance(st, Post):
+            if host_p:
+                prog.append(("work", host_p, "host", f"{job}:{o.op} post"))
+            prog.append(("post", tuple((key(t), t.kind == "send", nbytes(t),
+                                        (r, t.peer) if t.kind == "send" else (t.peer, r))
+                                       for t in st.transfers)))
+        elif isinstance(st, Wait):
+            prog.append(("wait", key(st.transfer)))
+        elif isinstance(st, Collective):
+            if host_c:
+                prog.append(("work", host_c, "host", f"{job}:{o.op} launch {st.slot}"))
+            ck = (job, st.slot)
+            if ck not in coll_time:
+                coll_time[ck] = (_a2a_s(hw, c, o, k, st.slot, d) if comm else 0.0,
+                                 f"{job}:{o.op} all_to_all chunk {st.slot}")
+            prog.append(("coll", ck))
+        elif isinstance(st, WaitCollective):
+            prog.append(("wcoll", (job, st.slot)))
+        elif isinstance(st, Reduce):
+            raise AssertionError("the MoE schedules have no reduction")
+    if o.tail and TAIL not in sched.computes():  # none: the weight grads after it all
+        prog.append(("work", compute_s(TAIL), "compute", f"{job}:{o.op} tail"))
+
+
+def _a2a_s(hw: Hardware, c: ExpertCounts, o: MoEOp, k: int, j: int, d: float) -> float:
+    """An all-to-all of chunk j of every slot: paced by the rank that sends or receives the
+    most off-rank bytes (module doc)."""
+    w = c.world
+    if w <= 1:
+        return 0.0
+    moved = c.rows if o.op == "moe_dispatch" else tuple(
+        tuple(c.rows[q][p] for q in range(w)) for p in range(w))  # moved[src][dst]
+    width = o.K if o.op == "moe_dispatch" else o.N
+    out = [sum(piece(moved[p][q], k, j)[1] for q in range(w) if q != p) for p in range(w)]
+    inn = [sum(piece(moved[p][q], k, j)[1] for p in range(w) if p != q) for q in range(w)]
+    busiest = max(max(out), max(inn)) * width * d
+    slow = max(hw.link_straggler.values(), default=1.0)
+    return ((w - 1) * hw.link_latency + busiest * slow / hw.link_bandwidth) \
+        / hw.collective_efficiency
