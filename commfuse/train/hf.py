@@ -2,16 +2,17 @@
 weights are downloaded), trained with `commfuse.tp` on the shipped corpus.
 
 PATH_OR_NAME: a shipped config (``llama-tiny``, ``qwen2-tiny``, ``qwen3-tiny``,
-``mistral-sw-tiny``: `commfuse/data/hf/*.json`), a ``config.json`` file or directory, or a
-Hugging Face hub name (its config only). ``--tp`` ranks run `commfuse.tp.parallelize` (every
-fused op with ``--method`` and its options); ``--dp`` ranks shard the model with FSDP2
+``mistral-sw-tiny``, ``mamba2-tiny``, ``bamba-tiny``, ``nemotron-h-tiny``:
+`commfuse/data/hf/*.json`; Mamba-2 mixers run transformers' torch path), a ``config.json``
+file or directory, or a Hugging Face hub name (its config only). ``--tp`` ranks run
+`commfuse.tp.parallelize` (every fused op with ``--method`` and its options); ``--dp`` ranks shard the model with FSDP2
 (``fully_shard`` per layer and at the root) over the "dp" dim of the (dp, tp) mesh. Not with
 ``--up``, ``--query-split`` or ``--resume`` (those are the built-in model's).
 ``--checkpoint-dir D`` saves the whole model as a transformers model directory (config.json,
 model.safetensors: `save_hf_checkpoint`) at D/step-N, named by D/latest, which ``commfuse
 generate --checkpoint D`` and ``from_pretrained`` read. The loss is the next-token
 cross-entropy on ``targets``; MFU uses 6N + 12 L H Q T (PaLM, appendix B) with the config's
-sizes.
+sizes, plus the Mamba-2 scan on Mamba layers (`commfuse.train.hf_flops`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from commfuse.train.config import DTYPES, TrainConfig
 from commfuse.train.report import finish, measure_matmul_flops, progress
 
 SHIPPED = DATA_DIR / "hf"
+ATTENTION_FREE = ("mamba2",)  # model types whose class takes no attn_implementation
 
 
 def load_config(name_or_path: str):
@@ -54,7 +56,8 @@ def build(cfg: TrainConfig, world: int):
     hf = load_config(cfg.hf_config)
     _check(cfg, hf)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa")
+    attn = {} if hf.model_type in ATTENTION_FREE else {"attn_implementation": "sdpa"}
+    model = AutoModelForCausalLM.from_config(hf, **attn)
     model = model.to(DTYPES[cfg.dtype])
     if world == 1:
         return model, None
@@ -65,18 +68,16 @@ def build(cfg: TrainConfig, world: int):
     if cfg.dp == 1:
         return model, None
     from torch.distributed.fsdp import fully_shard
-    for layer in model.model.layers:
+    for layer in model.base_model.layers:  # model.layers, Mamba2's backbone.layers
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     return model, mesh["dp"]
 
 
 def _flops_per_token(hf, seq_len: int) -> int:
-    """6N + 12 L H Q T, N the parameters in matmuls (all but the embedding)."""
-    d, f, L, H = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.num_attention_heads
-    q = getattr(hf, "head_dim", None) or d // H
-    per_layer = d * q * (2 * H + 2 * hf.num_key_value_heads) + 3 * d * f
-    return 6 * (L * per_layer + d * hf.vocab_size) + 12 * L * H * q * seq_len
+    """6N + 12 L H Q T (+ the Mamba-2 scan): `commfuse.train.hf_flops.flops_per_token`."""
+    from commfuse.train.hf_flops import flops_per_token
+    return flops_per_token(hf, seq_len)
 
 
 def train_hf_rank(rank: int, world: int, cfg: TrainConfig, lr_at, seq_len_at) -> list[dict]:

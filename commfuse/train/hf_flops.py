@@ -1,0 +1,98 @@
+"""Training FLOPs per token of a transformers causal LM from its config, per architecture:
+the numerator of ``commfuse train --hf-config``'s MFU.
+
+    6 N + 12 L_attn H q T + 6 L_mamba H_m (Q (N_s + P) + 2 N_s P)
+
+``6 N``: forward and backward of every weight a token meets once (PaLM, Chowdhery et al.
+2022, appendix B): the matmuls of every layer and the output head, not the embedding; a
+Mamba-2 layer's in_proj, depthwise conv1d and out_proj; a mixture-of-experts layer's router,
+top-k routed experts and its shared expert (the active weights). ``12 L_attn H q T``: causal
+attention's scores and weighted values over the whole sequence T (PaLM's term), for the
+attention layers only. The last term is the Mamba-2 SSD scan (Dao & Gu 2024, "Transformers are
+SSMs", section 6) as transformers' torch path computes it per head, per token, forward: the
+chunk's C B^T scores (2 Q N_s) and their product with x (2 Q P), the chunk state B^T x
+(2 N_s P) and its read-out C h (2 N_s P); times 3 for forward and backward. Q is the chunk
+(at most T), N_s the state size, P the head dim, H_m the SSM heads. Norms, activations,
+softmax and the inter-chunk recurrence (a small share) are not counted.
+"""
+
+from __future__ import annotations
+
+
+def _attention(hf) -> tuple[int, int]:
+    """(matmul weights, per-token-per-position term 12 H q) of one attention layer."""
+    d, H, G = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads
+    q = getattr(hf, "head_dim", None) or d // H
+    return d * q * (2 * H + 2 * G), 12 * H * q
+
+
+def _mamba(hf, d: int, H: int, P: int, G: int, N: int, K: int, Q: int, T: int) -> tuple[int, int]:
+    """(weights, scan FLOPs per token) of one Mamba-2 mixer: in_proj z|x|B|C|dt, conv1d over
+    x|B|C, out_proj; the SSD scan with chunk Q over T tokens, forward and backward."""
+    d_in, conv = H * P, H * P + 2 * G * N
+    weights = d * (d_in + conv + H) + conv * K + d_in * d
+    Q = min(Q, T)
+    return weights, 6 * H * (Q * (N + P) + 2 * N * P)
+
+
+def _mamba_geometry(hf) -> tuple[int, ...]:
+    """(H, P, G, N, K, Q) of the config's Mamba-2 mixers."""
+    if hf.model_type == "bamba":
+        return (hf.mamba_n_heads, hf.mamba_d_head, hf.mamba_n_groups, hf.mamba_d_state,
+                hf.mamba_d_conv, hf.mamba_chunk_size)
+    if hf.model_type == "nemotron_h":
+        return (hf.mamba_num_heads, hf.mamba_head_dim, hf.n_groups, hf.ssm_state_size,
+                hf.conv_kernel, hf.chunk_size)
+    return hf.num_heads, hf.head_dim, hf.n_groups, hf.state_size, hf.conv_kernel, hf.chunk_size
+
+
+def layer_mix(hf) -> list[tuple[str, ...]]:
+    """Each layer's parts: "attention", "mamba", "swiglu" (gate, up, down of
+    ``intermediate_size``), "mlp" (up, down), "moe" (Nemotron-H's routed + shared experts)."""
+    L = hf.num_hidden_layers
+    if hf.model_type == "mamba2":
+        return [("mamba",)] * L
+    if hf.model_type == "bamba":
+        attn = set(hf.attn_layer_indices or ())
+        return [("attention" if i in attn else "mamba", "swiglu") for i in range(L)]
+    if hf.model_type == "nemotron_h":
+        kind = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp",
+                "moe": "moe"}
+        return [(kind[t],) for t in hf.layers_block_type]
+    return [("attention", "swiglu")] * L  # Llama, Mistral, Qwen2, Qwen3
+
+
+def matmul_weights(hf) -> int:
+    """N: the weights a token meets once (the module docstring): the layers' matmuls and
+    conv1d, the output head; not the embedding, norms or biases."""
+    d = hf.hidden_size
+    n = d * hf.vocab_size  # the output head
+    for parts in layer_mix(hf):
+        for part in parts:
+            if part == "attention":
+                n += _attention(hf)[0]
+            elif part == "mamba":
+                n += _mamba(hf, d, *_mamba_geometry(hf), 1)[0]
+            elif part == "swiglu":
+                n += 3 * d * hf.intermediate_size
+            elif part == "mlp":
+                n += 2 * d * hf.intermediate_size
+            else:  # moe: router, top-k routed experts (in the latent width, with its two
+                # projections when set) and the shared expert, each expert an up/down pair
+                e = hf.moe_latent_size or d
+                n += (d * hf.n_routed_experts
+                      + 2 * e * hf.num_experts_per_tok * hf.moe_intermediate_size
+                      + 2 * d * hf.moe_shared_expert_intermediate_size
+                      + (2 * d * e if hf.moe_latent_size else 0))
+    return n
+
+
+def flops_per_token(hf, seq_len: int) -> int:
+    """Training FLOPs per token (the module docstring) of config ``hf`` at ``seq_len``."""
+    seq = 0
+    for parts in layer_mix(hf):
+        if "attention" in parts:
+            seq += _attention(hf)[1] * seq_len
+        if "mamba" in parts:
+            seq += _mamba(hf, hf.hidden_size, *_mamba_geometry(hf), seq_len)[1]
+    return 6 * matmul_weights(hf) + seq
