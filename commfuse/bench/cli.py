@@ -12,6 +12,7 @@ import sys
 import torch
 
 from commfuse.bench import measure, report, workloads
+from commfuse.bench import moe as bench_moe
 from commfuse.ops.auto import add_hardware_flag, use_hardware
 from commfuse.sim.probe import fitted_fields
 from commfuse.runtime.gloo import duplex
@@ -20,9 +21,9 @@ from commfuse.schedule import VARIANTS
 WORKER_ENV = "COMMFUSE_BENCH_WORKER"
 
 
-KINDS = {"op": "the four fused ops",
+KINDS = {"op": "the four fused ops (and, named with --workloads, the MoE dispatch and combine)",
          "layer": "the TPSP MLP, TP attention (row-parallel Flash-RS and query-split) and the "
-                  "Ulysses attention block"}
+                  "Ulysses attention block (and, named with --workloads, the MoE layer)"}
 
 
 def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
@@ -31,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
 
     p.set_defaults(kind=kind)
     p.add_argument("--workloads", help="comma-separated subset (ops: " + ",".join(workloads.OPS) +
-                   "; layers: " + ",".join(workloads.LAYERS) + "); default all of the kind")
+                   "; layers: " + ",".join(workloads.LAYERS) + "; MoE, only when named: " +
+                   ",".join(workloads.MOE) + "); default all of the kind but MoE")
     p.add_argument("--seq", default="2048",
                    help="sequence length(s), comma-separated for a sweep (batch folded in); "
                         "divisible by --nproc (default 2048)")
@@ -39,12 +41,25 @@ def add_arguments(p: argparse.ArgumentParser, kind: str) -> None:
     p.add_argument("--ffn", type=int, default=None,
                    help="MLP hidden width F (default 4 x --d-model): ag_matmul is [S, D] @ "
                         "[D, F/W], matmul_rs [S, F/W] @ [F/W, D], and the mlp layer; divisible "
-                        "by --nproc")
+                        "by --nproc. MoE workloads: each expert's hidden width (default "
+                        "--d-model)")
+    p.add_argument("--experts", type=int, default=8,
+                   help="MoE workloads: experts in all, divisible by --nproc (default 8)")
+    p.add_argument("--top-k", type=int, default=2,
+                   help="MoE workloads: experts per token (default 2)")
+    p.add_argument("--routing", default="balanced,zipf",
+                   help="MoE workloads: comma-separated routings, each a row: balanced (even "
+                        "expert load) or zipf (expert popularity ~ 1/i^--zipf-s), seeded, the "
+                        "same rows for every method (default balanced,zipf)")
+    p.add_argument("--zipf-s", type=float, default=1.2,
+                   help="MoE workloads: the Zipf exponent of --routing zipf (default 1.2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--pass", dest="passes", choices=["forward", "backward", "both"], default="both",
                    help="forward, forward+backward, or both (default both)")
-    p.add_argument("--methods", default=",".join(VARIANTS),
-                   help="comma-separated, from " + ",".join(VARIANTS) + " (default all)")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated, from " + ",".join(VARIANTS) + " (default all; MoE "
+                        "workloads run " + ",".join(bench_moe.METHODS) + ", default " +
+                        ",".join(bench_moe.DEFAULT_METHODS) + ")")
     p.add_argument("--iters", type=int, default=15, help="timed iterations per method (default 15)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1: "
@@ -77,9 +92,24 @@ def _list(text: str, allowed, what: str) -> list[str]:
 
 
 def run(args) -> int:
-    names = _list(args.workloads, workloads.OPS + workloads.LAYERS, "workload") if args.workloads \
+    names = _list(args.workloads, workloads.OPS + workloads.LAYERS + workloads.MOE,
+                  "workload") if args.workloads \
         else list(workloads.OPS if args.kind == "op" else workloads.LAYERS)
+    moe = [n for n in names if n in workloads.MOE]
+    if args.methods is None:
+        args.methods = ",".join(bench_moe.DEFAULT_METHODS if len(moe) == len(names)
+                                else VARIANTS)
     _list(args.methods, VARIANTS, "method")
+    if moe:
+        _list(args.methods, bench_moe.METHODS, "method for the MoE workloads")
+        try:
+            args.moe = [bench_moe.MoEOptions(args.experts, args.top_k, r, args.zipf_s)
+                        for r in _list(args.routing, ("balanced", "zipf"), "routing")]
+        except ValueError as e:
+            raise SystemExit(f"commfuse bench: {e}")
+        if args.experts % args.nproc:
+            raise SystemExit(f"commfuse bench: --experts ({args.experts}) must be divisible "
+                             f"by --nproc ({args.nproc})")
     seqs = [int(s) for s in args.seq.split(",")]
     if args.ffn is not None and (args.ffn <= 0 or args.ffn % args.nproc):
         raise SystemExit(f"commfuse bench: --ffn must be > 0 and divisible by --nproc "
@@ -109,6 +139,19 @@ def run(args) -> int:
                               timeout=args.timeout)
 
 
+def _predict_moe(result: dict, world: int, hw, dtype, moe) -> None:
+    """The simulator's time beside each method of an MoE result (same table, same hardware
+    model as auto's), and the routing it ran."""
+    from commfuse.schedule import VARIANTS as V
+
+    r = result
+    r["routing"] = moe.label()
+    for row in r["methods"]:
+        row["predicted_ms"] = 1e3 * bench_moe.predict(
+            r["workload"], world, r["seq"], r["d_model"], r["ffn"], dtype.itemsize,
+            r["pass"] != "forward", V[row["method"]], hw, moe)
+
+
 def _worker(args, names: list[str], seqs: list[int]) -> int:
     import torch.distributed as dist
 
@@ -128,7 +171,10 @@ def _worker(args, names: list[str], seqs: list[int]) -> int:
     cells = [([n], seq, bw) for n in names for seq in seqs for bw in passes]
     if args.interleave_workloads:
         cells = [(names, seq, bw) for seq in seqs for bw in passes]
-    for group, seq, backward in cells:
+    # an MoE workload runs once per routing
+    cells = [(g, seq, bw, o) for g, seq, bw in cells for o in (
+        getattr(args, "moe", [None]) if any(n in workloads.MOE for n in g) else [None])]
+    for group, seq, backward, moe in cells:
         group = [n for n in group if not (backward and n in workloads.FORWARD_ONLY)]
         if not group:
             continue
@@ -139,9 +185,11 @@ def _worker(args, names: list[str], seqs: list[int]) -> int:
             say(f"[bench] {line}")
         got = measure.measure_together(group, seq, args.d_model, dtype, backward, args.iters,
                                        args.warmup, args.methods.split(","), args.trace, say,
-                                       args.ffn)
+                                       args.ffn, moe)
         done += 1
         for r in got or []:
+            if r["workload"] in workloads.MOE:
+                _predict_moe(r, world, hw, dtype, moe)
             say(report.table(r) + "\n")
             results.append({**r, "hardware": line, "fitted": fitted_fields(hw)})
     if rank == 0:

@@ -65,16 +65,17 @@ def measure(name: str, seq: int, d: int, dtype: torch.dtype, backward: bool, ite
 
 def measure_together(names: list[str], seq: int, d: int, dtype: torch.dtype, backward: bool,
                      iters: int, warmup: int, variants: list[str], trace: bool, say=print,
-                     ffn: int | None = None) -> list[dict] | None:
+                     ffn: int | None = None, moe=None) -> list[dict] | None:
     """`measure` for several workloads of one size at once: every iteration times each
     workload's methods, compute alone, communication alone and limit, all in one rotated
     order, so a ratio between two workloads compares the same spell of the machine, as a
     ratio between two methods always does. Every workload's buffers are held at once. Returns
-    one result per workload, in ``names`` order, on rank 0 (None elsewhere)."""
+    one result per workload, in ``names`` order, on rank 0 (None elsewhere). ``moe``: the
+    MoE workloads' `commfuse.bench.moe.MoEOptions`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     fns, steps = {}, {}
     for name in names:
-        step = steps[name] = workloads.build(name, world, rank, seq, d, dtype, ffn)
+        step = steps[name] = workloads.build(name, world, rank, seq, d, dtype, ffn, moe)
         comm_alone, limit = _limit_fn(step, backward)
         for label in variants:
             method, opts = VARIANTS[label]
@@ -105,7 +106,8 @@ def measure_together(names: list[str], seq: int, d: int, dtype: torch.dtype, bac
         return None
     return [_summarise(n, seq, d, dtype, backward, variants,
                        [({k[1:]: v for k, v in t.items() if k[0] == n}, sp[n])
-                        for t, sp in gathered], ffn or 4 * d)
+                        for t, sp in gathered],
+                       ffn or (d if n in workloads.MOE else 4 * d))
             for n in names]
 
 

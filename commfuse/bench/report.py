@@ -10,8 +10,16 @@ from commfuse.trace import Panel, write_gantt, write_trace
 
 
 def _ffn(r: dict) -> str:
-    """`` ffn F`` where a result's MLP width is not the default 4 x d_model."""
+    """`` ffn F`` where a result's MLP width is not the default 4 x d_model; an MoE result's
+    expert width and routing."""
+    if r.get("routing"):
+        return f" ffn {r['ffn']} ({r['routing']})"
     return f" ffn {r['ffn']}" if r.get("ffn") not in (None, 4 * r["d_model"]) else ""
+
+
+def _sim(r: dict) -> bool:
+    """Whether the result's rows carry the simulator's prediction (`predicted_ms`)."""
+    return all("predicted_ms" in m for m in r["methods"])
 
 
 def table(result: dict) -> str:
@@ -20,13 +28,16 @@ def table(result: dict) -> str:
             f"{r['world']} ranks   comm alone {r['comm_alone_ms']:.2f} ms   "
             f"testbed limit {r['limit_ms']:.2f} ms")
     cols = f"{'method':<16}{'median ms':>10}{'p10-p90':>16}{'compute':>9}{'exposed':>9}" \
-           f"{'hidden':>8}{'of limit':>9}{'vs none':>9}"
+           f"{'hidden':>8}{'of limit':>9}{'vs none':>9}" + (f"{'sim ms':>9}{'sim/meas':>9}"
+                                                            if _sim(r) else "")
     lines = [head, cols, "-" * len(cols)]
     pct = lambda x: "   -" if x is None else f"{100 * x:5.0f}%"
     for m in r["methods"]:
+        sim = f"{m['predicted_ms']:9.2f}{m['predicted_ms'] / m['median_ms']:9.2f}" \
+            if _sim(r) else ""
         lines.append(f"{m['method']:<16}{m['median_ms']:10.2f}{m['p10_ms']:8.2f}-{m['p90_ms']:<7.2f}"
                      f"{m['compute_ms']:9.2f}{m['exposed_ms']:9.2f}{pct(m.get('hidden')):>8}"
-                     f"{pct(m.get('of_limit')):>9}{m.get('vs_none', float('nan')):9.3f}")
+                     f"{pct(m.get('of_limit')):>9}{m.get('vs_none', float('nan')):9.3f}{sim}")
     return "\n".join(lines)
 
 
@@ -80,7 +91,9 @@ def save(results: list[dict], meta: dict, out_dir: str, stem: str) -> list[str]:
     for r in results:
         if r["spans"]:
             tag = "fwd" if r["pass"] == "forward" else "fwdbwd"
-            p = os.path.join(out_dir, f"{stem}-{r['workload']}-{r['seq']}-{tag}.trace.json")
+            name = r["workload"] + (f"-{r['routing'].split(',')[0].split()[0]}"
+                                    if r.get("routing") else "")
+            p = os.path.join(out_dir, f"{stem}-{name}-{r['seq']}-{tag}.trace.json")
             write_trace(r["spans"], p)
             paths.append(p)
             try:
@@ -123,13 +136,17 @@ def markdown(results: list[dict]) -> str:
         out.append(f"**{r['workload']}**, seq {r['seq']}, d_model {r['d_model']}{_ffn(r)}, {r['dtype']}, "
                    f"{r['pass']}, {r['world']} ranks: communication alone {r['comm_alone_ms']:.1f} ms, "
                    f"testbed limit {r['limit_ms']:.1f} ms\n")
+        sim = _sim(r)
         out.append("| method | median ms | p10-p90 ms | compute alone ms | exposed ms | hidden "
-                   "| of limit | vs none |")
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+                   "| of limit | vs none |" + (" sim ms | sim / measured |" if sim else ""))
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if sim else ""))
         for m in r["methods"]:
+            extra = (f" {m['predicted_ms']:.1f} | {m['predicted_ms'] / m['median_ms']:.2f} |"
+                     if sim else "")
             out.append(f"| {m['method']} | {m['median_ms']:.1f} | {m['p10_ms']:.0f}-{m['p90_ms']:.0f} "
                        f"| {m['compute_ms']:.1f} | {m['exposed_ms']:.1f} | {pct(m.get('hidden'))} "
-                       f"| {pct(m.get('of_limit'))} | {m.get('vs_none', float('nan')):.3f} |")
+                       f"| {pct(m.get('of_limit'))} | {m.get('vs_none', float('nan')):.3f} |"
+                       + extra)
         out.append("")
     return "\n".join(out)
 

@@ -11,6 +11,7 @@ one forward (and backward) pass. Shapes (batch folded into the sequence S, width
 - ``attn_row``    TP attention: AG -> QKV, causal attention on my heads, out-proj Flash-RS
 - ``attn_qsplit`` the same with query-split attention (balanced order; its backward fused too)
 - ``ulysses``     QKV -> a2a, attention on the full sequence for my heads, a2a -> out-proj
+- ``moe_dispatch``, ``moe_combine``, ``moe``: expert parallelism (`commfuse.bench.moe`)
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import torch
 import torch.nn.functional as F
 
 import commfuse
+from commfuse.bench import moe as moe_workloads
 from commfuse.ops import registry
 from commfuse.ops.attention import query_split_attention
 from commfuse.schedule import OPS
 
 LAYERS = ("mlp", "attn_row", "attn_qsplit", "ulysses")
+MOE = moe_workloads.OPS + moe_workloads.LAYERS  # named explicitly: not in a kind's default
 FORWARD_ONLY: tuple[str, ...] = ()  # workloads with no backward (none now)
 HEAD_DIM = 64
 
@@ -33,11 +36,14 @@ Step = Callable[[str, dict, bool], None]
 
 
 def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype,
-          ffn: int | None = None) -> Step:
+          ffn: int | None = None, moe: moe_workloads.MoEOptions | None = None) -> Step:
     """Workload ``name`` of width ``d`` over ``seq`` tokens; ``ffn``: the MLP's hidden width
-    (the ops ag_matmul / matmul_rs and the mlp layer; default 4d)."""
+    (the ops ag_matmul / matmul_rs and the mlp layer; default 4d), or the experts' (the MoE
+    workloads; default d); ``moe``: the MoE workloads' experts and routing."""
+    if name in MOE:
+        return moe_workloads.build(name, world, rank, seq, d, dtype, ffn, moe)
     if name not in OPS + LAYERS:
-        raise ValueError(f"unknown workload {name!r}; choose from {OPS + LAYERS}")
+        raise ValueError(f"unknown workload {name!r}; choose from {OPS + LAYERS + MOE}")
     g = torch.Generator().manual_seed(rank)
     rnd = lambda *shape: (torch.randn(*shape, generator=g) / shape[0] ** 0.5).to(dtype).requires_grad_()
     s = seq // world

@@ -74,14 +74,14 @@ class MoESim:
     rank_s: tuple
 
 
-def routing_counts(routing: str, tokens: int, experts: int, top_k: int, world: int,
-                   seed: int = 0, zipf_s: float = 1.2) -> ExpertCounts:
-    """The table of ``tokens`` tokens per rank, each sent to ``top_k`` distinct experts of
-    ``experts``, the same for a given seed on every caller:
+def route_tokens(routing: str, tokens: int, experts: int, top_k: int, world: int,
+                 seed: int = 0, zipf_s: float = 1.2) -> list[list[tuple[int, ...]]]:
+    """Each rank's tokens' experts (``tokens`` per rank, ``top_k`` distinct experts of
+    ``experts`` each, best first), the same on every caller for a given seed:
 
-    - ``"balanced"``: every expert gets as close to ``tokens * top_k / experts`` rows from
-      each rank as integers allow (the remainder spread by rank, so the table stays even);
-    - ``"zipf"``: expert popularity ~ 1 / rank^``zipf_s`` over a seeded shuffle of the
+    - ``"balanced"``: token t of rank p takes experts (t k + p + j) mod E, j < k: every expert
+      gets as close to ``tokens * top_k / experts`` rows from each rank as integers allow;
+    - ``"zipf"``: expert popularity ~ 1 / i^``zipf_s`` for the i-th of a seeded shuffle of the
       experts; each token draws its k experts without replacement in proportion to it.
     """
     if routing not in ROUTINGS:
@@ -89,29 +89,45 @@ def routing_counts(routing: str, tokens: int, experts: int, top_k: int, world: i
     if not (0 < top_k <= experts) or tokens < 0 or experts % world:
         raise ValueError(f"bad routing shape: {tokens} tokens, top-{top_k} of {experts} "
                          f"experts on {world} ranks")
+    if routing == "balanced":
+        return [[tuple((t * top_k + p + j) % experts for j in range(top_k))
+                 for t in range(tokens)] for p in range(world)]
     import random
 
-    if routing == "balanced":
-        rows = tokens * top_k
-        table = []
-        for p in range(world):
-            base, extra = divmod(rows, experts)
-            table.append(tuple(base + ((e - p) % experts < extra) for e in range(experts)))
-        return ExpertCounts(tuple(table))
     rng = random.Random(seed)
     order = list(range(experts))
     rng.shuffle(order)
     weight = [0.0] * experts
-    for rank_, e in enumerate(order):
-        weight[e] = 1.0 / (rank_ + 1) ** zipf_s
-    table = []
-    for p in range(world):
-        hist = [0] * experts
+    for i, e in enumerate(order):
+        weight[e] = 1.0 / (i + 1) ** zipf_s
+    out = []
+    for _ in range(world):
+        mine = []
         for _ in range(tokens):
-            pool = list(range(experts))
+            pool, chosen = list(range(experts)), []
             for _ in range(top_k):
                 e = rng.choices(pool, [weight[x] for x in pool])[0]
                 pool.remove(e)
+                chosen.append(e)
+            mine.append(tuple(chosen))
+        out.append(mine)
+    return out
+
+
+def routing_counts(routing: str, tokens: int, experts: int, top_k: int, world: int,
+                   seed: int = 0, zipf_s: float = 1.2) -> ExpertCounts:
+    """The `ExpertCounts` of `route_tokens`' assignment (the same arguments)."""
+    return counts_of(route_tokens(routing, tokens, experts, top_k, world, seed, zipf_s),
+                     experts)
+
+
+def counts_of(assignment, experts: int) -> ExpertCounts:
+    """The table of an assignment (per rank, per token, its experts)."""
+    table = []
+    for mine in assignment:
+        hist = [0] * experts
+        for chosen in mine:
+            for e in chosen:
                 hist[e] += 1
         table.append(tuple(hist))
     return ExpertCounts(tuple(table))

@@ -1,0 +1,139 @@
+"""``commfuse bench``'s Mixture-of-Experts workloads and their predictions on the simulator.
+
+Shapes (S tokens in all, S/W per rank, width D, E experts, E/W per rank, top-k, expert
+hidden width F; R the rows a rank's experts receive):
+
+- ``moe_dispatch``  rows [S k / W, D] -> dispatch -> @ [E/W, D, 2F]   (the gate|up GEMM)
+- ``moe_combine``   rows [R, F] @ [E/W, F, D] -> combine               (the down GEMM)
+- ``moe``           the expert-parallel layer: router, count exchange, dispatch -> gate|up,
+                    SwiGLU, down -> combine, the weighted sum (`commfuse.moe.parallel`'s
+                    steps), forward and backward
+
+Routing (`MoEOptions.routing`): the tokens' experts come from
+`commfuse.sim.moe.route_tokens` (balanced, or Zipf-skewed expert popularity), seeded, so
+every method of a run moves the same rows; the ``moe`` layer's router still runs (its
+logits, softmax and gradient), its scores read at those experts. The simulator times the
+same table (`predict`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from commfuse.moe.layer import swiglu
+from commfuse.ops.moe import moe_dispatch_matmul, moe_matmul_combine
+from commfuse.ops.moe_counts import exchange_counts
+from commfuse.sim import moe as sim_moe
+
+OPS = ("moe_dispatch", "moe_combine")
+LAYERS = ("moe",)
+# the variants (commfuse.schedule.VARIANTS labels) that the MoE ops run
+METHODS = ("none", "none-torch", "sliced", "commfuse", "commfuse-m1", "commfuse-m2",
+           "commfuse-m4", "commfuse-m8", "auto")
+DEFAULT_METHODS = ("none", "sliced", "commfuse", "commfuse-m4", "auto")
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """What an MoE workload routes: ``experts`` in all (divisible by the ranks), ``top_k``
+    per token, ``routing`` "balanced" or "zipf" (popularity ~ 1/i^``zipf_s``), ``seed``."""
+
+    experts: int = 8
+    top_k: int = 2
+    routing: str = "balanced"
+    zipf_s: float = 1.2
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.routing not in sim_moe.ROUTINGS:
+            raise ValueError(f"routing must be one of {sim_moe.ROUTINGS}, got {self.routing!r}")
+        if not 0 < self.top_k <= self.experts:
+            raise ValueError(f"top-k {self.top_k} of {self.experts} experts")
+
+    def assignment(self, world: int, seq: int):
+        return sim_moe.route_tokens(self.routing, seq // world, self.experts, self.top_k,
+                                    world, self.seed, self.zipf_s)
+
+    def label(self) -> str:
+        skew = f" s={self.zipf_s:g}" if self.routing == "zipf" else ""
+        return f"{self.routing}{skew}, {self.experts} experts, top-{self.top_k}"
+
+
+def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype,
+          ffn: int | None, opts: MoEOptions | None):
+    """The step of MoE workload ``name`` (`commfuse.bench.workloads.build`'s contract);
+    ``ffn``: the expert hidden width F (default D)."""
+    import torch.distributed as dist
+
+    o, f = opts or MoEOptions(), ffn or d
+    if o.experts % world:
+        raise ValueError(f"{o.experts} experts cannot be split over {world} ranks")
+    group, local = dist.group.WORLD, o.experts // world
+    chosen = torch.tensor(o.assignment(world, seq)[rank], dtype=torch.long).reshape(-1, o.top_k)
+    counts = sim_moe.counts_of(o.assignment(world, seq), o.experts)
+    g = torch.Generator().manual_seed(rank)
+    rnd = lambda *shape: (torch.randn(*shape, generator=g) / shape[-2] ** 0.5).to(
+        dtype).requires_grad_()
+    w_gu, w_dn = rnd(local, d, 2 * f), rnd(local, f, d)
+    if name == "moe_dispatch":
+        x = rnd(counts.sent(rank), d)
+        return _grad_step(lambda m, op: moe_dispatch_matmul(x, w_gu, counts, group, method=m, **op))
+    if name == "moe_combine":
+        a = rnd(counts.received(rank), f)
+        return _grad_step(lambda m, op: moe_matmul_combine(a, w_dn, counts, group, method=m, **op))
+    if name != "moe":
+        raise ValueError(f"not an MoE workload: {name!r}")
+    x, w_router = rnd(seq // world, d), rnd(d, o.experts)
+    flat = chosen.reshape(-1)
+    order = torch.sort(flat, stable=True).indices  # the send layout: by global expert
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel())
+
+    def layer(m, op):
+        scores = (x @ w_router).float().softmax(-1).gather(1, chosen)
+        weights = (scores / scores.sum(-1, keepdim=True)).to(dtype)
+        live = exchange_counts(torch.bincount(flat, minlength=o.experts), group,
+                               rows=flat.numel())  # what the EP layer exchanges every step
+        h = moe_dispatch_matmul(x[order // o.top_k], w_gu, live, group, method=m, **op)
+        y = moe_matmul_combine(swiglu(h), w_dn, live, group, method=m, **op)
+        y_TkD = y[back].reshape(*chosen.shape, d)
+        return (y_TkD * weights.unsqueeze(-1)).sum(1)
+    return _grad_step(layer)
+
+
+def _grad_step(forward):
+    def step(method: str, opts: dict, backward: bool) -> None:
+        opts = {k: v for k, v in opts.items() if k != "topology"}  # no rings here
+        if backward:
+            out = forward(method, opts)
+            out.backward(torch.ones_like(out))
+        else:
+            with torch.no_grad():
+                forward(method, opts)
+    return step
+
+
+def predict(name: str, world: int, seq: int, d: int, ffn: int | None, dtype_bytes: float,
+            backward: bool, variant: tuple[str, dict], hw, opts: MoEOptions | None,
+            step_s: float = 50e-6) -> float:
+    """The simulator's seconds for MoE workload ``name`` under ``variant`` (method, options),
+    on ``hw``, with the same routing table as the run."""
+    o, f = opts or MoEOptions(), ffn or d
+    counts = sim_moe.counts_of(o.assignment(world, seq), o.experts)
+    method, vopts = variant
+    vopts = {k: v for k, v in vopts.items() if k in ("chunks", "splits")}
+    if name == "moe":
+        return sim_moe.moe_layer_time(counts, (d, f), hw, method, dtype_bytes, top_k=o.top_k,
+                                      backward=backward, step_s=step_s, **vopts).total_s
+    K, N = (d, 2 * f) if name == "moe_dispatch" else (f, d)
+    dual = ("moe_combine" if name == "moe_dispatch" else "moe_dispatch", N, K)
+    if method == "auto":
+        method, vopts, _ = sim_moe.fastest(name, counts, K, N, hw, dtype_bytes, step_s,
+                                           dual=dual)
+    ops = [sim_moe.MoEOp(name, method, K, N, vopts.get("chunks", 4), vopts.get("splits", 1))]
+    if backward:
+        ops.append(sim_moe.MoEOp(dual[0], method, *dual[1:], vopts.get("chunks", 4),
+                                 vopts.get("splits", 1), True))
+    return sim_moe.simulate_moe(ops, counts, hw, dtype_bytes, step_s).total_s
