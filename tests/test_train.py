@@ -2,6 +2,8 @@
 
 A small model (not the tiny preset) on the shipped corpus. The single-process reference runs
 in this process; every 2-rank run shares one spawn (`_runs`), each building its own groups.
+Ten steps: the losses of every step must match and fall (the same code runs at every step);
+resume stops halfway through eight.
 """
 
 import dataclasses
@@ -12,13 +14,14 @@ import sys
 
 import pytest
 
+import probe_small
 from commfuse import train
 from commfuse.testbed.spawn import run_local
 
 SMALL = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32)
 # a preset and a given peak: no probe at the start of each of the many runs below (dp2-auto
-# and test_runs_under_torchrun fit the model as a user's run does)
-BASE = train.TrainConfig(steps=30, batch_size=4, seq_len=32, model=SMALL, progress=False,
+# fits the model as a user's run does, with the smaller probe of tests/probe_small.py)
+BASE = train.TrainConfig(steps=10, batch_size=4, seq_len=32, model=SMALL, progress=False,
                          exposed_iters=0, hardware="cpu-testbed", peak_flops=1e9)
 LAYOUTS = {"tp2": dict(tp=2), "up2": dict(up=2), "dp2": dict(dp=2)}
 RUNS = {f"{name}-{m}": dataclasses.replace(BASE, method=m, **kw)
@@ -27,23 +30,25 @@ RUNS.update({  # ZeRO-3 prefetch (on, one block ahead, above): off, two ahead, a
     "dp2-commfuse-pf0": dataclasses.replace(BASE, dp=2, prefetch=0),
     "dp2-sliced-pf2": dataclasses.replace(BASE, dp=2, method="sliced", prefetch=2),
     "dp2-auto": dataclasses.replace(BASE, dp=2, method="auto", hardware="measured")})
-VARLEN = dataclasses.replace(BASE, steps=12, seq_len=31, variable_length=True)  # 16..31 tokens
+VARLEN = dataclasses.replace(BASE, steps=8, seq_len=31, variable_length=True)  # 16..31 tokens
 VARLEN_RUNS = {f"{name}-varlen": dataclasses.replace(VARLEN, **kw)
                for name, kw in LAYOUTS.items() if name != "dp2"}
-TIED = dataclasses.replace(BASE, steps=10, model={**SMALL, "tie_embeddings": True})
+TIED = dataclasses.replace(BASE, steps=6, model={**SMALL, "tie_embeddings": True})
 TIED_RUNS = {f"{name}-tied": dataclasses.replace(TIED, **kw) for name, kw in LAYOUTS.items()}
+RESUME, STOP = 8, 4  # steps straight vs STOP + resume + the rest
 
 
 def _runs(rank, world, configs, ckpt_root):
+    probe_small.shrink()
     out = {name: [m["loss"] for m in train.train_rank(rank, world, cfg)]
            for name, cfg in configs.items()}
-    for layout in ("tp2", "dp2"):  # 20 straight vs 10 + resume + 10
+    for layout in ("tp2", "dp2"):
         d = os.path.join(ckpt_root, layout)
-        cfg = dataclasses.replace(BASE, steps=20, checkpoint_dir=d, **LAYOUTS[layout])
+        cfg = dataclasses.replace(BASE, steps=RESUME, checkpoint_dir=d, **LAYOUTS[layout])
         out[f"{layout}-straight"] = [m["loss"] for m in
                                      train.train_rank(rank, world, dataclasses.replace(
                                          cfg, checkpoint_dir=None))]
-        first = train.train_rank(rank, world, dataclasses.replace(cfg, stop_after=10))
+        first = train.train_rank(rank, world, dataclasses.replace(cfg, stop_after=STOP))
         second = train.train_rank(rank, world, dataclasses.replace(cfg, resume=True))
         out[f"{layout}-resumed"] = [m["loss"] for m in first + second]
         out[f"{layout}-resumed-steps"] = [m["step"] for m in first + second]
@@ -65,9 +70,15 @@ def runs(ckpt_root):
     return results(ckpt_root)
 
 
+@functools.lru_cache(maxsize=None)
+def single_process(which: str) -> list[float]:
+    """The losses of BASE, VARLEN or TIED (``which``) in this process, once each."""
+    return [m["loss"] for m in train.launch({"base": BASE, "varlen": VARLEN, "tied": TIED}[which])]
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return [m["loss"] for m in train.launch(BASE)]
+    return single_process("base")
 
 
 def _max_rel(a, b):
@@ -86,14 +97,13 @@ def test_variable_uneven_lengths_match_single_process(runs, name):
     """Odd lengths that change every step: uneven shards, a different split each step."""
     lengths = {train.seq_len_at(VARLEN, i) for i in range(VARLEN.steps)}
     assert len(lengths) > 3 and any(n % 2 for n in lengths)  # odd: uneven over 2 ranks
-    want = [m["loss"] for m in train.launch(VARLEN)]
-    assert _max_rel(runs[name], want) < 1e-4
+    assert _max_rel(runs[name], single_process("varlen")) < 1e-4
 
 
 @pytest.mark.parametrize("name", sorted(TIED_RUNS))
 def test_tied_embeddings_match_single_process(runs, name):
     """One weight for the embedding and the head: a vocabulary shard under TP/UP."""
-    assert _max_rel(runs[name], [m["loss"] for m in train.launch(TIED)]) < 1e-4
+    assert _max_rel(runs[name], single_process("tied")) < 1e-4
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -103,14 +113,14 @@ def test_commfuse_matches_none(runs, layout):
 
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 def test_resume_is_exact(runs, layout):
-    assert runs[f"{layout}-resumed-steps"] == list(range(1, 21))
+    assert runs[f"{layout}-resumed-steps"] == list(range(1, RESUME + 1))
     assert runs[f"{layout}-resumed"] == runs[f"{layout}-straight"]
 
 
 def test_checkpoint_layout(runs, ckpt_root):
     root = os.path.join(ckpt_root, "dp2")
-    assert open(os.path.join(root, "latest")).read() == "step-00000020"
-    assert sorted(os.listdir(root)) == ["latest", "step-00000010", "step-00000020"]
+    assert open(os.path.join(root, "latest")).read() == f"step-{RESUME:08d}"
+    assert sorted(os.listdir(root)) == ["latest", f"step-{STOP:08d}", f"step-{RESUME:08d}"]
 
 
 def test_resume_rejects_other_layout(tmp_path):
@@ -137,7 +147,7 @@ def test_runs_under_torchrun(tmp_path):
     out = tmp_path / "m.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "commfuse.train", "--up", "2", "--steps", "3", "--batch-size", "2",
-           "--seq-len", "32", "--metrics-json", str(out)]
+           "--seq-len", "32", "--hardware", "cpu-testbed", "--metrics-json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
