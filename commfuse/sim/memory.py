@@ -57,7 +57,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commfuse.sim import work
+from commfuse.sim import layer_work, work
+from commfuse.sim.arch import is_hybrid, sublayers
 from commfuse.sim.model_ops import CURRENT, StepModel, model_config
 
 GIB = 2 ** 30
@@ -98,16 +99,33 @@ class MemoryEstimate:
 
 
 def rank_params(cfg, tp: int, up: int, dp: int, setup: work.TrainSetup,
-                sm: StepModel = CURRENT) -> float:
-    """Parameters one rank keeps (module doc)."""
-    L, D, V = cfg.n_layers, cfg.dim, cfg.vocab_size
+                sm: StepModel = CURRENT, ep: int = 1) -> float:
+    """Parameters one rank keeps (module doc); an MoE layer's routed experts E/ep of them,
+    sharded over the other dp/ep ranks."""
+    D, V = cfg.dim, cfg.vocab_size
     T = tp * up
-    block = sum(i * o for _, i, o in work.block_linears(cfg))
     vocab_t = T if sm.vocab_parallel and T > 1 else 1
     emb = V * D / vocab_t / (dp if setup.fsdp else 1)
     head = 0.0 if cfg.tie_embeddings else V * D / vocab_t / dp
-    norms = (2 * L + 1) * D / (dp if setup.fsdp else 1)
-    return L * block / (tp * dp) + emb + head + norms
+    norms = (sublayer_norms(cfg) + 1) * D / (dp if setup.fsdp else 1)
+    layers = 0.0
+    for g, count in _kinds(cfg):
+        dense, expert = layer_work.rank_weights(cfg, g, tp, ep)
+        layers += count * (dense / dp + expert / (dp // ep if dp % ep == 0 else dp))
+    return layers + emb + head + norms
+
+
+def _kinds(cfg) -> list[tuple[str, int]]:
+    """(kind, layers) of ``cfg``: ("block", n_layers), or a hybrid's pattern characters."""
+    if not is_hybrid(cfg):
+        return [("block", cfg.n_layers)]
+    s = sublayers(cfg)
+    return [(k, s.count(k)) for k in "*-EM" if k in s]
+
+
+def sublayer_norms(cfg) -> int:
+    """The layers' RMSNorms: two per Llama block, one per hybrid sub-layer."""
+    return len(sublayers(cfg)) if is_hybrid(cfg) else 2 * cfg.n_layers
 
 
 def _op_buffer(op, world: int, method: str, a: float) -> float:
@@ -131,13 +149,14 @@ def _op_buffer(op, world: int, method: str, a: float) -> float:
 
 
 def fsdp_gathered_bytes(cfg, tp: int, up: int, a: float = 2,
-                        sm: StepModel = CURRENT) -> tuple[float, float]:
+                        sm: StepModel = CURRENT, ep: int = 1) -> tuple[float, float]:
     """(root, one block): bytes of the weights FSDP holds unsharded on a rank at TP-local
     size: the root's embedding and head (vocabulary rows over T when vocabulary-parallel)
-    and one block's matmul weights (over tp). The peak holds the root and two blocks."""
+    and one block's matmul weights (over tp; the largest layer kind of a hybrid, its
+    experts E/ep). The peak holds the root and two blocks."""
     vocab_t = tp * up if sm.vocab_parallel and tp * up > 1 else 1
     root = cfg.vocab_size * cfg.dim / vocab_t * (1 if cfg.tie_embeddings else 2)
-    block = sum(i * o for _, i, o in work.block_linears(cfg)) / tp
+    block = max(sum(layer_work.rank_weights(cfg, k, tp, ep)) for k, _ in _kinds(cfg))
     return root * a, block * a
 
 
@@ -151,14 +170,17 @@ def loss_bytes(cfg, tp: int, up: int, n: int, a: float = 2, sm: StepModel = CURR
 
 
 def block_backward_bytes(cfg, tp: int, up: int, dp: int, n: int, setup: work.TrainSetup,
-                         a: float = 2) -> float:
-    """What one block's recompute and backward hold on a rank for ``n`` tokens, besides the
-    running op's buffer (module doc)."""
+                         a: float = 2, kind: str = "block", ep: int = 1) -> float:
+    """What one block's (one layer of ``kind``'s) recompute and backward hold on a rank for
+    ``n`` tokens, besides the running op's buffer (module doc)."""
     nl, D = n / (tp * up), cfg.dim
-    block_w = sum(i * o for _, i, o in work.block_linears(cfg)) / tp
-    held = work.block_saved_bytes(cfg, "none", a) * nl if setup.ac != "none" else 0.0
+    block_w = sum(layer_work.rank_weights(cfg, kind, tp, ep))
+    held = layer_work.saved_bytes(cfg, kind, "none", a) * nl if setup.ac != "none" else 0.0
+    gathered = {"block": 2, "*": 1, "-": 1, "M": 1}.get(kind, 0)
+    if kind == "E" and cfg.moe.shared_ffn:
+        gathered = 1
     if tp > 1:  # the gathered inputs of q|k|v and gate|up, kept for their weight gradients
-        held += 2 * a * D * n
+        held += gathered * a * D * n
     held += 2 * a * D * nl + block_w * a  # input gradients; the weight gradients (bf16)
     if setup.fsdp and dp > 1:  # the reduce-scatter's float32 copy of them
         held += block_w * setup.grad_bytes
@@ -167,29 +189,32 @@ def block_backward_bytes(cfg, tp: int, up: int, dp: int, n: int, setup: work.Tra
 
 def step_memory(model, tp: int, up: int, dp: int, seq: int, mb: int, method: str = "none",
                 setup: work.TrainSetup = work.TrainSetup(), dtype_bytes: float = 2,
-                capacity_gib: float = 0.0, sm: StepModel = CURRENT) -> MemoryEstimate:
+                capacity_gib: float = 0.0, sm: StepModel = CURRENT,
+                ep: int = 1) -> MemoryEstimate:
     """Peak memory of one rank training ``model`` under (tp, up, dp) with micro-batches of
     ``mb`` sequences of ``seq`` tokens (module doc). ``method``: the fused ops' method (their
-    buffers); ``capacity_gib``: the device's memory, for `MemoryEstimate.fits`."""
-    from commfuse.sim.model_ops import block_ops
+    buffers); ``capacity_gib``: the device's memory, for `MemoryEstimate.fits`; ``ep``:
+    expert-parallel ranks (MoE; `commfuse.sim.layers`)."""
+    from commfuse.sim.layers import layer_groups
 
     cfg, a = model_config(model), dtype_bytes
     T, n = tp * up, mb * seq
     nl = n / T
-    p = rank_params(cfg, tp, up, dp, setup, sm)
+    p = rank_params(cfg, tp, up, dp, setup, sm, ep)
     parts = {"params": p * setup.param_bytes, "grads": p * setup.grad_bytes,
              "optimizer": p * setup.optimizer_bytes}
-    parts["activations"] = (cfg.n_layers * work.block_saved_bytes(cfg, setup.ac, a)
-                            + (work.F32 + a) * cfg.dim) * nl
+    parts["activations"] = (sum(c * layer_work.saved_bytes(cfg, k, setup.ac, a)
+                                for k, c in _kinds(cfg)) + (work.F32 + a) * cfg.dim) * nl
     gathered = 0.0
     if dp > 1 and setup.fsdp and (method in ("none", "auto") or T > 1):  # FSDP's gathers
-        root, block = fsdp_gathered_bytes(cfg, tp, up, a, sm)
+        root, block = fsdp_gathered_bytes(cfg, tp, up, a, sm, ep)
         gathered = root + 2 * block  # the running block and the next, prefetched
     parts["gathered weights"] = gathered
     parts["loss"] = loss_bytes(cfg, tp, up, n, a, sm)
-    parts["block backward"] = block_backward_bytes(cfg, tp, up, dp, n, setup, a)
-    fwd, _ = block_ops(cfg, tp, up, dp, seq, mb, False, a, sm)
-    group = {"tp": tp, "up": up, "dp": dp}
+    parts["block backward"] = max(block_backward_bytes(cfg, tp, up, dp, n, setup, a, k, ep)
+                                  for k, _ in _kinds(cfg))
+    fwd = [op for g in layer_groups(cfg, tp, up, dp, seq, mb, ep, False, a, sm) for op in g.fwd]
+    group = {"tp": tp, "up": up, "dp": dp, "ep": ep, "edp": dp // ep}
     if gathered:  # FSDP's gathers are the weights above
         group.pop("dp")
     parts["op buffers"] = max([_op_buffer(op, group[op.axis], method, a) for op in fwd

@@ -48,6 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from commfuse.models.config import PRESETS as LLAMA_PRESETS, LlamaConfig
+from commfuse.sim.arch import PRESET_FIELDS as HYBRID_PRESETS, HybridConfig
 
 FUSED = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -60,16 +61,17 @@ MODELS: dict[str, dict] = {
     **LLAMA_PRESETS,
     "13b": dict(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, ffn_hidden=13824,
                 max_seq_len=4096),
+    **HYBRID_PRESETS,  # MoE and Mamba-2 hybrids (`commfuse.sim.arch`): Mixtral, Nemotron-H...
 }
 
 
 def model_config(model) -> LlamaConfig:
-    """A `LlamaConfig` from itself or a name in ``MODELS`` (tiny, small, 1b, 7b, 8b, 13b, 70b)."""
+    """A `LlamaConfig` from itself or a name in ``MODELS`` (MoE, Mamba: a `HybridConfig`)."""
     if isinstance(model, LlamaConfig):
         return model
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; choose from {sorted(MODELS)}")
-    return LlamaConfig(**MODELS[model])
+    return (HybridConfig if model in HYBRID_PRESETS else LlamaConfig)(**MODELS[model])
 
 
 LOSS_BYTES = 4  # the cross-entropy's statistics are float32 whatever the model's dtype

@@ -8,8 +8,11 @@ step time of `simulate_step` (equivalently by MFU: the global batch is the same 
 A layout is valid when `ParallelDims` accepts it for the model (tp divides the heads, kv heads
 and FFN; up the heads and kv heads; tp*up the sequence; dp the global batch and the rows of
 every DP-sharded weight) and the batch splits into whole micro-batches. TP and UP are not
-combined (the plans do not support it). All plans share one `OpTimer`, so an op that several
-plans run is simulated once.
+combined (the plans do not support it). A model with MoE layers (`commfuse.sim.arch`) also
+takes every expert-parallel size ep that divides dp and its experts (the ep group is made of
+DP ranks, `commfuse.sim.layers`); Mamba layers need their heads and groups split over tp
+and no Ulysses. All plans share one `OpTimer`, so an op that several plans run is simulated
+once.
 
 With a `commfuse.sim.work.TrainSetup` (``setup``), each plan is the whole training step of
 `commfuse.sim.train_step.simulate_train_step` (memory-bound work, recompute, optimizer, FSDP
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from commfuse.sim.arch import check_layout, sublayers
 from commfuse.sim.model_ops import CURRENT, StepModel, model_config
 from commfuse.sim.step import OpTimer, StepResult, simulate_step
 from commfuse.sim.work import TrainSetup
@@ -39,10 +43,12 @@ class Plan:
     method: str
     result: StepResult  # the GEMMs and collectives (`simulate_step`)
     train: object = None  # the whole step (`TrainStepResult`), when planned with a setup
+    ep: int = 1  # expert-parallel ranks (of the dp), MoE models
 
     @property
     def name(self) -> str:
-        return f"tp={self.tp} up={self.up} dp={self.dp} {self.method}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"tp={self.tp} up={self.up} dp={self.dp}{ep} {self.method}"
 
     @property
     def step_s(self) -> float:
@@ -67,12 +73,14 @@ class Plan:
 
 
 def layouts(model, devices: int, seq: int, batch: int | None, micro_batch: int = 1,
-            local_batch: int | None = None):
-    """([(tp, up, dp) valid for ``model`` on ``devices``], [(tp, up, dp, why) rejected]).
+            local_batch: int | None = None, ep: int | None = None):
+    """([(tp, up, dp) valid for ``model`` on ``devices``], [(tp, up, dp, why) rejected]);
+    for a model with MoE layers (tp, up, dp, ep) for every valid ep (or ``ep`` alone).
     ``local_batch``: sequences per DP replica (the global batch is then dp x local_batch)."""
     from commfuse.parallel.config import ParallelDims
 
     cfg = model_config(model)
+    moe = "E" in sublayers(cfg)
     ok, rejected = [], []
     inners = [d for d in range(1, devices + 1) if devices % d == 0]
     for tp, up in [(1, 1)] + [(d, 1) for d in inners[1:]] + [(1, d) for d in inners[1:]]:
@@ -85,9 +93,20 @@ def layouts(model, devices: int, seq: int, batch: int | None, micro_batch: int =
             if batch % (dp * micro_batch):
                 raise ValueError(f"global batch {batch} is not a whole number of micro-batches "
                                  f"of {micro_batch} on each of {dp} DP replicas")
-            ok.append((tp, up, dp))
+            check_layout(cfg, tp, up, dp, ep or 1)
         except ValueError as e:
-            rejected.append((tp, up, dp, str(e)))
+            rejected.append((tp, up, dp, *([ep or 1] if moe else []), str(e)))
+            continue
+        if not moe:
+            ok.append((tp, up, dp))
+            continue
+        for e in ([ep] if ep else [d for d in range(1, dp + 1) if dp % d == 0]):
+            try:
+                check_layout(cfg, tp, up, dp, e)
+                ok.append((tp, up, dp, e))
+            except ValueError as why:
+                if ep:
+                    rejected.append((tp, up, dp, e, str(why)))
     return ok, rejected
 
 
@@ -95,7 +114,8 @@ def plan(model, devices: int, hw="h100-nvlink", *, seq: int, batch: int | None =
          micro_batch: int | None = None, methods=METHODS, method_opts: dict | None = None,
          dtype_bytes: float = 2, inter_hw=None, node_size: int = 8,
          timer: OpTimer | None = None, step_model: StepModel = CURRENT,
-         local_batch: int | None = None, setup: TrainSetup | None = None, only=None):
+         local_batch: int | None = None, setup: TrainSetup | None = None, only=None,
+         ep: int | None = None):
     """(plans, best first; rejected layouts with the reason). ``batch``: global sequences per
     step (default: ``devices``), or ``local_batch`` sequences per DP replica;
     ``micro_batch``: sequences per forward/backward (default 1, or the local batch).
@@ -103,7 +123,8 @@ def plan(model, devices: int, hw="h100-nvlink", *, seq: int, batch: int | None =
     ``step_model``: which training step (`commfuse.sim.model_ops.StepModel`). ``setup``: plan
     whole training steps (module doc); None: the GEMMs and collectives only, ranked by step
     time (tokens/s per device, with ``local_batch``). ``only``: a (tp, up, dp) to time
-    alone."""
+    alone, or (tp, up, dp, ep) for an MoE model. ``ep``: plan this expert-parallel size only
+    (MoE models; default: every valid one)."""
     from commfuse.parallel.config import ParallelDims
     from commfuse.sim.train_step import simulate_train_step
 
@@ -111,16 +132,19 @@ def plan(model, devices: int, hw="h100-nvlink", *, seq: int, batch: int | None =
         raise ValueError("give batch or local_batch, not both")
     if batch is None and local_batch is None:
         batch = devices
+    if only is not None and len(only) == 4:
+        ep, only = only[3], tuple(only[:3])
     ok, rejected = layouts(model, devices, seq, batch, micro_batch or local_batch or 1,
-                           local_batch)
+                           local_batch, ep)
     if only is not None:
-        ok = [lay for lay in ok if lay == tuple(only)]
+        ok = [lay for lay in ok if lay[:3] == tuple(only)]
         rejected = [r for r in rejected if r[:3] == tuple(only)]
         if not ok and not rejected:
             rejected = [(*only, f"tp*up*dp is not {devices}, or TP and UP combined")]
     timer = timer or OpTimer(dtype_bytes)
     plans = []
-    for tp, up, dp in ok:
+    for tp, up, dp, *e in ok:
+        e = e[0] if e else 1
         b = dp * local_batch if local_batch is not None else batch
         mb = micro_batch or local_batch or 1
         for method in methods:
@@ -128,28 +152,29 @@ def plan(model, devices: int, hw="h100-nvlink", *, seq: int, batch: int | None =
                                 method_opts=method_options(method, method_opts or {}))
             kw = dict(seq=seq, batch=b, micro_batch=mb, dtype_bytes=dtype_bytes,
                       inter_hw=inter_hw, node_size=node_size, timer=timer,
-                      step_model=step_model)
+                      step_model=step_model, ep=e)
             if setup is None:
-                plans.append(Plan(tp, up, dp, method, simulate_step(model, dims, hw, **kw)))
+                plans.append(Plan(tp, up, dp, method, simulate_step(model, dims, hw, **kw),
+                                  ep=e))
             else:
                 t = simulate_train_step(model, dims, hw, setup=setup, **kw)
-                plans.append(Plan(tp, up, dp, method, t.base, t))
+                plans.append(Plan(tp, up, dp, method, t.base, t, ep=e))
     if setup is None:  # by step time; the same order unless the batch differs (local_batch)
-        plans.sort(key=lambda p: (-p.tokens_per_s_per_device, p.tp, p.up, p.method))
+        plans.sort(key=lambda p: (-p.tokens_per_s_per_device, p.tp, p.up, p.ep, p.method))
     else:
-        plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_device, p.tp, p.up,
+        plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_device, p.tp, p.up, p.ep,
                                   p.method))
     return plans, rejected
 
 
 def plan_records(plans) -> list[dict]:
-    """Every plan as a dict (for ``commfuse plan --json``): tp, up, dp, method, step_s,
+    """Every plan as a dict (for ``commfuse plan --json``): tp, up, dp, ep, method, step_s,
     tokens_per_s_per_device, mfu, peak_memory_gib, fits (None without a setup), the global
     tokens per step, and the seconds per step of each part (``breakdown``)."""
     out = []
     for p in plans:
         r = p.train or p.result
-        out.append(dict(tp=p.tp, up=p.up, dp=p.dp, method=p.method, step_s=p.step_s,
+        out.append(dict(tp=p.tp, up=p.up, dp=p.dp, ep=p.ep, method=p.method, step_s=p.step_s,
                         tokens_per_s_per_device=p.tokens_per_s_per_device, mfu=p.mfu,
                         peak_memory_gib=p.peak_memory_gib, fits=p.fits,
                         tokens_per_step=p.result.tokens,
@@ -168,14 +193,16 @@ def table(plans, top: int | None = None) -> str:
     """A fixed-width table of ``plans`` (best first): step time, throughput, MFU, exposed
     communication, the step's limit (same compute and bytes, no dependency) and the seconds
     per step spent on each group's ops."""
-    head = (f"{'#':>3} {'tp':>3} {'up':>3} {'dp':>5} {'method':<10}{'step s':>9}{'limit s':>9}"
+    eps = _ep_column(plans)
+    head = (f"{'#':>3} {'tp':>3} {'up':>3} {'dp':>5}{eps('ep')} {'method':<10}{'step s':>9}"
+            f"{'limit s':>9}"
             f"{'tokens/s':>11}"
             f"{'MFU':>7}{'exposed':>9}{'TP/UP s':>9}{'DP s':>8}{'GEMM s':>8}{'world s':>8}")
     lines = [head, "-" * len(head)]
     for i, p in enumerate(plans[:top] if top else plans, 1):
         r, b = p.result, p.result.breakdown
         lines.append(
-            f"{i:>3} {p.tp:>3} {p.up:>3} {p.dp:>5} {p.method:<10}{r.step_s:>9.3f}"
+            f"{i:>3} {p.tp:>3} {p.up:>3} {p.dp:>5}{eps(p.ep)} {p.method:<10}{r.step_s:>9.3f}"
             f"{r.limit_s:>9.3f}{r.tokens / r.step_s:>11,.0f}{100 * r.mfu:>6.1f}%"
             f"{100 * r.exposed_comm_s / r.step_s:>8.1f}%{b.get('tp', 0) + b.get('up', 0):>9.3f}"
             f"{b.get('dp', 0):>8.3f}{b.get('local', 0):>8.3f}{b.get('world', 0):>8.3f}")
@@ -188,17 +215,25 @@ def train_table(plans, top: int | None = None) -> str:
     step of each part (`commfuse.sim.train_step`): GEMMs and collectives as the ops run them
     ("ops", FSDP's transfers taken out), fused attention, memory-bound work, recompute, what
     FSDP's prefetch leaves exposed (transfers and the compute they slow)."""
-    head = (f"{'#':>3} {'tp':>3} {'up':>3} {'dp':>5} {'method':<10}{'step s':>8}"
+    eps = _ep_column(plans)
+    head = (f"{'#':>3} {'tp':>3} {'up':>3} {'dp':>5}{eps('ep')} {'method':<10}{'step s':>8}"
             f"{'tok/s/dev':>10}{'MFU':>7}{'mem GiB':>9}{'fits':>5}"
             f"{'ops s':>8}{'attn s':>8}{'membw s':>8}{'recomp s':>9}{'DP exp s':>9}")
     lines = [head, "-" * len(head)]
     for i, p in enumerate(plans[:top] if top else plans, 1):
         b = p.train.breakdown
         lines.append(
-            f"{i:>3} {p.tp:>3} {p.up:>3} {p.dp:>5} {p.method:<10}{p.step_s:>8.3f}"
+            f"{i:>3} {p.tp:>3} {p.up:>3} {p.dp:>5}{eps(p.ep)} {p.method:<10}{p.step_s:>8.3f}"
             f"{p.tokens_per_s_per_device:>10,.0f}{100 * p.mfu:>6.1f}%"
             f"{p.peak_memory_gib:>9.1f}{'yes' if p.fits else 'NO':>5}"
             f"{b.get('ops', 0):>8.3f}{b.get('attention', 0):>8.3f}"
             f"{b.get('memory-bound', 0):>8.3f}{b.get('recompute', 0):>9.3f}"
             f"{b.get('dp exposed', 0) + b.get('dp interference', 0):>9.3f}")
     return "\n".join(lines)
+
+
+def _ep_column(plans):
+    """A formatter of the ep column: 4 wide where any plan has ep > 1, else nothing."""
+    if any(p.ep > 1 for p in plans):
+        return lambda v: f"{v:>4}"
+    return lambda v: ""

@@ -17,7 +17,9 @@ from commfuse.trace import write_gantt
 DESCRIPTION = """\
 Enumerate every (tp, up, dp) layout of MODEL on DEVICES ranks that the parallel plans accept
 (tp divides the heads, kv heads and FFN; up the heads and kv heads; tp*up the sequence; dp the
-global batch and the rows of every DP-sharded weight; TP and UP are not combined), predict one
+global batch and the rows of every DP-sharded weight; TP and UP are not combined; for an MoE
+model every expert-parallel size ep that divides dp and the experts; for a Mamba hybrid tp
+splitting its SSM heads and groups, no UP), predict one
 training step of each under every method, and print them best first: the plans that fit in
 the device's memory first, by tokens/s per device. Writes the best plan's predicted timeline
 of its GEMMs and collectives as a Chrome trace (open in ui.perfetto.dev) and a PNG Gantt chart.
@@ -27,7 +29,12 @@ forward and backward of every block and of the output head, with the fused ops t
 (TPSP: AG->GEMM q|k|v and gate|up, GEMM->RS out-proj and down; Ulysses: GEMM->a2a,
 a2a->GEMM; ZeRO-3 DP: parameter all-gather fused with each GEMM, gradient reduce-scatter fused
 with the weight-gradient GEMM; backward the dual ops), and the all-reduce of the replicated
-gradients. Under TP/UP x DP the plans gather the TP/UP weights with a plain all-gather before
+gradients. MoE layers (mixtral-8x7b, qwen3-30b-a3b, deepseek-v2-lite): the router GEMM, the
+dispatch all-to-all fused with the experts' gate|up GEMM and their down GEMM fused with the
+combine all-to-all on the ep group, with uniform routing's expected bytes (each rank sends
+tokens x top_k x (ep-1)/ep rows); Mamba-2 layers (nemotron-h-8b): in_proj's AG->GEMM and
+out_proj's GEMM->RS under TP, the conv1d and the scan as memory-bound work
+(commfuse/sim/layers.py, layer_work.py). Under TP/UP x DP the plans gather the TP/UP weights with a plain all-gather before
 each op. Each distinct op is simulated once on its own group (tp/up ranks are neighbours, dp
 strides over them; a group wider than --node-size uses --inter-hw's links), and the times are
 summed along the step: no overlap between consecutive ops. GEMM efficiency and, on the Hopper
@@ -70,7 +77,10 @@ examples:
       --ac selective --methods none --layout 1,1,8 --json plan.json
   commfuse plan --model 7b --devices 64 --hw a100-nvlink --batch 256 --micro-batch 2
   commfuse plan --model 70b --devices 1024 --methods commfuse,auto --splits 2
-  commfuse plan --model tiny --devices 4 --hw cpu-testbed --inter-hw same --seq 256"""
+  commfuse plan --model tiny --devices 4 --hw cpu-testbed --inter-hw same --seq 256
+  commfuse plan --model mixtral-8x7b --devices 64 --seq 4096 --local-batch 4 --micro-batch 1 \
+      --ac full --methods none,commfuse
+  commfuse plan --model nemotron-h-8b --devices 8 --seq 8192 --local-batch 2 --micro-batch 1"""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,8 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--model", default="70b", choices=sorted(MODELS), metavar="MODEL",
       help=f"model preset, one of {', '.join(sorted(MODELS))}: Llama 2 7B/13B, Llama 3 "
-           "8B/70B, Llama 3.2 1B, or the CPU-sized tiny/small (default 70b; shapes and "
-           "sources in commfuse/sim/model_ops.py)")
+           "8B/70B, Llama 3.2 1B, the CPU-sized tiny/small, MoE Mixtral 8x7B, Qwen3-30B-A3B, "
+           "DeepSeek-V2-Lite, hybrid Mamba-2 Nemotron-H 8B (default 70b; shapes and sources "
+           "in commfuse/sim/model_ops.py and arch.py)")
     a("--set", action="append", default=[], metavar="FIELD=VALUE",
       help="override a field of the model preset (a LlamaConfig field, e.g. vocab_size=131072 "
            "or n_layers=40); repeatable")
@@ -111,8 +122,11 @@ def _parser() -> argparse.ArgumentParser:
            "repository's ZeRO-3, no prefetch) (default fsdp)")
     a("--ops-only", action="store_true",
       help="the GEMMs and collectives only (the planner before the whole-step model)")
-    a("--layout", default=None, metavar="TP,UP,DP",
-      help="time this layout only, e.g. 1,1,8")
+    a("--layout", default=None, metavar="TP,UP,DP[,EP]",
+      help="time this layout only, e.g. 1,1,8 (an MoE model: 1,1,8,8 for ep=8)")
+    a("--ep", type=int, default=None,
+      help="MoE models: plan this expert-parallel size only (default: every ep dividing dp "
+           "and the experts)")
     a("--json", default=None, metavar="FILE",
       help="also write every plan to FILE as JSON: tp, up, dp, method, step_s, "
            "tokens_per_s_per_device, mfu, peak_memory_gib, fits, tokens_per_step, breakdown")
@@ -151,9 +165,9 @@ def main_plan(argv=None) -> int:
     if a.layout:
         try:
             only = tuple(int(x) for x in a.layout.split(","))
-            assert len(only) == 3 and min(only) >= 1
+            assert len(only) in (3, 4) and min(only) >= 1
         except (ValueError, AssertionError):
-            raise SystemExit(f"commfuse plan: --layout wants TP,UP,DP, got {a.layout!r}")
+            raise SystemExit(f"commfuse plan: --layout wants TP,UP,DP[,EP], got {a.layout!r}")
     cfg = _with_overrides(model_config(a.model), a.set)
     seq = a.seq or min(4096, cfg.max_seq_len)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -165,12 +179,12 @@ def main_plan(argv=None) -> int:
     t0, timer = time.perf_counter(), OpTimer(a.dtype_bytes)
     plans, rejected = plan(cfg, a.devices, a.hw, methods=methods, method_opts=opts,
                            timer=timer, batch=a.batch, local_batch=a.local_batch,
-                           micro_batch=a.micro_batch, setup=setup, only=only, **kw)
+                           micro_batch=a.micro_batch, setup=setup, only=only, ep=a.ep, **kw)
     elapsed = time.perf_counter() - t0
     batch = f"{a.local_batch} x dp" if a.local_batch else a.batch or a.devices
     print(f"{a.model}{''.join(' ' + x for x in a.set)} ({cfg.n_layers} layers, d={cfg.dim}, "
           f"{cfg.n_heads} heads, {cfg.n_kv_heads} kv heads, ffn {cfg.ffn_hidden}, vocab "
-          f"{cfg.vocab_size}) on {a.devices} x {a.hw}, "
+          f"{cfg.vocab_size}{_layers(cfg)}) on {a.devices} x {a.hw}, "
           f"nodes of {a.node_size} linked by {a.inter_hw}; {batch} x {seq} tokens per step, "
           f"micro-batch {a.micro_batch or a.local_batch or 1}"
           + ("" if setup is None else f"; {setup.describe()}"))
@@ -179,8 +193,8 @@ def main_plan(argv=None) -> int:
             json.dump(plan_records(plans), f, indent=1)
     if not plans:
         print("no valid layout:")
-        for tp, up, dp, why in rejected:
-            print(f"  tp={tp} up={up} dp={dp}: {why}")
+        for *lay, why in rejected:
+            print(f"  {_lay(lay)}: {why}")
         return 1
     print((table if setup is None else train_table)(plans, a.top or None))
     best = plans[0]
@@ -190,8 +204,8 @@ def main_plan(argv=None) -> int:
           f"{best.tokens_per_s_per_device:,.0f} tokens/s per device, MFU "
           f"{100 * best.mfu:.1f} %{mem}, {best.result.micro_batches} micro-batch(es)")
     if rejected:
-        print(f"{len(rejected)} layouts rejected, e.g. tp={rejected[0][0]} up={rejected[0][1]} "
-              f"dp={rejected[0][2]}: {rejected[0][3]}")
+        print(f"{len(rejected)} layouts rejected, e.g. {_lay(rejected[0][:-1])}: "
+              f"{rejected[0][-1]}")
     print(f"{len(plans)} plans timed in {elapsed:.2f} s ({timer.simulations} op simulations)")
     if a.json:
         print(f"wrote {a.json}")
@@ -200,7 +214,7 @@ def main_plan(argv=None) -> int:
     dims = ParallelDims(tp=best.tp, up=best.up, dp=best.dp, method=best.method,
                         method_opts=method_options(best.method, opts), world_size=a.devices)
     r = simulate_step(cfg, dims, a.hw, timeline=True, timer=timer, batch=best.result.tokens
-                      // seq, micro_batch=a.micro_batch or a.local_batch or 1, **kw)
+                      // seq, micro_batch=a.micro_batch or a.local_batch or 1, ep=best.ep, **kw)
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"{a.model}-{a.devices}")
     r.write_trace(stem + ".trace.json")
@@ -216,6 +230,29 @@ def main_plan(argv=None) -> int:
     except ImportError:
         print("matplotlib not installed: no PNG (pip install 'commfuse[bench]')")
     return 0
+
+
+def _lay(lay) -> str:
+    return " ".join(f"{k}={v}" for k, v in zip(("tp", "up", "dp", "ep"), lay))
+
+
+def _layers(cfg) -> str:
+    """The MoE and Mamba layers of a hybrid config, for the header."""
+    from commfuse.sim.arch import is_hybrid, sublayers
+
+    if not is_hybrid(cfg):
+        return ""
+    s, out = sublayers(cfg), []
+    if cfg.moe and "E" in s:
+        m = cfg.moe
+        out.append(f"{s.count('E')} MoE layers of {m.experts} experts top-{m.top_k} ffn "
+                   f"{m.expert_ffn}" + (f" + shared {m.shared_ffn}" if m.shared_ffn else ""))
+    if "M" in s:
+        m = cfg.mamba
+        out.append(f"{s.count('M')} Mamba-2 layers ({m.heads} heads of {m.head_dim}, state "
+                   f"{m.d_state}, {m.n_groups} groups), {s.count('*')} attention, "
+                   f"{s.count('-')} MLP")
+    return "; " + "; ".join(out)
 
 
 def _with_overrides(cfg, sets: list[str]):

@@ -41,7 +41,9 @@ from commfuse.sim.attention import attention_s
 from commfuse.sim.costs import OpSpec
 from commfuse.sim.hardware import Hardware
 from commfuse.sim.hardware import resolve as resolve_hw
-from commfuse.sim.model_ops import (CURRENT, FUSED, StepModel, StepOp, block_ops, embed_ops,
+from commfuse.sim.arch import check_layout, is_hybrid, model_flops_per_token
+from commfuse.sim.layers import hybrid_grad_sync_ops, layer_groups, layer_order
+from commfuse.sim.model_ops import (CURRENT, FUSED, StepModel, StepOp, embed_ops,
                                     grad_sync_ops, head_ops, local_attention_ops, model_config,
                                     tp_attention_ops, wire_bytes)
 from commfuse.sim.ops import simulate_ops
@@ -163,8 +165,10 @@ class StepResult:
 def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | None = None,
                   micro_batch: int = 1, dtype_bytes: float = 2, backward: bool = True,
                   inter_hw=None, node_size: int = 8, timeline: bool = False,
-                  timer: OpTimer | None = None, step_model: StepModel = CURRENT) -> StepResult:
-    """Time one training step of ``model`` (a `LlamaConfig` or a name in `MODELS`) under
+                  timer: OpTimer | None = None, step_model: StepModel = CURRENT,
+                  ep: int | None = None) -> StepResult:
+    """Time one training step of ``model`` (a `LlamaConfig`, a
+    `commfuse.sim.arch.HybridConfig` or a name in `MODELS`) under
     ``parallel`` (a `commfuse.parallel.config.ParallelDims`: tp, up, dp, method and its options;
     method "auto" allowed) on ``hw`` (a `Hardware` or a preset name).
 
@@ -172,16 +176,19 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     micro-batches of ``micro_batch`` sequences per DP replica. ``inter_hw``: the links of groups
     that span nodes of ``node_size`` ranks (None: ``hw``'s everywhere). ``backward=False``:
     forward only. ``step_model``: which step (`StepModel`; default the current one).
+    ``ep``: expert-parallel ranks of an MoE model, taken from the DP ranks (default
+    ``parallel.ep`` where it has one, else 1; `commfuse.sim.layers`).
     MFU = flops_per_token * tokens / step_s / (ranks * hw.gemm_flops), with
     `commfuse.models.llama.flops_per_token` (6N + 12*L*H*Q*T, PaLM appendix B, as
-    ``commfuse train`` reports it), the preset's dense peak in the denominator.
+    ``commfuse train`` reports it; `commfuse.sim.arch.flops_per_token` for MoE and Mamba
+    layers: the active weights, and the scan), the preset's dense peak in the denominator.
     """
-    from commfuse.models.config import flops_per_token
-
     cfg, hw = model_config(model), resolve_hw(hw)
     tp, up, dp = parallel.tp, parallel.up, parallel.dp
+    ep = ep or getattr(parallel, "ep", 1) or 1
     batch = dp * micro_batch if batch is None else batch
     parallel.check_model(cfg, seq, batch)
+    check_layout(cfg, tp, up, dp, ep)
     if micro_batch < 1 or batch % (dp * micro_batch):
         raise ValueError(f"global batch {batch} is not a whole number of micro-batches of "
                          f"{micro_batch} sequences on each of dp={dp} replicas")
@@ -192,23 +199,29 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     inner, world = tp * up, tp * up * dp
     inter = resolve_hw(inter_hw) if inter_hw is not None else hw
     group = {"local": (1, hw), "tp": (tp, hw), "up": (up, hw), "dp": (dp, hw),
-             "world": (world, hw)}
-    for axis, span in (("tp", inner), ("up", inner), ("dp", inner * dp), ("world", world)):
+             "world": (world, hw), "ep": (ep, hw), "edp": (dp // ep, hw)}
+    for axis, span in (("tp", inner), ("up", inner), ("dp", inner * dp), ("world", world),
+                       ("ep", inner * ep), ("edp", inner * dp)):
         if span > node_size:
             group[axis] = (group[axis][0], hw.with_links_of(inter))
     sm, mb = step_model, micro_batch
-    fwd, bwd = block_ops(cfg, tp, up, dp, seq, mb, backward, dtype_bytes, sm,
-                         query_split=tp > 1 and resolve_query_split(parallel, cfg, seq, mb,
-                                                                    dtype_bytes, hw, timer))
+    groups = layer_groups(cfg, tp, up, dp, seq, mb, ep, backward, dtype_bytes, sm,
+                          query_split=tp > 1 and resolve_query_split(parallel, cfg, seq, mb,
+                                                                     dtype_bytes, hw, timer))
+    bwd = [op for g in groups for op in g.bwd]
     hf, hb = head_ops(cfg, tp, up, dp, seq, mb, backward, dtype_bytes, sm)
     ef, eb = embed_ops(cfg, tp, up, seq, mb, backward, dtype_bytes, sm)
     hf, hb = ef + hf, hb + eb  # embedding first in the forward, last in the backward
-    per_mb = [(op, cfg.n_layers) for op in fwd + bwd] + [(op, 1) for op in hf + hb]
-    sync = grad_sync_ops(cfg, tp, up, dp, dtype_bytes, sm) if backward else []
+    per_mb = [(op, g.count) for g in groups for op in g.fwd + g.bwd] + [(op, 1)
+                                                                        for op in hf + hb]
+    sync = (hybrid_grad_sync_ops(cfg, tp, up, dp, ep, dtype_bytes, sm) if is_hybrid(cfg)
+            else grad_sync_ops(cfg, tp, up, dp, dtype_bytes, sm)) if backward else []
     n_mb = batch // (dp * mb)
     times, breakdown, wire = {}, {}, {}
-    credit = prefetch_credit(bwd, tp) if sm.regather_prefetch and getattr(
-        parallel, "regather_prefetch", 1) else {}
+    credit = {}
+    if sm.regather_prefetch and getattr(parallel, "regather_prefetch", 1):
+        for g in groups:
+            credit.update(prefetch_credit(list(g.bwd), tp))
     total = compute = backward_s = 0.0
     bucketed = sm.grad_sync == "bucketed"
     for op, reps in per_mb + [(op, 1 / n_mb) for op in sync]:
@@ -235,9 +248,9 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
         breakdown[sync[-1].axis] = breakdown.get(sync[-1].axis, 0.0) + sync_exposed
     rows = tuple((op, reps * n_mb * op.count, *times[op])
                  for op, reps in per_mb + [(op, 1 / n_mb) for op in sync])
-    spans = _timeline(cfg, fwd, bwd, hf, hb, sync, times, sync_exposed if bucketed else None) \
-        if timeline else ()
-    mfu = flops_per_token(cfg, seq) * batch * seq / total / (world * hw.gemm_flops)
+    spans = _timeline(layer_order(cfg, groups), hf, hb, sync, times,
+                      sync_exposed if bucketed else None) if timeline else ()
+    mfu = model_flops_per_token(cfg, seq) * batch * seq / total / (world * hw.gemm_flops)
     limit = max([compute, *wire.values()])
     return StepResult(total, compute, total - compute, limit, sum(wire.values()), sync_exposed,
                       n_mb, batch * seq, mfu, breakdown, rows, spans, timer.simulations - before)
@@ -291,14 +304,15 @@ def bucketed_exposed(buckets: list[list[float]], backward_s: float) -> float:
     return max(max(b[-1] for b in buckets), sum(map(sum, buckets)) - backward_s)
 
 
-def _timeline(cfg, fwd, bwd, hf, hb, sync, times, sync_exposed=None) -> tuple:
-    """Rank 0's predicted micro-batch (every block forward, head, every block backward) and the
-    gradient sync: each op as a span on its group's lane, its exposed part on "exposed". A
-    bucketed sync (``sync_exposed`` given) is drawn on its own lane, ending ``sync_exposed``
-    after the backward, its exposed part on "exposed"."""
-    order = [(f"L{i} fwd ", op) for i in range(cfg.n_layers) for op in fwd]
+def _timeline(layers, hf, hb, sync, times, sync_exposed=None) -> tuple:
+    """Rank 0's predicted micro-batch (every layer forward, head, every layer backward; each of
+    ``layers`` a `commfuse.sim.layers.LayerGroup`) and the gradient sync: each op as a span on
+    its group's lane, its exposed part on "exposed". A bucketed sync (``sync_exposed`` given)
+    is drawn on its own lane, ending ``sync_exposed`` after the backward, its exposed part on
+    "exposed"."""
+    order = [(f"L{i} fwd ", op) for i, g in enumerate(layers) for op in g.fwd]
     order += [("head ", op) for op in hf + hb]
-    order += [(f"L{i} bwd ", op) for i in reversed(range(cfg.n_layers)) for op in bwd]
+    order += [(f"L{i} bwd ", op) for i, g in reversed(list(enumerate(layers))) for op in g.bwd]
     order += [("", op) for op in sync] if sync_exposed is None else []
     spans, t = [], 0.0
     for prefix, op in order:

@@ -38,12 +38,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commfuse.sim import work
+from commfuse.sim import layer_work, work
+from commfuse.sim.arch import is_hybrid
 from commfuse.sim.hardware import resolve as resolve_hw
+from commfuse.sim.layers import hybrid_grad_sync_ops, layer_groups
 from commfuse.sim.memory import MemoryEstimate, rank_params, step_memory
-from commfuse.sim.model_ops import (CURRENT, FUSED, StepModel, block_ops, grad_sync_ops,
-                                    head_ops, model_config)
-from commfuse.sim.step import OpTimer, StepResult, resolve_query_split, simulate_step
+from commfuse.sim.model_ops import CURRENT, FUSED, StepModel, grad_sync_ops, head_ops, model_config
+from commfuse.sim.step import (OpTimer, StepResult, model_flops_per_token, resolve_query_split,
+                               simulate_step)
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,18 @@ class TrainStepResult:
 ATTENTION_OPS = ("attention", "attention bwd")  # the step's attention GEMMs (model_ops)
 
 
+def base_sync_ops(cfg, tp: int, up: int, dp: int, ep: int, a: float, sm: StepModel) -> list:
+    """The step's gradient all-reduces, as `simulate_step` runs them."""
+    if is_hybrid(cfg):
+        return hybrid_grad_sync_ops(cfg, tp, up, dp, ep, a, sm)
+    return grad_sync_ops(cfg, tp, up, dp, a, sm)
+
+
 def _prefetchable(op, label: str, setup: work.TrainSetup, dp: int) -> bool:
     """Whether ``op`` (on the DP axis) is one FSDP runs as a block's gather or reduce-scatter,
     ahead of the GEMM: a plain weight gather or its gradient's reduce-scatter, or a ZeRO-3
     op whose method (auto: the one chosen) is "none"."""
-    if not (setup.fsdp and dp > 1 and op.axis == "dp"):
+    if not (setup.fsdp and dp > 1 and op.axis in ("dp", "edp")):
         return False
     return op.kind in ("all_gather", "reduce_scatter") or \
         (op.kind in FUSED and label.split(" ")[0] == "none")
@@ -90,14 +99,19 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
                         micro_batch: int | None = None,
                         setup: work.TrainSetup = work.TrainSetup(), dtype_bytes: float = 2,
                         inter_hw=None, node_size: int = 8, timer: OpTimer | None = None,
-                        step_model: StepModel = CURRENT) -> TrainStepResult:
+                        step_model: StepModel = CURRENT,
+                        ep: int | None = None) -> TrainStepResult:
     """Predict one training step of ``model`` under ``parallel`` (a `ParallelDims`) on ``hw``
     (module doc). ``local_batch``: sequences per DP replica per step (torchtitan's
     ``local_batch_size``; the global batch is dp times it), or ``batch`` global sequences
     (default: one per DP replica); ``micro_batch``: sequences per forward/backward (default
-    the whole local batch). The other arguments are `simulate_step`'s."""
+    the whole local batch). ``ep``: expert-parallel ranks (MoE). The other arguments are
+    `simulate_step`'s. Each layer kind (`commfuse.sim.layers.LayerGroup`: Llama blocks, or
+    a hybrid's attention, MLP, MoE and Mamba layers) is counted with its own work
+    (`commfuse.sim.layer_work`)."""
     cfg, hw = model_config(model), resolve_hw(hw)
     tp, up, dp = parallel.tp, parallel.up, parallel.dp
+    ep = ep or getattr(parallel, "ep", 1) or 1
     if local_batch is not None and batch is not None and batch != local_batch * dp:
         raise ValueError(f"batch {batch} is not local_batch {local_batch} x dp {dp}")
     if local_batch is not None and local_batch < 1:
@@ -107,77 +121,100 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
     timer = timer or OpTimer(dtype_bytes)
     base = simulate_step(cfg, parallel, hw, seq=seq, batch=batch, micro_batch=mb,
                          dtype_bytes=dtype_bytes, inter_hw=inter_hw, node_size=node_size,
-                         timer=timer, step_model=step_model)
-    a, L, T, n_mb = dtype_bytes, cfg.n_layers, tp * up, base.micro_batches
+                         timer=timer, step_model=step_model, ep=ep)
+    a, T, n_mb = dtype_bytes, tp * up, base.micro_batches
     nl = mb * seq // T
     rows = {row[0]: row for row in base.rows}  # op -> (op, per step, total s, compute s, label)
-    # the block's ops as simulate_step timed them (TP attention per query slice or not)
-    fwd, bwd = block_ops(cfg, tp, up, dp, seq, mb, True, a, step_model,
-                         query_split=tp > 1 and resolve_query_split(parallel, cfg, seq, mb, a,
-                                                                    hw, timer))
+    # the layers' ops as simulate_step timed them (TP attention per query slice or not)
+    groups = layer_groups(cfg, tp, up, dp, seq, mb, ep, True, a, step_model,
+                          query_split=tp > 1 and resolve_query_split(parallel, cfg, seq, mb, a,
+                                                                     hw, timer))
     hf, hb = head_ops(cfg, tp, up, dp, seq, mb, True, a, step_model)
-    sync = grad_sync_ops(cfg, tp, up, dp, a, step_model)
+    sync = base_sync_ops(cfg, tp, up, dp, ep, a, step_model)
     parts = {"ops": base.step_s}
-
-    # fused attention in place of the attention GEMMs
     attn = work.attention_times(hw, cfg, seq, mb, T)
-    attn_ops = [op for op in fwd + bwd if op.kind == "gemm" and op.name in ATTENTION_OPS]
-    if len(attn_ops) != 2:  # attention timed some other way (inside a fused op): keep it
-        attn = None
-    attn_fwd_s = sum(rows[op][2] * op.count for op in fwd if op in attn_ops)  # one block's
-    if attn is not None:
-        for op in fwd + bwd:
-            if op in attn_ops:
+    per_mb, per_step, fsdp = 0.0, 0.0, []
+    attn_s = scan_s = recompute_s = 0.0
+    for g in groups:
+        L, fwd, bwd = g.count, list(g.fwd), list(g.bwd)
+        # fused attention in place of the attention GEMMs
+        attn_ops = [op for op in fwd + bwd if op.kind == "gemm" and op.name in ATTENTION_OPS]
+        g_attn = attn if len(attn_ops) == 2 else None  # else timed inside a fused op: kept
+        attn_fwd_s = sum(rows[op][2] * op.count for op in fwd if op in attn_ops)  # one layer's
+        if g_attn is not None:
+            for op in attn_ops:
                 parts["ops"] -= rows[op][1] * rows[op][2]
-        attn_fwd_s = attn[0]
-        parts["attention"] = (attn[0] + attn[1]) * L * n_mb
+            attn_fwd_s = g_attn[0]
+            attn_s += (g_attn[0] + g_attn[1]) * L * n_mb
 
-    # memory-bound work
-    ew = work.block_elementwise_bytes(cfg, a) * nl
-    ew_b = work.block_elementwise_bytes(cfg, a, backward=True) * nl
-    per_mb = L * (ew * (1 + (setup.ac != "none")) + ew_b)
+        # memory-bound work (and a Mamba layer's scan)
+        ew = layer_work.elementwise_bytes(cfg, g.kind, a) * nl
+        ew_b = layer_work.elementwise_bytes(cfg, g.kind, a, backward=True) * nl
+        per_mb += L * (ew * (1 + (setup.ac != "none")) + ew_b)
+        ew_s, ew_b_s = work.mem_time(hw, ew), work.mem_time(hw, ew_b)
+        if g.kind == "M":
+            scan = layer_work.scan_time(hw, cfg, seq, mb * seq, T, a)
+            scan_b = layer_work.scan_time(hw, cfg, seq, mb * seq, T, a, backward=True)
+            scan_s += L * n_mb * (scan * (1 + (setup.ac != "none")) + scan_b)
+            ew_s, ew_b_s = ew_s + scan, ew_b_s + scan_b
+        dense_w, expert_w = layer_work.rank_weights(cfg, g.kind, tp, ep)
+        if setup.fsdp and dp > 1:  # copy-out of 2 gathers (a in, a out), copy-in of the grads
+            sharded = dense_w + (expert_w if dp > ep else 0.0)
+            per_step += L * sharded * (2 * 2 * a + (a + setup.grad_bytes)) * n_mb
+
+        # recompute
+        recompute = 0.0
+        if setup.ac == "selective":
+            recompute = L * n_mb * sum(hw.gemm_time(*s) for s in layer_work.recomputed_gemms(
+                cfg, g.kind, tp, up, ep, mb * seq))
+        elif setup.ac == "full":
+            layer_fwd = sum(rows[op][2] * op.count if op.axis != "dp" else rows[op][3] * op.count
+                            for op in fwd if op not in attn_ops)
+            recompute = L * n_mb * (layer_fwd + attn_fwd_s)
+        recompute_s += recompute
+        fsdp.append((g, attn_ops, g_attn, dense_w, expert_w, ew_s, ew_b_s,
+                     recompute / (L * n_mb)))
     per_mb += work.LOSS_BYTES_PER_LOGIT * mb * seq * cfg.vocab_size / T
-    params = rank_params(cfg, tp, up, dp, setup, step_model)
-    per_step = work.OPTIMIZER_BYTES * params
-    block_w = sum(i * o for _, i, o in work.block_linears(cfg)) / tp
-    if setup.fsdp and dp > 1:  # copy-out of 2 gathers (a in, a out), copy-in of the grads
-        per_step += L * block_w * (2 * 2 * a + (a + setup.grad_bytes)) * n_mb
-    parts["memory-bound"] = work.mem_time(hw, per_mb * n_mb + per_step)
+    params = rank_params(cfg, tp, up, dp, setup, step_model, ep)
+    per_step += work.OPTIMIZER_BYTES * params
+    if attn_s:
+        parts["attention"] = attn_s
+    parts["memory-bound"] = work.mem_time(hw, per_mb * n_mb + per_step) + scan_s
+    if setup.ac != "none":
+        parts["recompute"] = recompute_s
 
-    # recompute
-    if setup.ac == "selective":
-        parts["recompute"] = L * n_mb * sum(
-            hw.gemm_time(*work.local_gemm(name, i, o, mb * seq, tp, up))
-            for name, i, o in work.recomputed_linears(cfg, "selective"))
-    elif setup.ac == "full":
-        block_fwd = sum(rows[op][2] * op.count if op.axis != "dp" else rows[op][3] * op.count
-                        for op in fwd if op not in attn_ops)
-        parts["recompute"] = L * n_mb * (block_fwd + attn_fwd_s)
-
-    # FSDP prefetch: DP transfers behind the neighbouring blocks' compute
-    dp_ops = [op for op in fwd + bwd if op.axis == "dp"]
+    # FSDP prefetch: DP transfers behind the neighbouring layers' compute
+    dp_ops = [op for g in groups for op in g.fwd + g.bwd if op.axis in ("dp", "edp")]
     if dp_ops and all(_prefetchable(op, rows[op][4], setup, dp) for op in dp_ops):
         hw_dp = hw
         if tp * up * dp > node_size and inter_hw is not None:
             hw_dp = hw.with_links_of(resolve_hw(inter_hw))
-        gather = hw_dp.collective_time("all_gather", block_w * a, dp)
-        scatter = hw_dp.collective_time("reduce_scatter", block_w * setup.grad_bytes, dp)
-        recompute = parts.get("recompute", 0.0) / (L * n_mb)
         exposed = slowed = 0.0
-        for ops, comm, extra in ((fwd, gather, work.mem_time(hw, ew)),
-                                 (bwd, gather + scatter, work.mem_time(hw, ew_b) + recompute)):
-            comp = extra
-            for op in ops:
-                total, compute, label = rows[op][2:]
-                if attn is not None and op in attn_ops:
-                    comp += attn[0] if op.name == "attention" else attn[1]
-                elif op.axis == "dp":
-                    parts["ops"] -= rows[op][1] * (total - compute)
-                    comp += compute * op.count
-                else:
-                    comp += total * op.count
-            exposed += comm + max(0.0, (L - 1) * (comm - comp))
-            slowed += hw.interference * min(comm, comp) * (L - 1)
+        L_all = sum(g.count for g in groups)
+        for g, attn_ops, g_attn, dense_w, expert_w, ew_s, ew_b_s, recompute in fsdp:
+            L, edp = g.count, dp // ep  # routed experts: sharded over the edp ranks
+            gather = hw_dp.collective_time("all_gather", dense_w * a, dp)
+            scatter = hw_dp.collective_time("reduce_scatter", dense_w * setup.grad_bytes, dp)
+            if expert_w and edp > 1:
+                gather += hw_dp.collective_time("all_gather", expert_w * a, edp)
+                scatter += hw_dp.collective_time("reduce_scatter", expert_w * setup.grad_bytes,
+                                                 edp)
+            for ops, comm, extra in ((g.fwd, gather, ew_s),
+                                     (g.bwd, gather + scatter, ew_b_s + recompute)):
+                comp = extra
+                for op in ops:
+                    total, compute, label = rows[op][2:]
+                    if g_attn is not None and op in attn_ops:
+                        comp += g_attn[0] if op.name == "attention" else g_attn[1]
+                    elif op.axis in ("dp", "edp"):
+                        parts["ops"] -= rows[op][1] * (total - compute)
+                        comp += compute * op.count
+                    else:
+                        comp += total * op.count
+                # one layer's transfers exposed per pass (the first gather, the last
+                # reduce-scatter), the rest where they exceed the neighbouring compute
+                exposed += comm * L / L_all + max(0.0, (L - L / L_all) * (comm - comp))
+                slowed += hw.interference * min(comm, comp) * (L - L / L_all)
         # the root (embedding, head, norms): FSDP2 gathers it once before the forward and
         # keeps it to the end of the backward, then reduce-scatters its gradients, both
         # exposed; the step's per-op head transfers on DP and its DP all-reduce of the
@@ -187,7 +224,9 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
                 parts["ops"] -= rows[op][1] * (rows[op][2] - rows[op][3])
         if all(op.axis == "dp" for op in sync):
             parts["ops"] -= base.sync_exposed_s
-        root = rank_params(cfg, tp, up, 1, setup, step_model) - L * block_w
+        root = rank_params(cfg, tp, up, 1, setup, step_model, ep) - sum(
+            g.count * d for g, _, _, d, *_ in fsdp) - sum(
+            g.count * layer_work.rank_weights(cfg, g.kind, tp, ep)[1] for g in groups)
         exposed += (hw_dp.collective_time("all_gather", root * a, dp)
                     + hw_dp.collective_time("reduce_scatter", root * setup.grad_bytes, dp)) \
             / n_mb
@@ -195,10 +234,8 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
         parts["dp interference"] = slowed * n_mb
 
     step_s = sum(parts.values())
-    from commfuse.models.config import flops_per_token
-
     world = tp * up * dp
-    mfu = flops_per_token(cfg, seq) * batch * seq / step_s / (world * hw.gemm_flops)
+    mfu = model_flops_per_token(cfg, seq) * batch * seq / step_s / (world * hw.gemm_flops)
     mem = step_memory(cfg, tp, up, dp, seq, mb, parallel.method, setup, dtype_bytes,
-                      hw.memory_gib, step_model)
+                      hw.memory_gib, step_model, ep)
     return TrainStepResult(step_s, batch * seq, world, mfu, mem, parts, base, setup)
