@@ -79,10 +79,12 @@ def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype
     w_gu, w_dn = rnd(local, d, 2 * f), rnd(local, f, d)
     if name == "moe_dispatch":
         x = rnd(counts.sent(rank), d)
-        return _grad_step(lambda m, op: moe_dispatch_matmul(x, w_gu, counts, group, method=m, **op))
+        return _grad_step(lambda m, op: moe_dispatch_matmul(x, w_gu, counts, group, method=m, **op),
+                          (x, w_gu))
     if name == "moe_combine":
         a = rnd(counts.received(rank), f)
-        return _grad_step(lambda m, op: moe_matmul_combine(a, w_dn, counts, group, method=m, **op))
+        return _grad_step(lambda m, op: moe_matmul_combine(a, w_dn, counts, group, method=m, **op),
+                          (a, w_dn))
     if name != "moe":
         raise ValueError(f"not an MoE workload: {name!r}")
     x, w_router = rnd(seq // world, d), rnd(d, o.experts)
@@ -100,18 +102,23 @@ def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype
         y = moe_matmul_combine(swiglu(h), w_dn, live, group, method=m, **op)
         y_TkD = y[back].reshape(*chosen.shape, d)
         return (y_TkD * weights.unsqueeze(-1)).sum(1)
-    return _grad_step(layer)
+    return _grad_step(layer, (x, w_router, w_gu, w_dn))
 
 
-def _grad_step(forward):
+def _grad_step(forward, leaves):
+    """The workload's step; ``step.forward(method, opts)`` returns the output and
+    ``step.leaves`` are the tensors that get gradients (for checks)."""
+    def run(method: str, opts: dict):
+        return forward(method, {k: v for k, v in opts.items() if k != "topology"})  # no rings
+
     def step(method: str, opts: dict, backward: bool) -> None:
-        opts = {k: v for k, v in opts.items() if k != "topology"}  # no rings here
         if backward:
-            out = forward(method, opts)
+            out = run(method, opts)
             out.backward(torch.ones_like(out))
         else:
             with torch.no_grad():
-                forward(method, opts)
+                run(method, opts)
+    step.forward, step.leaves = run, leaves
     return step
 
 

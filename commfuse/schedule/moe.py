@@ -199,12 +199,10 @@ def build(op: str, method: str, counts: ExpertCounts, rank: int, *,
 
 
 def _with_tail(steps: list[Step], op: str) -> list[Step]:
-    """``steps`` with ``Compute(TAIL)`` after the last GEMM (combine: before the final waits,
-    which it hides; dispatch: nothing is in flight after its last GEMM but its sends)."""
-    last = max((i for i, st in enumerate(steps) if isinstance(st, Compute)), default=-1)
-    if op == "moe_combine":  # after the last GEMM's send, before the waits
-        last = max(last, max((i for i, st in enumerate(steps)
-                              if not isinstance(st, (Wait, WaitCollective))), default=-1))
+    """``steps`` with ``Compute(TAIL)`` after the last step that is not a wait: after the
+    last GEMM (and, in the combine, its send), before the final waits, which it hides."""
+    last = max((i for i, st in enumerate(steps) if not isinstance(st, (Wait, WaitCollective))),
+               default=-1)
     return steps[:last + 1] + [Compute(TAIL)] + steps[last + 1:]
 
 
