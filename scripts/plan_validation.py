@@ -7,7 +7,9 @@ The rows are torchtitan's Llama 3.1 runs on H100 (`commfuse.sim.published.RUNS`:
 "FSDP" rows of Tables 1 and 3, eager, selective op AC, local batch 2; the 70B 2-D rows of
 Table 4, FSDP 32 x TP 8, full AC, local batch 16, with torch.compile and float8 linears),
 each predicted by its `commfuse plan` command. Each sensitivity variant changes one
-physical figure of the `h100-hbm2e-500w` preset on the 8B rows.
+physical figure of the `h100-hbm2e-500w` preset on the 8B rows. Then the MoE rows
+(`commfuse.sim.published.MOE_RUNS`: NeMo AutoModel's Qwen3-30B-A3B on 8 H100s, FSDP 8 x EP
+8) under each method and AC mode.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from commfuse import sim
 from commfuse.parallel.config import ParallelDims
 from commfuse.sim.memory import GIB
-from commfuse.sim.published import RUNS
+from commfuse.sim.published import MOE_RUNS, RUNS
 from commfuse.sim.train_step import simulate_train_step
 from commfuse.sim.work import TrainSetup
 
@@ -26,13 +28,13 @@ PARTS = ("params", "grads", "optimizer", "activations", "gathered weights", "los
          "block backward", "op buffers", "allocator reserve")
 
 
-def predict(run, hw=None, ac: str | None = None):
+def predict(run, hw=None, ac: str | None = None, method: str = "none"):
     """The whole step of ``run``'s layout, as its `commfuse plan` command predicts it, or on
-    another ``hw`` or under another ``ac``."""
+    another ``hw``, under another ``ac`` or ``method``."""
     return simulate_train_step(
-        run.model, ParallelDims(tp=run.tp, dp=run.dp, method="none", world_size=run.devices),
+        run.model, ParallelDims(tp=run.tp, dp=run.dp, method=method, world_size=run.devices),
         hw or run.hw, seq=run.seq, local_batch=run.local_batch, inter_hw="multinode-400g",
-        setup=TrainSetup(ac=ac or run.ac))
+        setup=TrainSetup(ac=ac or run.ac), micro_batch=run.micro_batch, ep=run.ep)
 
 
 def main() -> None:
@@ -77,6 +79,16 @@ def main() -> None:
     print("\n8 GPUs, share of the step:",
           {k: f"{100 * v / r.step_s:.1f} %" for k, v in r.breakdown.items()})
     print("8 GPUs, memory GiB:", {k: round(v / 2 ** 30, 2) for k, v in r.memory.parts.items()})
+
+    print("\n| MoE run | published TPS/GPU | --ac | none | commfuse | auto | GiB (none) |")
+    for run in MOE_RUNS:
+        for ac in ("selective", "full"):
+            tps = [predict(run, ac=ac, method=m).tokens_per_s_per_device
+                   for m in ("none", "commfuse", "auto")]
+            gib = predict(run, ac=ac).peak_memory_gib
+            print(f"| {run.name} ({', '.join(run.extras)}) | {run.tps_per_gpu:,.0f} | {ac} | "
+                  + " | ".join(f"{t:,.0f} ({100 * (t / run.tps_per_gpu - 1):+.0f} %)"
+                               for t in tps) + f" | {gib:.1f} |")
 
 
 if __name__ == "__main__":

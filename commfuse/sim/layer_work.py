@@ -10,9 +10,11 @@ moves ``nl`` tokens' worth, as there.
 
 - Attention (``*``) and MLP (``-``) sub-layers: the two halves of the Llama block's count,
   each with one pre-norm and one residual add.
-- MoE (``E``): the router's float32 softmax and top-k over E, the dispatch and combine
-  permutations (copies of ``top_k`` rows of D), the experts' SwiGLU on ``top_k`` rows of
-  F_e, the weighted sum; the shared experts' SwiGLU.
+- MoE (``E``): the router's float32 softmax and top-k over E, then as
+  `commfuse.sim.moe.layer_ops` counts the expert-parallel layer: the gather of the
+  ``top_k`` rows of D (2 accesses per element), the experts' SwiGLU (3 per element of
+  ``top_k`` rows of F_e), the weighted sum (3); backward 4 + 3 for the rows and 5 for the
+  SwiGLU; the shared experts' SwiGLU as the MLP's.
 - Mamba-2 (``M``): the conv1d (fused with its silu: x | B | C read and written once), dt's
   softplus, the gated group RMSNorm (y and z in, float32 statistics, out); its backward
   twice the forward's bytes. The **scan** is timed separately (`scan_time`): the larger of
@@ -51,12 +53,11 @@ def elementwise_bytes(cfg, kind: str, a: float = 2, backward: bool = False) -> f
         return _norm_add(cfg, a, backward) + rope * (Hd + G) + repeat + 2 * a * Hd
     if kind == "-":
         return _norm_add(cfg, a, backward) + swiglu * F
-    if kind == "E":
+    if kind == "E":  # as commfuse.sim.moe.layer_ops counts the EP layer's elementwise work
         m = cfg.moe
-        k, E = m.top_k, m.experts
-        fwd = (3 * F32 * E + 4 * k * D * a + swiglu * k * m.expert_ffn + 2 * k * D * a
-               + swiglu * m.shared_ffn)
-        return _norm_add(cfg, a, backward) + fwd * (1.8 if backward else 1.0)
+        k, E, kF = m.top_k, m.experts, m.top_k * m.expert_ffn
+        moe = 3 * F32 * E + (9 * k * D + 5 * kF if backward else 5 * k * D + 3 * kF) * a
+        return _norm_add(cfg, a, backward) + moe + swiglu * m.shared_ffn
     m = cfg.mamba  # "M"
     fwd = 2 * m.conv_dim * a + 2 * m.heads * F32 + 3 * m.d_inner * a + 2 * m.d_inner * F32
     return _norm_add(cfg, a, backward) + fwd * (2 if backward else 1)
