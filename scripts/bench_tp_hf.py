@@ -1,15 +1,26 @@
-"""One transformers Llama, several tensor-parallel plans, one run: commfuse TP, DTensor's own TP,
+"""One transformers model (a Llama, or a hybrid Mamba-2 model: Nemotron-H, Bamba), several
+tensor-parallel plans, one run: commfuse TP under several methods, DTensor's own TP (Llama),
 and commfuse's styles with method="none" (the collective, then the GEMM).
 
     commfuse launch --nproc 2 --link 1gbit -- python scripts/bench_tp_hf.py --json out/tp_hf.json
+    commfuse launch --nproc 2 --link 1gbit -- python scripts/bench_tp_hf.py --model nemotron-h \
+        --method commfuse --variants auto,commfuse,sliced,none --json out/hybrid.json
     python scripts/bench_tp_hf.py --local 2 --hidden 64 --layers 2 --seq 64 --steps 3   # loopback
 
+``--model nemotron-h``: NemotronHForCausalLM whose layers are ``--pattern`` (M a Mamba-2 mixer,
+- a squared-ReLU MLP of ``--ffn``, * attention; Nemotron-H's notation); ``--model bamba``:
+BambaForCausalLM, M / * a Mamba-2 or attention layer, each with a SwiGLU MLP. The Mamba-2
+mixers have ``--mamba-heads`` of ``--mamba-head-dim``, ``--mamba-groups`` B/C groups of
+``--state``, scan chunk ``--chunk`` (transformers' torch path on CPU).
+
 Variants (``--variants``): ``commfuse`` = `commfuse.tp.parallelize(method=--method)`;
-``commfuse-keep`` = the same with ``save_gathered=True`` (the gathered inputs kept for
+``auto``, ``sliced``, ``decompose`` = the same plan with that method;
+``commfuse-keep`` = ``commfuse`` with ``save_gathered=True`` (the gathered inputs kept for
 backward, as DTensor keeps them: the same activation memory as ``dtensor``);
 ``none`` = the plan of ``commfuse`` with method="none"; ``dtensor`` = torch's ColwiseParallel /
 RowwiseParallel / SequenceParallel / PrepareModuleInput plan (torchtitan's, on HF's module
-names). Every variant starts from the same weights and trains on the same batches with AdamW;
+names; Llama only: transformers' tp_plans for Nemotron-H and Bamba cover their attention (and
+Bamba's MLP) layers, not the Mamba-2 mixers, so there is no DTensor plan for the whole model). Every variant starts from the same weights and trains on the same batches with AdamW;
 their steps are interleaved, the order rotating every step, after ``--warmup`` untimed steps,
 with a barrier before each. A step's time is the slowest rank's (fwd + bwd + optimizer). Rank 0
 prints per variant the median step and its 10-90 % spread, tokens/s, the ratio to ``none``
@@ -29,6 +40,8 @@ import torch.distributed as dist
 
 
 def build(a):
+    if a.model != "llama":
+        return build_hybrid(a)
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
                       num_hidden_layers=a.layers, num_attention_heads=a.heads,
@@ -36,6 +49,31 @@ def build(a):
                       tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(a.seed)
     return LlamaForCausalLM(cfg)
+
+
+def build_hybrid(a):
+    """Nemotron-H or Bamba of ``--pattern`` with the Mamba-2 and attention sizes of ``a``."""
+    import transformers
+    mamba = dict(num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                 intermediate_size=a.ffn, vocab_size=a.vocab, hidden_size=a.hidden,
+                 max_position_embeddings=max(a.seq, 64), tie_word_embeddings=False,
+                 use_cache=False)
+    if a.model == "nemotron-h":
+        kinds = {"M": "linear_attention", "-": "mlp", "*": "full_attention"}
+        cfg = transformers.NemotronHConfig(
+            layers_block_type=[kinds[c] for c in a.pattern], head_dim=a.hidden // a.heads,
+            mamba_num_heads=a.mamba_heads, mamba_head_dim=a.mamba_head_dim,
+            n_groups=a.mamba_groups, ssm_state_size=a.state, chunk_size=a.chunk, **mamba)
+    else:
+        cfg = transformers.BambaConfig(
+            num_hidden_layers=len(a.pattern),
+            attn_layer_indices=[i for i, c in enumerate(a.pattern) if c == "*"],
+            mamba_n_heads=a.mamba_heads, mamba_d_head=a.mamba_head_dim,
+            mamba_expand=a.mamba_heads * a.mamba_head_dim // a.hidden,
+            mamba_n_groups=a.mamba_groups, mamba_d_state=a.state, mamba_chunk_size=a.chunk,
+            **mamba)
+    torch.manual_seed(a.seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 
 
 def dtensor_tp(model, mesh):
@@ -70,7 +108,7 @@ def dtensor_tp(model, mesh):
     return model
 
 
-VARIANTS = ("commfuse", "commfuse-keep", "dtensor", "none")
+VARIANTS = ("commfuse", "commfuse-keep", "dtensor", "none", "auto", "sliced", "decompose")
 
 
 def make(variant: str, a, mesh):
@@ -78,7 +116,7 @@ def make(variant: str, a, mesh):
     model = build(a)
     if variant == "dtensor":
         return dtensor_tp(model, mesh)
-    method = "none" if variant == "none" else a.method
+    method = variant if variant in ("none", "auto", "sliced", "decompose") else a.method
     return commfuse.tp.parallelize(model, mesh, method=method,
                                    save_gathered=variant == "commfuse-keep")
 
@@ -120,8 +158,7 @@ def report(a, world: int, runs: dict) -> dict:
            "variants": {}}
     tokens = a.batch * a.seq
     base = statistics.median(runs["none"]["times"]) if "none" in runs else None
-    print(f"Llama hidden {a.hidden}, {a.layers} layers, {a.heads}/{a.kv_heads} heads, ffn "
-          f"{a.ffn}, vocab {a.vocab}; batch {a.batch} x seq {a.seq}; TP {world}; "
+    print(f"{describe(a)}; batch {a.batch} x seq {a.seq}; TP {world}; "
           f"{a.steps} timed steps after {a.warmup}")
     print(f"{'variant':13} {'step ms':>9} {'p10-p90 ms':>15} {'tokens/s':>10} {'vs none':>8}  losses")
     for v, r in runs.items():
@@ -142,10 +179,29 @@ def report(a, world: int, runs: dict) -> dict:
     return out
 
 
+def describe(a) -> str:
+    """The model in one line."""
+    attn = f"{a.heads}/{a.kv_heads} heads, ffn {a.ffn}, vocab {a.vocab}"
+    if a.model == "llama":
+        return f"Llama hidden {a.hidden}, {a.layers} layers, {attn}"
+    return (f"{a.model} hidden {a.hidden}, layers {a.pattern}, Mamba-2 {a.mamba_heads} heads x "
+            f"{a.mamba_head_dim}, {a.mamba_groups} groups x state {a.state}, chunk {a.chunk}; "
+            f"attention {attn}")
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
+    add("--model", default="llama", choices=("llama", "nemotron-h", "bamba"))
+    add("--pattern", default=None,
+        help="hybrid layers: M Mamba-2, - MLP (nemotron-h), * attention (default: M-M-M*-M- "
+             "for nemotron-h, Nemotron-H's mix of 4 Mamba-2, 4 MLP, 1 attention; MMM* for bamba)")
+    add("--mamba-heads", type=int, default=16)
+    add("--mamba-head-dim", type=int, default=64)
+    add("--mamba-groups", type=int, default=2)
+    add("--state", type=int, default=64, help="SSM state size")
+    add("--chunk", type=int, default=128, help="the scan's chunk")
     add("--hidden", type=int, default=512)
     add("--layers", type=int, default=8)
     add("--heads", type=int, default=8)
@@ -169,6 +225,16 @@ def parse(argv=None):
     bad = set(a.variants) - set(VARIANTS)
     if bad or not a.variants:
         p.error(f"unknown variant(s) {sorted(bad)}: choose from {', '.join(VARIANTS)}")
+    if a.model != "llama" and "dtensor" in a.variants:
+        p.error(f"no dtensor variant for {a.model}: transformers' tp_plan does not cover its "
+                f"Mamba-2 mixers")
+    allowed = "M-*" if a.model == "nemotron-h" else "M*"
+    a.pattern = a.pattern or ("M-M-M*-M-" if a.model == "nemotron-h" else "MMM*")
+    if a.model == "bamba" and a.mamba_heads * a.mamba_head_dim % a.hidden:
+        p.error("bamba: --mamba-heads x --mamba-head-dim must be a multiple of --hidden "
+                "(its mixer's width is an integer expand x hidden)")
+    if a.model != "llama" and (not a.pattern or set(a.pattern) - set(allowed)):
+        p.error(f"--pattern for {a.model} takes the characters {allowed!r}, got {a.pattern!r}")
     return a
 
 
