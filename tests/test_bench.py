@@ -77,40 +77,60 @@ def _measure_ffn(rank, world):
                            ffn=96)
 
 
-def test_probe_each_fits_the_model_again_before_every_workload(tmp_path):
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bench_rank(rank, world, port, argv):
+    """``commfuse bench ARGV`` as a rank that `commfuse launch` started runs it (RANK and the
+    rendezvous in the environment), with the probe of tests/probe_small.py."""
+    import os
+
+    import torch.distributed as dist
+
+    import probe_small
+    from commfuse import cli
+
+    dist.destroy_process_group()  # a launched rank starts with none: the command makes its own
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    probe_small.shrink()
+    return cli.main(argv)
+
+
+def test_probe_each_fits_the_model_again_before_every_workload(tmp_path, capfd, command):
     # two workloads on 2 ranks: a fit at start and one more, the same on every rank (a
     # rank that probed alone would hang the collective), each result with its own fit
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "commfuse.cli", "bench", "op", "--nproc", "2",
-                          "--workloads", "ag_matmul", "--seq", "64,128", "--d-model", "64",
-                          "--pass", "forward", "--iters", "1", "--warmup", "0",
-                          "--methods", "none,auto", "--probe-each", "--no-trace",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("[bench] hardware model:") == 2
+    argv = ["bench", "op", "--nproc", "2", "--workloads", "ag_matmul", "--seq", "64,128",
+            "--d-model", "64", "--pass", "forward", "--iters", "1", "--warmup", "0",
+            "--methods", "none,auto", "--probe-each", "--no-trace", "--out", str(tmp_path)]
+    capfd.readouterr()
+    assert run_local(_bench_rank, 2, _free_port(), argv, timeout=300) == [0, 0]
+    out = capfd.readouterr().out
+    assert out.count("[bench] hardware model:") == 2
     results = json.load(open(tmp_path / "op-2r.json"))["results"]
     assert [r["seq"] for r in results] == [64, 128]
-    preset = subprocess.run([sys.executable, "-m", "commfuse.cli", "bench", "op",
-                             "--probe-each", "--hardware", "cpu-testbed"],
-                            capture_output=True, text=True, timeout=120)
-    assert preset.returncode != 0 and "--probe-each" in preset.stderr
+    preset = command("bench", "op", "--probe-each", "--hardware", "cpu-testbed")
+    assert "--probe-each" in str(preset.returncode)  # SystemExit's message: a failed exit
     for r in results:
         assert r["hardware"].startswith("hardware model:") and r["fitted"]["gemm_flops"] > 0
 
 
-def test_interleave_workloads_times_the_workloads_of_a_size_in_the_same_iterations(tmp_path):
+def test_interleave_workloads_times_the_workloads_of_a_size_in_the_same_iterations(
+        tmp_path, command, monkeypatch):
     # `--interleave-workloads`: one group per size and pass, each workload's result as
-    # `measure` gives it, a forward-only workload dropped from the backward pass only
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "commfuse.cli", "bench", "layer", "--nproc", "2",
-                          "--workloads", "attn_row,attn_qsplit", "--seq", "32,64",
-                          "--d-model", "128", "--pass", "both", "--iters", "2", "--warmup", "0",
-                          "--methods", "none,commfuse", "--interleave-workloads", "--no-trace",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    # `measure` gives it, a forward-only workload dropped from the backward pass only; the
+    # command launches its ranks as the installed one does (they read its argv)
+    argv = ["bench", "layer", "--nproc", "2", "--workloads", "attn_row,attn_qsplit",
+            "--seq", "32,64", "--d-model", "128", "--pass", "both", "--iters", "2",
+            "--warmup", "0", "--methods", "none,commfuse", "--interleave-workloads",
+            "--no-trace", "--hardware", "cpu-testbed", "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", ["commfuse", *argv])
+    out = command(*argv)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("[bench] attn_row+attn_qsplit seq ") == 4
     results = json.load(open(tmp_path / "layer-2r.json"))["results"]
