@@ -192,7 +192,8 @@ def method_options(method: str, opts: dict) -> dict:
 def table(plans, top: int | None = None) -> str:
     """A fixed-width table of ``plans`` (best first): step time, throughput, MFU, exposed
     communication, the step's limit (same compute and bytes, no dependency) and the seconds
-    per step spent on each group's ops."""
+    per step spent on each group's ops (the MoE ep group's and the experts' edp shards' in
+    the DP column: both are DP ranks)."""
     eps = _ep_column(plans)
     head = (f"{'#':>3} {'tp':>3} {'up':>3} {'dp':>5}{eps('ep')} {'method':<10}{'step s':>9}"
             f"{'limit s':>9}"
@@ -205,7 +206,8 @@ def table(plans, top: int | None = None) -> str:
             f"{i:>3} {p.tp:>3} {p.up:>3} {p.dp:>5}{eps(p.ep)} {p.method:<10}{r.step_s:>9.3f}"
             f"{r.limit_s:>9.3f}{r.tokens / r.step_s:>11,.0f}{100 * r.mfu:>6.1f}%"
             f"{100 * r.exposed_comm_s / r.step_s:>8.1f}%{b.get('tp', 0) + b.get('up', 0):>9.3f}"
-            f"{b.get('dp', 0):>8.3f}{b.get('local', 0):>8.3f}{b.get('world', 0):>8.3f}")
+            f"{b.get('dp', 0) + b.get('ep', 0) + b.get('edp', 0):>8.3f}"
+            f"{b.get('local', 0):>8.3f}{b.get('world', 0):>8.3f}")
     return "\n".join(lines)
 
 

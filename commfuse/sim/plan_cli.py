@@ -67,8 +67,8 @@ preset's dense GEMM flop/s; mem GiB (the peak of one rank) and fits; then second
 in the GEMMs and collectives (ops s), fused attention, memory-bound work, recompute, and
 what FSDP's prefetch leaves exposed. --ops-only: step s, limit s (the same compute and bytes
 with no dependency), tokens/s, MFU, exposed = share of the step not hidden behind compute,
-then the seconds per step in ops on the TP/UP group, on the DP group, in local GEMMs and in
-the all-reduce over all ranks."""
+then the seconds per step in ops on the TP/UP group, on the DP group (an MoE model's
+expert-parallel all-to-alls too), in local GEMMs and in the all-reduce over all ranks."""
 
 EPILOG = """\
 examples:

@@ -155,7 +155,8 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
         if g.kind == "M":
             scan = layer_work.scan_time(hw, cfg, seq, mb * seq, T, a)
             scan_b = layer_work.scan_time(hw, cfg, seq, mb * seq, T, a, backward=True)
-            scan_s += L * n_mb * (scan * (1 + (setup.ac != "none")) + scan_b)
+            # selective AC saves the scan's output (layer_work.saved_bytes): only full reruns it
+            scan_s += L * n_mb * (scan * (1 + (setup.ac == "full")) + scan_b)
             ew_s, ew_b_s = ew_s + scan, ew_b_s + scan_b
         dense_w, expert_w = layer_work.rank_weights(cfg, g.kind, tp, ep)
         if setup.fsdp and dp > 1:  # copy-out of 2 gathers (a in, a out), copy-in of the grads
