@@ -3,7 +3,8 @@
     config.py     MoEConfig and presets (pure)
     layer.py      the reference layer: top-k router, SwiGLU experts, weighted sum
     parallel.py   ExpertParallelMoE: experts sharded over a process group, tokens moved by
-                  the fused dispatch/combine ops (`commfuse.ops.moe`)
+                  the fused dispatch/combine ops (`commfuse.ops.moe`); expert_ffn, its
+                  routed-token core, which `commfuse.tp.hf_moe` runs in transformers' MoE blocks
 
 Exports resolve lazily (PEP 562): `commfuse.moe.config` imports without torch.
 """
@@ -15,5 +16,5 @@ from commfuse import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "commfuse.moe.config": ("MoEConfig", "PRESETS"),
     "commfuse.moe.layer": ("MoELayer", "route", "swiglu"),
-    "commfuse.moe.parallel": ("ExpertParallelMoE",),
+    "commfuse.moe.parallel": ("ExpertParallelMoE", "expert_ffn"),
 })

@@ -60,19 +60,34 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
-        k = self.config.top_k
         weights_Tk, experts_Tk = route(self.router(x_TD), self.config)
-        flat = experts_Tk.reshape(-1)  # row t*k + j: token t's j-th expert
-        order = torch.sort(flat, stable=True).indices  # the send layout: by global expert
-        hist = torch.bincount(flat, minlength=self.config.experts)
-        counts = self.last_counts = exchange_counts(
-            hist, self.group, rows=flat.numel(), timeout=self.opts.get("timeout"))
-        rows = x_TD[order // k]
-        h = moe_dispatch_matmul(rows, self.w_gate_up, counts, self.group, method=self.method,
-                                **self.opts)
-        y = moe_matmul_combine(swiglu(h), self.w_down, counts, self.group, method=self.method,
-                               **self.opts)
-        back = torch.empty_like(order)
-        back[order] = torch.arange(order.numel(), device=order.device)
-        y_TkD = y[back].reshape(*experts_Tk.shape, y.shape[-1])  # row (t, j) back in place
-        return (y_TkD * weights_Tk.unsqueeze(-1)).sum(1).reshape(x.shape)
+        y_TD, self.last_counts = expert_ffn(x_TD, weights_Tk, experts_Tk, self.w_gate_up,
+                                            self.w_down, swiglu, self.group, self.config.experts,
+                                            method=self.method, **self.opts)
+        return y_TD.reshape(x.shape)
+
+
+def expert_ffn(x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.Tensor,
+               w_in_EDN: torch.Tensor, w_out_EFD: torch.Tensor, act, group: dist.ProcessGroup,
+               experts: int, *, method: str = "commfuse",
+               **opts) -> tuple[torch.Tensor, ExpertCounts]:
+    """Steps 2-5 of the module docstring for routed tokens: ``(y [T, D], the step's counts)``.
+
+    ``x_TD`` this rank's tokens; ``experts_Tk`` / ``weights_Tk`` each token's k global experts
+    (of ``experts``) and their weights, as the router gave them; ``w_in_EDN`` [E_l, D, N] and
+    ``w_out_EFD`` [E_l, F, D] this rank's experts' first and last projections (``x @ w``);
+    ``act`` maps the first GEMM's [rows, N] to the last one's [rows, F] (SwiGLU: N = 2F).
+    ``y[t] = sum_j weights[t, j] * expert_{e_j}(x[t])``, each product cast to x's dtype before
+    the sum (as transformers' MoE blocks add them), in top-k order.
+    """
+    k = experts_Tk.shape[-1]
+    flat = experts_Tk.reshape(-1)  # row t*k + j: token t's j-th expert
+    order = torch.sort(flat, stable=True).indices  # the send layout: by global expert
+    hist = torch.bincount(flat, minlength=experts)
+    counts = exchange_counts(hist, group, rows=flat.numel(), timeout=opts.get("timeout"))
+    h = moe_dispatch_matmul(x_TD[order // k], w_in_EDN, counts, group, method=method, **opts)
+    y = moe_matmul_combine(act(h), w_out_EFD, counts, group, method=method, **opts)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    y_TkD = y[back].reshape(*experts_Tk.shape, y.shape[-1])  # row (t, j) back in place
+    return (y_TkD * weights_Tk.unsqueeze(-1)).to(x_TD.dtype).sum(1), counts

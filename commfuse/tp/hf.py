@@ -2,7 +2,8 @@
 
 Known: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (any model with
 their module names); Mamba2ForCausalLM, BambaForCausalLM and NemotronHForCausalLM go to
-`commfuse.tp.hf_mamba.parallelize_mamba`. Every rank passes the same full ``input_ids``; between the layers the hidden states are
+`commfuse.tp.hf_mamba.parallelize_mamba`; MixtralForCausalLM and Qwen3MoeForCausalLM (experts
+split over the TP ranks) to `commfuse.tp.hf_moe.parallelize_moe`. Every rank passes the same full ``input_ids``; between the layers the hidden states are
 sequence-sharded (``[B, s, D]``). The plan, on the TP mesh of T ranks:
 
     model.embed_tokens           ReplicateParallel: the full sequence on every rank
@@ -28,6 +29,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from commfuse.ops.prefetch import Prefetcher
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.hf_mamba import KNOWN as MAMBA, parallelize_mamba
+from commfuse.tp.hf_moe import KNOWN as MOE, parallelize_moe
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, FusedRowwiseParallel,
                                ReplicateParallel, SeqSplit, SequenceParallelNorm, ShardSequence)
@@ -100,6 +102,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     if type(model).__name__ in MAMBA:
         return parallelize_mamba(model, mesh, method=method, save_gathered=save_gathered,
                                  prefetch=prefetch, **opts)
+    if type(model).__name__ in MOE:
+        return parallelize_moe(model, mesh, method=method, save_gathered=save_gathered,
+                               prefetch=prefetch, **opts)
     mesh = tp_mesh(mesh)
     T = mesh.size()
     k = check(model, T)
