@@ -48,7 +48,8 @@ def _mamba_geometry(hf) -> tuple[int, ...]:
 
 def layer_mix(hf) -> list[tuple[str, ...]]:
     """Each layer's parts: "attention", "mamba", "swiglu" (gate, up, down of
-    ``intermediate_size``), "mlp" (up, down), "moe" (Nemotron-H's routed + shared experts)."""
+    ``intermediate_size``), "mlp" (up, down), "moe" (Nemotron-H's routed + shared experts),
+    "experts" (Mixtral's / Qwen3-MoE's routed SwiGLU experts)."""
     L = hf.num_hidden_layers
     if hf.model_type == "mamba2":
         return [("mamba",)] * L
@@ -59,6 +60,10 @@ def layer_mix(hf) -> list[tuple[str, ...]]:
         kind = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp",
                 "moe": "moe"}
         return [(kind[t],) for t in hf.layers_block_type]
+    if hf.model_type in ("mixtral", "qwen3_moe"):  # Qwen3-MoE: dense MLPs where not sparse
+        step, dense = getattr(hf, "decoder_sparse_step", 1), getattr(hf, "mlp_only_layers", [])
+        return [("attention", "experts" if i not in dense and (i + 1) % step == 0 else "swiglu")
+                for i in range(L)]
     return [("attention", "swiglu")] * L  # Llama, Mistral, Qwen2, Qwen3
 
 
@@ -77,6 +82,9 @@ def matmul_weights(hf) -> int:
                 n += 3 * d * hf.intermediate_size
             elif part == "mlp":
                 n += 2 * d * hf.intermediate_size
+            elif part == "experts":  # Mixtral / Qwen3-MoE: router, top-k SwiGLU experts
+                f = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+                n += d * hf.num_local_experts + 3 * d * f * hf.num_experts_per_tok
             else:  # moe: router, top-k routed experts (in the latent width, with its two
                 # projections when set) and the shared expert, each expert an up/down pair
                 e = hf.moe_latent_size or d
