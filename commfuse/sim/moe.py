@@ -180,17 +180,23 @@ def layer_ops(counts: ExpertCounts, dim: int, ffn: int, hw, method: str = "commf
     router = MoEOp("work", per_rank=tuple(
         hw.gemm_time(t, dim, experts, r) + 2 * (hw.host_collective_s + (w - 1) * hw.link_latency)
         for r, t in enumerate(tokens)), label="router")
+    # elementwise bytes, kernel by kernel (each reads its inputs, writes its output once):
+    # the rows' gather (read, write), SwiGLU (silu 2, mul 3, of F-wide rows), the weighted
+    # sum (un-permute 2, scale 2, sum over k 1.5 + 1 of D-wide rows)
     ops = [router, mem([n * dim * d * 2 for n in k_rows], "gather rows"),
            op("moe_dispatch", dim, 2 * ffn, False, ("moe_combine", 2 * ffn, dim)),
-           mem([n * ffn * d * 3 for n in recv], "swiglu"),
+           mem([n * ffn * d * 5 for n in recv], "swiglu"),
            op("moe_combine", ffn, dim, False, ("moe_dispatch", dim, ffn)),
-           mem([n * dim * d * 3 for n in k_rows], "weighted sum")]
+           mem([n * dim * d * 6.5 for n in k_rows], "weighted sum")]
     if not backward:
         return ops
     gu, dn = ops[2], ops[4]
-    ops += [mem([n * dim * d * 4 for n in k_rows], "weighted sum backward"),
+    # backward: the weighted sum's (the scaled grad 2, the weights' grad 4, the
+    # un-permute's scatter 3), SwiGLU's (two products' grads 6, silu's 3, the gate|up grad
+    # assembled 4), the gather's scatter-add (3)
+    ops += [mem([n * dim * d * 9 for n in k_rows], "weighted sum backward"),
             MoEOp("moe_dispatch", dn.method, dim, ffn, dn.chunks, dn.splits, True),
-            mem([n * ffn * d * 5 for n in recv], "swiglu backward"),
+            mem([n * ffn * d * 13 for n in recv], "swiglu backward"),
             MoEOp("moe_combine", gu.method, 2 * ffn, dim, gu.chunks, gu.splits, True),
             MoEOp("work", per_rank=tuple(2 * hw.gemm_time(t, experts, dim, r)
                                          for r, t in enumerate(tokens)), label="router bwd"),
