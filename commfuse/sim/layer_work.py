@@ -11,10 +11,11 @@ moves ``nl`` tokens' worth, as there.
 - Attention (``*``) and MLP (``-``) sub-layers: the two halves of the Llama block's count,
   each with one pre-norm and one residual add.
 - MoE (``E``): the router's float32 softmax and top-k over E, then as
-  `commfuse.sim.moe.layer_ops` counts the expert-parallel layer: the gather of the
-  ``top_k`` rows of D (2 accesses per element), the experts' SwiGLU (3 per element of
-  ``top_k`` rows of F_e), the weighted sum (3); backward 4 + 3 for the rows and 5 for the
-  SwiGLU; the shared experts' SwiGLU as the MLP's.
+  `commfuse.sim.moe.layer_ops` counts the expert-parallel layer kernel by kernel, in bytes
+  per element of the ``top_k`` rows: the rows' gather (2 per element of D), the experts'
+  SwiGLU (5 per element of F_e), the weighted sum (6.5 per element of D); backward the
+  weighted sum's (9) and the scatter-add of the rows (3) over D, the SwiGLU's (13) over
+  F_e; the shared experts' SwiGLU as the MLP's.
 - Mamba-2 (``M``): the conv1d (fused with its silu: x | B | C read and written once), dt's
   softplus, the gated group RMSNorm (y and z in, float32 statistics, out); its backward
   twice the forward's bytes. The **scan** is timed separately (`scan_time`): the larger of
@@ -56,7 +57,7 @@ def elementwise_bytes(cfg, kind: str, a: float = 2, backward: bool = False) -> f
     if kind == "E":  # as commfuse.sim.moe.layer_ops counts the EP layer's elementwise work
         m = cfg.moe
         k, E, kF = m.top_k, m.experts, m.top_k * m.expert_ffn
-        moe = 3 * F32 * E + (9 * k * D + 5 * kF if backward else 5 * k * D + 3 * kF) * a
+        moe = 3 * F32 * E + (12 * k * D + 13 * kF if backward else 8.5 * k * D + 5 * kF) * a
         return _norm_add(cfg, a, backward) + moe + swiglu * m.shared_ffn
     m = cfg.mamba  # "M"
     fwd = 2 * m.conv_dim * a + 2 * m.heads * F32 + 3 * m.d_inner * a + 2 * m.d_inner * F32
