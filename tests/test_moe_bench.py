@@ -115,6 +115,11 @@ def test_auto_is_the_fastest_candidate_and_the_layer_adds_up():
         ops = [sim.MoEOp("moe_dispatch", m, 512, 1024, o.get("chunks", 4), o.get("splits", 1))]
         assert sim.simulate_moe(ops, c, HW, 4, 50e-6).total_s >= best - 1e-12
     assert (method, opts) in [(m, o) for m, o in sim.CANDIDATES]
+    rep = sim.representative(c)  # what auto decides on: balanced, about the same rows
+    assert len({n for row in rep.tokens for n in row}) == 1
+    assert abs(sum(map(sum, rep.tokens)) / 4096 - 1) < 0.1
+    assert sim.choose("moe_dispatch", c, 512, 1024, HW, 4) == sim.choose(
+        "moe_dispatch", sim.routing_counts("balanced", 1024, 8, 2, 2), 512, 1024, HW, 4)
     fwd = sim.moe_layer_time(c, (512, 512), HW, "none", backward=False)
     both = sim.moe_layer_time(c, (512, 512), HW, "none")
     auto = sim.moe_layer_time(c, (512, 512), HW, "auto", step_s=50e-6)

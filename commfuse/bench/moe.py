@@ -137,8 +137,7 @@ def predict(name: str, world: int, seq: int, d: int, ffn: int | None, dtype_byte
     K, N = (d, 2 * f) if name == "moe_dispatch" else (f, d)
     dual = ("moe_combine" if name == "moe_dispatch" else "moe_dispatch", N, K)
     if method == "auto":
-        method, vopts, _ = sim_moe.fastest(name, counts, K, N, hw, dtype_bytes, step_s,
-                                           dual=dual)
+        method, vopts = sim_moe.choose(name, counts, K, N, hw, dtype_bytes, step_s)
     ops = [sim_moe.MoEOp(name, method, K, N, vopts.get("chunks", 4), vopts.get("splits", 1))]
     if backward:
         ops.append(sim_moe.MoEOp(dual[0], method, *dual[1:], vopts.get("chunks", 4),

@@ -331,29 +331,21 @@ def _prepare(op, a, w, counts, group, method, opts, check):
     return spec, group
 
 
-_CHOICES: dict[tuple, MethodSpec] = {}  # auto's choices, per table and shape (a few kept)
-
-
 def _auto(op: str, counts: ExpertCounts, kn: tuple[int, int], like: torch.Tensor,
           spec: MethodSpec) -> MethodSpec:
     """auto: the method (none, sliced, commfuse and its pieces m) the simulator times fastest
-    for this op and its backward with these counts (`commfuse.sim.moe.fastest`), on the
-    hardware model auto uses for the device (`commfuse.ops.auto.set_hardware`). Every rank
-    holds the same table, so ranks with the same hardware model choose alike."""
+    for this op and its backward (`commfuse.sim.moe.choose`: per group size, experts and
+    rounded total rows, cached), on the hardware model auto uses for the device
+    (`commfuse.ops.auto.set_hardware`). Every rank holds the same table, so ranks with the
+    same hardware model choose alike."""
     from commfuse.ops.auto import _hardware
     from commfuse.sim.choose import STEP_OVERHEAD_S
-    from commfuse.sim.moe import fastest
+    from commfuse.sim.moe import choose
 
-    hw, dev = _hardware(like.device.type), like.device.type
-    key = (op, counts.tokens, kn, like.element_size(), dev, id(hw))
-    if key not in _CHOICES:
-        dual = ("moe_combine" if op == "moe_dispatch" else "moe_dispatch", kn[1], kn[0])
-        method, opts, _ = fastest(op, counts, *kn, hw, like.element_size(),
-                                  STEP_OVERHEAD_S.get(dev, 50e-6), dual=dual)
-        if len(_CHOICES) > 256:
-            _CHOICES.clear()
-        _CHOICES[key] = method_spec(method, opts)
-    return replace(_CHOICES[key], timeout=spec.timeout)
+    dev = like.device.type
+    method, opts = choose(op, counts, *kn, _hardware(dev), like.element_size(),
+                          STEP_OVERHEAD_S.get(dev, 50e-6))
+    return replace(method_spec(method, opts), timeout=spec.timeout)
 
 
 def _spec(method, opts) -> MethodSpec:

@@ -1,6 +1,6 @@
 """Mixture-of-Experts expert parallelism on the simulator: the dispatch / combine schedules of
 `commfuse.schedule.moe` timed with their per-peer bytes, an EP layer forward and backward,
-and ``auto``'s choice for the MoE ops.
+and ``auto``'s choice for the MoE ops (`choose`).
 
 Pure (no torch). The counts are an `ExpertCounts` table (rows each rank routes to each
 expert), the one the ops run with, so every rank's program is its own: a skewed router gives
@@ -158,7 +158,7 @@ def layer_ops(counts: ExpertCounts, dim: int, ffn: int, hw, method: str = "commf
               choose_step_s: float | None = None, top_k: int = 2) -> list[MoEOp]:
     """The ops of one EP MoE layer (module doc), forward then backward, for tokens routed to
     ``top_k`` experts each (the table counts their rows). ``method`` for every MoE op, with
-    ``opts``; "auto" picks each op's own (`fastest`, with ``choose_step_s``)."""
+    ``opts``; "auto" picks each op's own (`choose`, with ``choose_step_s``)."""
     hw, opts, d = resolve_hw(hw), dict(opts or {}), dtype_bytes
     w = counts.world
     k_rows = [counts.sent(p) for p in range(w)]
@@ -172,7 +172,7 @@ def layer_ops(counts: ExpertCounts, dim: int, ffn: int, hw, method: str = "commf
     def op(name, K, N, tail, dual):
         m, o = method, opts
         if method == "auto":
-            m, o, _ = fastest(name, counts, K, N, hw, d, choose_step_s or 0.0, dual=dual)
+            m, o = choose(name, counts, K, N, hw, d, choose_step_s or 0.0)
         return MoEOp(name, m, K, N, o.get("chunks", 4), o.get("splits", 1), tail)
 
     # forward: the router (the tokens are T/k per rank), the count exchange, the gather
@@ -239,6 +239,39 @@ def fastest(op: str, counts: ExpertCounts, K: int, N: int, hw, dtype_bytes: floa
         best = min(best, (max(t), i))
     t, i = best
     return candidates[i][0], dict(candidates[i][1]), t
+
+
+_CHOICES: dict[tuple, tuple[str, dict]] = {}
+
+
+def choose(op: str, counts: ExpertCounts, K: int, N: int, hw, dtype_bytes: float,
+           step_s: float = 0.0) -> tuple[str, dict]:
+    """``auto``'s (method, options) for ``op`` with this table: `fastest` (the op and its
+    backward) on `representative(counts)`, cached. The counts change every step and timing
+    every candidate on them costs tens of ms, so the choice is made once per group size,
+    experts per rank and total rows (within a factor of 2^(1/4)), shape, dtype and
+    hardware; a skewed table gets its balanced equivalent's choice (which method hides more
+    depends on how the transfers compare to the GEMMs, which the totals set)."""
+    rep = representative(counts)
+    key = (op, rep.tokens, K, N, dtype_bytes, step_s, repr(resolve_hw(hw)))
+    if key not in _CHOICES:
+        if len(_CHOICES) > 1024:
+            _CHOICES.clear()
+        dual = ("moe_combine" if op == "moe_dispatch" else "moe_dispatch", N, K)
+        _CHOICES[key] = fastest(op, rep, K, N, hw, dtype_bytes, step_s, dual=dual)[:2]
+    method, opts = _CHOICES[key]
+    return method, dict(opts)
+
+
+def representative(counts: ExpertCounts) -> ExpertCounts:
+    """The balanced table whose total rows are ``counts``' rounded to a power of 2^(1/4):
+    what `choose` decides on (the same for every rank holding ``counts``)."""
+    total = sum(map(sum, counts.tokens))
+    cells = counts.world * counts.experts
+    if total:
+        total = 2 ** (round(4 * math.log2(total)) / 4)
+    per = round(total / cells)
+    return ExpertCounts(((per,) * counts.experts,) * counts.world)
 
 
 class _MoEEngine(Engine):
