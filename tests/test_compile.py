@@ -18,8 +18,10 @@ import commfuse
 from commfuse.testbed.spawn import run_local
 
 B, S, D, FF, N = 2, 6, 8, 12, 10  # batch, sequence (whole), model dim, MLP hidden, a2a columns
-METHODS = (("none", {}), ("commfuse", {}), ("commfuse", {"topology": "direct", "splits": 2}),
-           ("sliced", {"chunks": 2}), ("auto", {}))
+# Compiled, every method is the same custom op with its spec as a string argument; its eager
+# kernel is tests/test_ops_dist.py's. So: the plain collectives, a spec with options to carry
+# through the string (the Llama cases run commfuse's defaults), and auto, resolved while tracing.
+METHODS = (("none", {}), ("commfuse", {"topology": "direct", "splits": 2}), ("auto", {}))
 LLAMA = dict(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=16,
              max_seq_len=8)
 LLAMA_CASES = [("llama-tp2-none", dict(tp=2), "none"),
