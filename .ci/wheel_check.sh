@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# CI: the package as a user gets it. Build the sdist and, from it, the wheel; install the
-# wheel in a fresh venv (torch pinned: an unpinned one pulls a multi-GB CUDA build); then,
-# from a directory outside the repository (so nothing imports from the source tree), check
-# the version, the shipped data files, a short training run and the demo.
-# Usage: .ci/wheel_check.sh [PYTHON]   (PYTHON has `build`: the dev extra; default .venv's)
+# CI: the package as a user gets it. Build the sdist and, from it, the wheel, with PYTHON's
+# own setuptools (--no-isolation: no throwaway build venv per step); install the wheel in a
+# fresh venv (torch pinned: an unpinned one pulls a multi-GB CUDA build; --no-compile: the
+# few modules a run imports are compiled when imported, not torch's thousands of files at
+# install); then, from a directory outside the repository (so nothing imports from the source
+# tree), check the version, the shipped data files, a short training run and the demo.
+# Usage: .ci/wheel_check.sh [PYTHON]   (PYTHON has `build` and setuptools: the dev extra;
+# default .venv's)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=${1:-$repo/.venv/bin/python}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-"$py" -m build --outdir "$work/dist" "$repo" > "$work/build.log" 2>&1 \
+"$py" -m build --no-isolation --outdir "$work/dist" "$repo" > "$work/build.log" 2>&1 \
     || { cat "$work/build.log"; exit 1; }
 wheel=$(ls "$work"/dist/commfuse-*.whl)
 echo "built $(basename "$wheel")"
 python3 -m venv "$work/venv"
-"$work/venv/bin/pip" install -q torch==2.13.0 "$wheel"
+"$work/venv/bin/pip" install -q --no-compile torch==2.13.0 "$wheel"
 
 cd "$work"
 "$work/venv/bin/commfuse" --version
