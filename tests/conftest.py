@@ -22,6 +22,20 @@ def pytest_addoption(parser):
                           "instead of forking it from a server that imported it once")
 
 
+# The files that take longest, longest first (--durations on 2 cores, rounded). pytest-xdist
+# (`--dist loadfile --no-loadscope-reorder` in pyproject) hands whole files to its two workers
+# in collection order, a next file to whichever finishes first: started first, the long files
+# run beside the many short ones instead of leaving one worker alone with a long file at the
+# end. A file not listed keeps its place after them.
+LONGEST_FIRST = ("test_tp.py", "test_train.py", "test_tp_compile.py", "test_infer.py", "test_parallel.py",
+                 "test_bench.py", "test_compile.py", "test_memory.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest in order
+
+
 def pytest_configure(config):
     from commfuse.testbed import spawn
 
