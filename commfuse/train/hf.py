@@ -2,12 +2,16 @@
 weights are downloaded), trained with `commfuse.tp` on the shipped corpus.
 
 PATH_OR_NAME: a shipped config (``llama-tiny``, ``qwen2-tiny``, ``qwen3-tiny``,
-``mistral-sw-tiny``, ``mamba2-tiny``, ``bamba-tiny``, ``nemotron-h-tiny``:
+``mistral-sw-tiny``, ``mamba2-tiny``, ``bamba-tiny``, ``nemotron-h-tiny``, ``mixtral-tiny``,
+``qwen3-moe-tiny``:
 `commfuse/data/hf/*.json`; Mamba-2 mixers run transformers' torch path), a ``config.json``
 file or directory, or a Hugging Face hub name (its config only). ``--tp`` ranks run
 `commfuse.tp.parallelize` (every fused op with ``--method`` and its options); ``--dp`` ranks shard the model with FSDP2
 (``fully_shard`` per layer and at the root) over the "dp" dim of the (dp, tp) mesh. Not with
 ``--up``, ``--query-split`` or ``--resume`` (those are the built-in model's).
+An MoE config (``mixtral-tiny``, ``qwen3-moe-tiny``) splits its experts over the
+``--tp`` ranks (``--ep``, `commfuse.tp.hf_moe`); the loss adds the router's auxiliary loss
+where the config computes it (``output_router_logits``), times ``router_aux_loss_coef``.
 ``--checkpoint-dir D`` saves the whole model as a transformers model directory (config.json,
 model.safetensors: `save_hf_checkpoint`) at D/step-N, named by D/latest, which ``commfuse
 generate --checkpoint D`` and ``from_pretrained`` read. The loss is the next-token
@@ -29,6 +33,7 @@ from commfuse.train.report import finish, measure_matmul_flops, progress
 
 SHIPPED = DATA_DIR / "hf"
 ATTENTION_FREE = ("mamba2",)  # model types whose class takes no attn_implementation
+MOE = ("mixtral", "qwen3_moe")  # model types whose experts --ep splits (`commfuse.tp.hf_moe`)
 
 
 def load_config(name_or_path: str):
@@ -48,6 +53,12 @@ def _check(cfg: TrainConfig, hf) -> None:
                          f"tokenizer's ({VOCAB_SIZE})")
     if cfg.batch_size % cfg.dp:
         raise ValueError(f"global batch size ({cfg.batch_size}) must be divisible by dp ({cfg.dp})")
+    if cfg.ep is not None and hf.model_type not in MOE:
+        raise ValueError(f"--ep needs a mixture-of-experts config ({', '.join(MOE)}), got "
+                         f"{hf.model_type}")
+    if cfg.ep is not None and cfg.ep != cfg.tp:
+        raise ValueError(f"--ep ({cfg.ep}) must equal --tp ({cfg.tp}): the experts are split "
+                         f"over the tp ranks")
 
 
 def build(cfg: TrainConfig, world: int):
@@ -110,8 +121,10 @@ def train_hf_rank(rank: int, world: int, cfg: TrainConfig, lr_at, seq_len_at) ->
         if cfg.variable_length:
             n = seq_len_at(cfg, step)
             tokens, targets = tokens[:, :n], targets[:, :n]
-        logits = model(tokens).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        out = model(tokens)
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten())
+        if getattr(out, "aux_loss", None) is not None:  # MoE: the router's, as the model adds it
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -1,0 +1,75 @@
+"""``commfuse train --hf-config mixtral-tiny|qwen3-moe-tiny --ep 2``: experts split over the
+tp ranks, the loss with the router's auxiliary loss, against the same model in one process;
+``--ep``'s validation and the MoE FLOP count."""
+
+import argparse
+
+import pytest
+
+from commfuse.train.config import TrainConfig, add_arguments, config_from_args
+from commfuse.train.loop import launch
+
+BASE = dict(hf_config="mixtral-tiny", steps=3, seq_len=15, batch_size=2, progress=False,
+            peak_flops=1e9, exposed_iters=0, method="commfuse", hardware="cpu-testbed")
+
+
+def _losses(**kw) -> list[float]:
+    return [m["loss"] for m in launch(TrainConfig(**{**BASE, **kw}))]
+
+
+@pytest.mark.parametrize("name", ["mixtral-tiny", "qwen3-moe-tiny"])
+def test_ep2_matches_one_process(name):
+    one, two = _losses(hf_config=name, tp=1), _losses(hf_config=name, tp=2, ep=2)
+    assert len(one) == len(two) == 3 and one[-1] < one[0]
+    assert max(abs(a - b) / b for a, b in zip(two, one)) < 1e-4, (two, one)
+
+
+def test_loss_includes_the_aux_loss():
+    """The shipped configs record router logits: the loss is CE + coef * aux (> CE alone)."""
+    import torch
+    import torch.nn.functional as F
+    from commfuse.train.hf import build
+    model, _ = build(TrainConfig(**{**BASE, "tp": 1}), 1)
+    ids = torch.randint(4096, (2, 15), generator=torch.Generator().manual_seed(0))
+    out = model(ids, labels=ids)
+    ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert out.aux_loss is not None and out.aux_loss > 0
+    assert torch.allclose(out.loss, ce + model.config.router_aux_loss_coef * out.aux_loss)
+
+
+def _parse(*argv) -> TrainConfig:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return config_from_args(p.parse_args(list(argv)))
+
+
+def test_ep_flag_sets_tp_and_is_checked():
+    assert _parse("--hf-config", "mixtral-tiny", "--ep", "2").tp == 2
+    assert _parse("--hf-config", "mixtral-tiny", "--ep", "2", "--dp", "2").world == 4
+    with pytest.raises(SystemExit, match="must equal --tp"):
+        _parse("--hf-config", "mixtral-tiny", "--ep", "2", "--tp", "4")
+    with pytest.raises(ValueError, match="built-in Llama has no experts"):
+        TrainConfig(ep=2)
+    with pytest.raises(ValueError, match="positive int"):
+        TrainConfig(hf_config="mixtral-tiny", ep=0)
+
+
+@pytest.mark.parametrize("kw,name,match", [
+    (dict(tp=2, ep=2), "llama-tiny", "needs a mixture-of-experts config"),
+    (dict(tp=4, ep=2), "mixtral-tiny", r"--ep \(2\) must equal --tp \(4\)"),
+])
+def test_rejects(kw, name, match):
+    from commfuse.train.hf import _check, load_config
+    with pytest.raises(ValueError, match=match):
+        _check(TrainConfig(**{**BASE, "hf_config": name, **kw}), load_config(name))
+
+
+def test_flops_count_the_active_experts():
+    """6N counts the router and k of the E experts per MoE layer, not all E."""
+    from commfuse.train.hf import load_config
+    from commfuse.train.hf_flops import matmul_weights
+    for name, f in (("mixtral-tiny", "intermediate_size"), ("qwen3-moe-tiny", "moe_intermediate_size")):
+        hf = load_config(name)
+        d, q, H, G = hf.hidden_size, hf.head_dim, hf.num_attention_heads, hf.num_key_value_heads
+        layer = d * q * (2 * H + 2 * G) + d * 8 + 3 * d * getattr(hf, f) * 2
+        assert matmul_weights(hf) == d * hf.vocab_size + hf.num_hidden_layers * layer, name
