@@ -22,7 +22,10 @@ from commfuse.testbed.spawn import run_local
 
 ARCHS = ("mixtral", "qwen3")
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
-TOL = 1e-12  # norm-relative, float64 against float64
+# norm-relative, float64 against float64; both models' routers take the softmax in float32
+# (as transformers defines them), so a routing weight carries float32 rounding of logits that
+# the sharded model sums in another order: about 1e-8 of the unsharded values, not 1e-16
+TOL = 1e-6
 SEQ = 11  # split unevenly over 2, 3 and 4 ranks
 TRAIN = {"mixtral": ("none", "commfuse", "auto"), "qwen3": ("commfuse",)}  # on 2 ranks
 

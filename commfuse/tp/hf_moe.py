@@ -164,11 +164,11 @@ class ExpertParallel(ParallelStyle):
         over the group); its logits gathered over the sequence while they are recorded."""
         logits, weights, index = route(hidden_states)
         if _recording_router_logits():
-            B, s, _ = hidden_states.shape
+            (B, s, _), E = hidden_states.shape, logits.shape[-1]
             sizes = (self.split.sizes if self.split is not None and self.split.sizes
                      else (s,) * group.size())
-            logits_BEs = logits.reshape(B, s, -1).transpose(1, 2)
-            logits = gather_cols(logits_BEs, sizes, group).transpose(1, 2).reshape(-1, logits.shape[-1])
+            logits_BEs = logits.reshape(B, s, E).transpose(1, 2)
+            logits = gather_cols(logits_BEs, sizes, group).transpose(1, 2).reshape(-1, E)
         return logits, weights, index
 
     def _forward(self, module: nn.Module, group, E: int, hidden_states: torch.Tensor):
