@@ -1,7 +1,6 @@
 """``commfuse check-gpu`` on a machine without a GPU: it imports, its --help is a manual, and it
 says "no CUDA device" and exits with status 2 (the checks themselves need a GPU)."""
 
-import subprocess
 import sys
 
 import pytest
@@ -27,11 +26,17 @@ def test_without_cuda_it_says_so_and_exits_2(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-@pytest.mark.parametrize("command", [["-m", "commfuse.cli", "check-gpu"], ["-m", "commfuse.check_gpu"]])
-def test_the_subcommand_and_python_m_run_it(command):
-    r = subprocess.run([sys.executable, *command, "--only", "loopback"], capture_output=True,
-                       text=True, timeout=120)
+def test_the_subcommand_and_python_m_run_it(command, monkeypatch, capfd):
+    """``commfuse check-gpu`` and ``python -m commfuse.check_gpu``, run in this process as
+    the interpreter runs them (the module as ``__main__``)."""
+    import runpy
+
+    r = command("check-gpu", "--only", "loopback")
     assert r.returncode == 2 and "no CUDA device" in r.stderr and "Traceback" not in r.stderr
+    monkeypatch.setattr(sys, "argv", ["python -m commfuse.check_gpu", "--only", "loopback"])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_module("commfuse.check_gpu", run_name="__main__")
+    assert exit.value.code == 2 and "no CUDA device" in capfd.readouterr().err
 
 
 def test_every_check_is_defined():
