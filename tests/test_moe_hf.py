@@ -6,7 +6,7 @@ model from the seed, computes logits, loss (cross-entropy + the router's auxilia
 every gradient in one process, then parallelizes a copy and compares them all, for every
 method; a starved case sets the weights so that every token picks the first rank's experts
 (the other ranks and most experts receive no token) and a short sequence leaves a rank
-without tokens of its own; bad input (experts not divisible, a config with router noise,
+without tokens of its own; FSDP2 over "dp" x this plan over "tp" on a 2 x 2 mesh; bad input (experts not divisible, a config with router noise,
 counts that disagree between ranks) must raise on every rank without a hang.
 """
 
@@ -116,33 +116,48 @@ def _check_exact(arch: str, method: str, mesh, variant: str = "") -> list[str]:
     return problems
 
 
-def _train(model, steps: int) -> list[float]:
-    """Losses (cross-entropy + aux) of ``steps`` AdamW steps on two batches in turn."""
-    two = torch.randint(63, (2, 2, 12), generator=torch.Generator().manual_seed(5))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = []
-    for step in range(steps):
-        ids = two[step % 2]
-        loss = model(ids, labels=ids.roll(-1, 1)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+def _batches(steps: int, rows=slice(None)):
+    """Two batches of 4 x 12 taken in turn (rows ``rows``), labels the next token."""
+    two = torch.randint(63, (2, 4, 12), generator=torch.Generator().manual_seed(5))
+    ids = two[torch.arange(steps) % 2][:, rows]
+    return ids, ids.roll(-1, 2)
 
 
 def _check_train(arch: str, mesh) -> dict[str, list[str]]:
     """20 steps per method of ``TRAIN`` against one process: the same losses (float64)."""
     import commfuse.tp as tp
-    want = _train(build(arch, mesh.size()), 20)
+    from test_tp import _train
+    want = _train(build(arch, mesh.size()), None, *_batches(20, slice(0, 2)), 20)
     out = {}
     for method in TRAIN[arch]:
-        opts = METHODS[method]
-        got = _train(tp.parallelize(build(arch, mesh.size()), mesh, method=method, **opts), 20)
+        model = tp.parallelize(build(arch, mesh.size()), mesh, method=method, **METHODS[method])
+        got = _train(model, None, *_batches(20, slice(0, 2)), 20)
         err = max(abs(a - b) / abs(b) for a, b in zip(got, want))
-        ok = err < 1e-9 and want[-1] < want[0] - 0.5  # equal, and it learned something
+        ok = err < TOL and want[-1] < want[0] - 0.5  # equal, and it learned something
         out[f"train-{arch}-{method}"] = [] if ok else [f"losses {got} vs {want} ({err:.1e})"]
     return out
+
+
+def _check_fsdp() -> list[str]:
+    """FSDP2 over "dp" x experts and TPSP over "tp" on a 2 x 2 mesh: 4 steps' losses equal one
+    process's. Without the aux loss: each dp rank's is its own rows' (as under any data
+    parallelism of the model), not the whole batch's."""
+    from test_tp import _train
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import commfuse.tp as tp
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ref, model = build("mixtral", 2), build("mixtral", 2)
+    ref.router_aux_loss_coef = model.router_aux_loss_coef = 0.0
+    want = _train(ref, None, *_batches(4), 4)
+    tp.parallelize(model, mesh, method="commfuse")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    r = mesh.get_local_rank("dp")
+    got = _train(model, mesh["dp"], *_batches(4, slice(2 * r, 2 * r + 2)), 4)
+    err = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    return [] if err < TOL else [f"losses {got} vs {want} ({err:.1e})"]
 
 
 def _raises(fn, kind, match: str) -> list[str]:
@@ -196,6 +211,8 @@ def _run(rank: int, world: int) -> dict[str, list[str]]:
     if world == 2:
         for arch in ARCHS:
             out.update(_check_train(arch, mesh))
+    if world == 4:
+        out["fsdp2-mixtral-commfuse"] = _check_fsdp()
     out.update(_check_errors(mesh))
     return out
 
@@ -212,6 +229,7 @@ def results(world: int) -> list[dict]:
 
 IDS = [(w, f"exact-{a}-{m}{'-' + v if v else ''}") for w in CASES for a, m, v in CASES[w]]
 IDS += [(2, f"train-{a}-{m}") for a in ARCHS for m in TRAIN[a]]
+IDS += [(4, "fsdp2-mixtral-commfuse")]
 IDS += [(w, f"error-{e}") for w in CASES for e in ("not-divisible", "router-noise",
                                                    "counts-disagree", "expert-out-of-range")]
 
