@@ -12,10 +12,10 @@ from commfuse.parallel.config import ParallelDims
 from commfuse.sim import layer_work, preset as hw_preset
 from commfuse.sim.arch import HybridConfig, MambaSpec, MoESpec, check_layout, sublayers
 from commfuse.sim.arch import preset as arch_preset
-from commfuse.sim.layers import layer_groups, moe_ops
+from commfuse.sim.layers import hybrid_grad_sync_ops, layer_groups, moe_ops
 from commfuse.sim.memory import step_memory
 from commfuse.sim.model_ops import model_config, wire_bytes
-from commfuse.sim.plan import plan
+from commfuse.sim.plan import plan, table
 from commfuse.sim.plan_cli import main_plan
 from commfuse.sim.step import simulate_step
 from commfuse.sim.train_step import simulate_train_step
@@ -163,3 +163,22 @@ def test_a_hybrid_of_llama_sublayers_predicts_the_llama_step(tp, dp):
             for c in (llama, hybrid))
     assert b.step_s == pytest.approx(a.step_s)
     assert b.peak_memory_gib == pytest.approx(a.peak_memory_gib, rel=0.02)
+
+
+def test_experts_over_the_tp_group():
+    """ep_axis="tp" (what commfuse train --ep runs): the all-to-alls on the TP group, the
+    experts split there (no TP all-reduce of their gradients), ZeRO-sharded over all dp."""
+    f, b = moe_ops(MOE, 2, 1, 4, 2, 512, 1, ep_axis="tp")
+    a2a = [o for o in f + b if o.kind in ("a2a_matmul", "matmul_a2a")]
+    assert len(a2a) == 4 and {o.axis for o in a2a} == {"tp"}
+    assert {o.axis for o in f + b if "experts" in o.name and "RS" in o.name} == {"dp"}
+    replicated = hybrid_grad_sync_ops(MOE, 2, 1, 1, 1)
+    split = hybrid_grad_sync_ops(MOE, 2, 1, 1, 2, ep_axis="tp")
+    expert = 3 * 256 * 384 * 8 * 4 * 2  # every routed expert of the 4 layers, bf16 grads
+    assert replicated[0].shape[0] - split[0].shape[0] == pytest.approx(expert)
+    with pytest.raises(ValueError, match="needs ep = tp"):
+        check_layout(MOE, 2, 1, 2, 1, "tp")
+    plans, _ = plan(MOE, 4, "h100-nvlink", seq=512, methods=("none",))
+    assert {(p.tp, p.ep, p.ep_axis) for p in plans if p.ep_axis == "tp"} == {(2, 2, "tp"),
+                                                                            (4, 4, "tp")}
+    assert "2tp" in table(plans)

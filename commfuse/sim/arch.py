@@ -162,14 +162,31 @@ def is_hybrid(cfg) -> bool:
     return isinstance(cfg, HybridConfig) and (cfg.moe is not None or bool(cfg.pattern))
 
 
-def check_layout(cfg, tp: int, up: int, dp: int, ep: int) -> None:
+EP_AXES = ("dp", "tp")
+
+
+def expert_groups(tp: int, dp: int, ep: int, ep_axis: str = "dp") -> tuple[str, int, str, int]:
+    """(axis, size) of the MoE layers' all-to-all group and (axis, size) of the ZeRO shards of
+    each rank's experts: ep of the DP ranks and the other dp/ep ("ep", "edp"), or, with
+    ``ep_axis="tp"`` (what ``commfuse train --ep`` runs), the TP group and all dp ranks."""
+    if ep_axis == "tp":
+        return "tp", tp, "dp", dp
+    return "ep", ep, "edp", dp // ep
+
+
+def check_layout(cfg, tp: int, up: int, dp: int, ep: int, ep_axis: str = "dp") -> None:
     """ValueError when ``cfg``'s MoE or Mamba layers cannot run on (tp, up, dp, ep): ep
-    divides the experts and dp (the expert-parallel group is taken from the DP ranks), the
-    shared experts' width divides tp, Mamba's heads and groups split over tp, no Ulysses (up)
-    for Mamba (its scan runs over the whole sequence of a rank's heads)."""
+    divides the experts and dp (the expert-parallel group is taken from the DP ranks; with
+    ``ep_axis="tp"`` it is the TP group, ep = tp), the shared experts' width divides tp,
+    Mamba's heads and groups split over tp, no Ulysses (up) for Mamba (its scan runs over
+    the whole sequence of a rank's heads)."""
     s = sublayers(cfg)
     moe = getattr(cfg, "moe", None)
-    if ep < 1 or dp % ep:
+    if ep_axis not in EP_AXES:
+        raise ValueError(f"ep_axis must be one of {EP_AXES}, got {ep_axis!r}")
+    if ep_axis == "tp" and (ep != tp or up > 1):
+        raise ValueError(f"ep={ep} over the TP group needs ep = tp ({tp}) and no up")
+    if ep < 1 or (ep_axis == "dp" and dp % ep):
         raise ValueError(f"ep={ep} must divide dp={dp} (experts are split over DP ranks)")
     if ep > 1 and "E" not in s:
         raise ValueError(f"ep={ep}: the model has no MoE layers")

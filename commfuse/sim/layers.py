@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from commfuse.sim.arch import is_hybrid, sublayers
+from commfuse.sim.arch import expert_groups, is_hybrid, sublayers
 from commfuse.sim.model_ops import (CURRENT, StepModel, StepOp, _ag_backward, _linear_local,
                                     _linear_zero3, _rs_backward, block_ops)
 
@@ -64,8 +64,9 @@ def _is_mlp(op: StepOp) -> bool:
 
 def layer_groups(cfg, tp: int, up: int, dp: int, seq: int, mb: int, ep: int = 1,
                  backward: bool = True, dtype_bytes: float = 2, sm: StepModel = CURRENT,
-                 query_split: bool = False) -> list[LayerGroup]:
-    """The step's layers as groups (module doc), in the order attention, MLP, MoE, Mamba."""
+                 query_split: bool = False, ep_axis: str = "dp") -> list[LayerGroup]:
+    """The step's layers as groups (module doc), in the order attention, MLP, MoE, Mamba.
+    ``ep_axis``: the MoE all-to-alls' group (`commfuse.sim.arch.expert_groups`)."""
     args = (tp, up, dp, seq, mb, backward, dtype_bytes, sm)
     if not is_hybrid(cfg):
         f, b = block_ops(cfg, *args, query_split=query_split)
@@ -80,7 +81,8 @@ def layer_groups(cfg, tp: int, up: int, dp: int, seq: int, mb: int, ep: int = 1,
         elif kind == "-":
             gf, gb = [o for o in f if _is_mlp(o)], [o for o in b if _is_mlp(o)]
         elif kind == "E":
-            gf, gb = moe_ops(cfg, tp, up, dp, ep, seq, mb, backward, dtype_bytes, sm)
+            gf, gb = moe_ops(cfg, tp, up, dp, ep, seq, mb, backward, dtype_bytes, sm,
+                             ep_axis)
         else:
             gf, gb = mamba_ops(cfg, tp, up, dp, seq, mb, backward, dtype_bytes, sm)
         groups.append(LayerGroup(kind, s.count(kind), tuple(gf), tuple(gb)))
@@ -96,30 +98,32 @@ def layer_order(cfg, groups: list[LayerGroup]) -> list[LayerGroup]:
 
 
 def moe_ops(cfg, tp: int, up: int, dp: int, ep: int, seq: int, mb: int, backward: bool = True,
-            a: float = 2, sm: StepModel = CURRENT) -> tuple[list, list]:
-    """(forward, backward) ops of one MoE layer on a rank (module doc)."""
+            a: float = 2, sm: StepModel = CURRENT, ep_axis: str = "dp") -> tuple[list, list]:
+    """(forward, backward) ops of one MoE layer on a rank (module doc); ``ep_axis="tp"``:
+    the all-to-alls on the TP group, the experts ZeRO-sharded over all dp ranks."""
     m, D = cfg.moe, cfg.dim
     nl = mb * seq // (tp * up)
     rows, F, E = nl * m.top_k, m.expert_ffn, m.experts
     M = ep * rows  # the fused all-to-all kinds' M: rows (and bytes) per rank = M / ep
-    edp = dp // ep
-    gathers = [StepOp("gather experts", "all_gather", "edp", (E // ep * 3 * D * F * a,))] \
+    ax, _, shard_ax, edp = expert_groups(tp, dp, ep, ep_axis)
+    gathers = [StepOp("gather experts", "all_gather", shard_ax, (E // ep * 3 * D * F * a,))] \
         if edp > 1 else []
     fwd = [StepOp("router", "gemm", "local", (nl, D, E))] + gathers + [
-        StepOp("dispatch+experts gate|up", "a2a_matmul", "ep", (M, D, 2 * F)),
-        StepOp("experts down+combine", "matmul_a2a", "ep", (M, F, D))]
+        StepOp("dispatch+experts gate|up", "a2a_matmul", ax, (M, D, 2 * F)),
+        StepOp("experts down+combine", "matmul_a2a", ax, (M, F, D))]
     bwd = []
     if backward:
         regather = [dataclasses.replace(g, name="regather experts") for g in gathers] \
             if sm.ag_backward == "regather" else []
         bwd = regather + [
-            StepOp("combine+experts down dx", "a2a_matmul", "ep", (M, D, F)),
+            StepOp("combine+experts down dx", "a2a_matmul", ax, (M, D, F)),
             StepOp("experts down dW", "gemm", "local", (F, rows, D)),
-            StepOp("experts gate|up dx+dispatch", "matmul_a2a", "ep", (M, 2 * F, D)),
+            StepOp("experts gate|up dx+dispatch", "matmul_a2a", ax, (M, 2 * F, D)),
             StepOp("experts gate|up dW", "gemm", "local", (D, rows, 2 * F)),
             StepOp("router dx", "gemm", "local", (nl, E, D)),
             StepOp("router dW", "gemm", "local", (E, nl, D))]
-        bwd += [StepOp("grad RS experts", "reduce_scatter", "edp", g.shape) for g in gathers]
+        bwd += [StepOp("grad RS experts", "reduce_scatter", shard_ax, g.shape)
+                for g in gathers]
     if m.shared_ffn:
         shared = dataclasses.replace(cfg, pattern="", moe=None, mamba=None,
                                      ffn_hidden=m.shared_ffn)
@@ -157,12 +161,13 @@ def mamba_ops(cfg, tp: int, up: int, dp: int, seq: int, mb: int, backward: bool 
 
 
 def hybrid_grad_sync_ops(cfg, tp: int, up: int, dp: int, ep: int = 1, dtype_bytes: float = 2,
-                         sm: StepModel = CURRENT) -> list:
+                         sm: StepModel = CURRENT, ep_axis: str = "dp") -> list:
     """The per-step all-reduces of a hybrid model's replicated gradients, bucketed per group
     of axes as `commfuse.sim.model_ops.grad_sync_ops` does for Llama: norms, the routers and
     Mamba's small per-head parameters everywhere replicated; the embedding and head as
     there; attention, MLP, shared-expert and Mamba projections sharded over tp (and dp);
-    routed experts sharded over dp (ep x edp) but replicated over tp (all-reduced there)."""
+    routed experts sharded over dp (ep x edp) but replicated over tp (all-reduced there), or
+    (``ep_axis="tp"``) sharded over tp and dp."""
     from commfuse.sim.arch import matmul_weights
 
     D, V, T = cfg.dim, cfg.vocab_size, tp * up
@@ -186,7 +191,10 @@ def hybrid_grad_sync_ops(cfg, tp: int, up: int, dp: int, ep: int = 1, dtype_byte
         params.append((V_local * D / dp, vocab + ("dp",)) if dp > 1 else (V_local * D, vocab))
     sharded = ("seq",) if tp > 1 else ()
     params.append((dense / (tp * dp), sharded + (("dp",) if dp > 1 else ())))
-    params.append((experts / dp, ("dp",) if dp > 1 else ()))
+    if ep_axis == "tp":
+        params.append((experts / (tp * dp), sharded + (("dp",) if dp > 1 else ())))
+    else:
+        params.append((experts / dp, ("dp",) if dp > 1 else ()))
     buckets: dict[str, float] = {}
     for count, axes in params:
         need = [x for x, size in (("seq", T), ("dp", dp)) if size > 1 and x not in axes]

@@ -58,7 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from commfuse.sim import layer_work, work
-from commfuse.sim.arch import is_hybrid, sublayers
+from commfuse.sim.arch import expert_groups, is_hybrid, sublayers
 from commfuse.sim.model_ops import CURRENT, StepModel, model_config
 
 GIB = 2 ** 30
@@ -99,9 +99,10 @@ class MemoryEstimate:
 
 
 def rank_params(cfg, tp: int, up: int, dp: int, setup: work.TrainSetup,
-                sm: StepModel = CURRENT, ep: int = 1) -> float:
+                sm: StepModel = CURRENT, ep: int = 1, ep_axis: str = "dp") -> float:
     """Parameters one rank keeps (module doc); an MoE layer's routed experts E/ep of them,
-    sharded over the other dp/ep ranks."""
+    sharded over the other dp/ep ranks (all dp ranks with ``ep_axis="tp"``)."""
+    edp = expert_groups(tp, dp, ep, ep_axis)[3] if dp % ep == 0 or ep_axis == "tp" else dp
     D, V = cfg.dim, cfg.vocab_size
     T = tp * up
     vocab_t = T if sm.vocab_parallel and T > 1 else 1
@@ -111,7 +112,7 @@ def rank_params(cfg, tp: int, up: int, dp: int, setup: work.TrainSetup,
     layers = 0.0
     for g, count in _kinds(cfg):
         dense, expert = layer_work.rank_weights(cfg, g, tp, ep)
-        layers += count * (dense / dp + expert / (dp // ep if dp % ep == 0 else dp))
+        layers += count * (dense / dp + expert / edp)
     return layers + emb + head + norms
 
 
@@ -190,17 +191,18 @@ def block_backward_bytes(cfg, tp: int, up: int, dp: int, n: int, setup: work.Tra
 def step_memory(model, tp: int, up: int, dp: int, seq: int, mb: int, method: str = "none",
                 setup: work.TrainSetup = work.TrainSetup(), dtype_bytes: float = 2,
                 capacity_gib: float = 0.0, sm: StepModel = CURRENT,
-                ep: int = 1) -> MemoryEstimate:
+                ep: int = 1, ep_axis: str = "dp") -> MemoryEstimate:
     """Peak memory of one rank training ``model`` under (tp, up, dp) with micro-batches of
     ``mb`` sequences of ``seq`` tokens (module doc). ``method``: the fused ops' method (their
     buffers); ``capacity_gib``: the device's memory, for `MemoryEstimate.fits`; ``ep``:
-    expert-parallel ranks (MoE; `commfuse.sim.layers`)."""
+    expert-parallel ranks (MoE; `commfuse.sim.layers`), ``ep_axis`` their group
+    (`commfuse.sim.arch.expert_groups`)."""
     from commfuse.sim.layers import layer_groups
 
     cfg, a = model_config(model), dtype_bytes
     T, n = tp * up, mb * seq
     nl = n / T
-    p = rank_params(cfg, tp, up, dp, setup, sm, ep)
+    p = rank_params(cfg, tp, up, dp, setup, sm, ep, ep_axis)
     parts = {"params": p * setup.param_bytes, "grads": p * setup.grad_bytes,
              "optimizer": p * setup.optimizer_bytes}
     parts["activations"] = (sum(c * layer_work.saved_bytes(cfg, k, setup.ac, a)
@@ -213,8 +215,9 @@ def step_memory(model, tp: int, up: int, dp: int, seq: int, mb: int, method: str
     parts["loss"] = loss_bytes(cfg, tp, up, n, a, sm)
     parts["block backward"] = max(block_backward_bytes(cfg, tp, up, dp, n, setup, a, k, ep)
                                   for k, _ in _kinds(cfg))
-    fwd = [op for g in layer_groups(cfg, tp, up, dp, seq, mb, ep, False, a, sm) for op in g.fwd]
-    group = {"tp": tp, "up": up, "dp": dp, "ep": ep, "edp": dp // ep}
+    fwd = [op for g in layer_groups(cfg, tp, up, dp, seq, mb, ep, False, a, sm, ep_axis=ep_axis)
+           for op in g.fwd]
+    group = {"tp": tp, "up": up, "dp": dp, "ep": ep, "edp": expert_groups(tp, dp, ep, ep_axis)[3]}
     if gathered:  # FSDP's gathers are the weights above
         group.pop("dp")
     parts["op buffers"] = max([_op_buffer(op, group[op.axis], method, a) for op in fwd

@@ -10,7 +10,8 @@ and FFN; up the heads and kv heads; tp*up the sequence; dp the global batch and 
 every DP-sharded weight) and the batch splits into whole micro-batches. TP and UP are not
 combined (the plans do not support it). A model with MoE layers (`commfuse.sim.arch`) also
 takes every expert-parallel size ep that divides dp and its experts (the ep group is made of
-DP ranks, `commfuse.sim.layers`); Mamba layers need their heads and groups split over tp
+DP ranks, `commfuse.sim.layers`) and, with tp > 1, the experts split over the TP group (ep =
+tp, as ``commfuse train --ep`` runs them; "Ntp" in the tables); Mamba layers need their heads and groups split over tp
 and no Ulysses. All plans share one `OpTimer`, so an op that several plans run is simulated
 once.
 
@@ -44,10 +45,15 @@ class Plan:
     result: StepResult  # the GEMMs and collectives (`simulate_step`)
     train: object = None  # the whole step (`TrainStepResult`), when planned with a setup
     ep: int = 1  # expert-parallel ranks (of the dp), MoE models
+    ep_axis: str = "dp"  # "tp": the experts split over the TP group (ep = tp)
+
+    @property
+    def ep_label(self) -> str:
+        return f"{self.ep}tp" if self.ep_axis == "tp" else str(self.ep)
 
     @property
     def name(self) -> str:
-        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        ep = f" ep={self.ep_label}" if self.ep > 1 else ""
         return f"tp={self.tp} up={self.up} dp={self.dp}{ep} {self.method}"
 
     @property
@@ -75,7 +81,8 @@ class Plan:
 def layouts(model, devices: int, seq: int, batch: int | None, micro_batch: int = 1,
             local_batch: int | None = None, ep: int | None = None):
     """([(tp, up, dp) valid for ``model`` on ``devices``], [(tp, up, dp, why) rejected]);
-    for a model with MoE layers (tp, up, dp, ep) for every valid ep (or ``ep`` alone).
+    for a model with MoE layers (tp, up, dp, ep, ep_axis) for every valid ep over the DP
+    ranks (or ``ep`` alone) and, with tp > 1, (tp, up, dp, tp, "tp").
     ``local_batch``: sequences per DP replica (the global batch is then dp x local_batch)."""
     from commfuse.parallel.config import ParallelDims
 
@@ -100,10 +107,13 @@ def layouts(model, devices: int, seq: int, batch: int | None, micro_batch: int =
         if not moe:
             ok.append((tp, up, dp))
             continue
-        for e in ([ep] if ep else [d for d in range(1, dp + 1) if dp % d == 0]):
+        options = [(e, "dp") for e in ([ep] if ep else range(1, dp + 1)) if dp % e == 0 or ep]
+        if tp > 1 and ep in (None, tp):
+            options.append((tp, "tp"))
+        for e, axis in options:
             try:
-                check_layout(cfg, tp, up, dp, e)
-                ok.append((tp, up, dp, e))
+                check_layout(cfg, tp, up, dp, e, axis)
+                ok.append((tp, up, dp, e, axis))
             except ValueError as why:
                 if ep:
                     rejected.append((tp, up, dp, e, str(why)))
@@ -123,8 +133,8 @@ def plan(model, devices: int, hw="h100-nvlink", *, seq: int, batch: int | None =
     ``step_model``: which training step (`commfuse.sim.model_ops.StepModel`). ``setup``: plan
     whole training steps (module doc); None: the GEMMs and collectives only, ranked by step
     time (tokens/s per device, with ``local_batch``). ``only``: a (tp, up, dp) to time
-    alone, or (tp, up, dp, ep) for an MoE model. ``ep``: plan this expert-parallel size only
-    (MoE models; default: every valid one)."""
+    alone, or (tp, up, dp, ep) for an MoE model (ep "tp": the experts over the TP group).
+    ``ep``: plan this expert-parallel size only (MoE models; default: every valid one)."""
     from commfuse.parallel.config import ParallelDims
     from commfuse.sim.train_step import simulate_train_step
 
@@ -132,19 +142,23 @@ def plan(model, devices: int, hw="h100-nvlink", *, seq: int, batch: int | None =
         raise ValueError("give batch or local_batch, not both")
     if batch is None and local_batch is None:
         batch = devices
+    axis_only = None
     if only is not None and len(only) == 4:
         ep, only = only[3], tuple(only[:3])
+        if ep == "tp":
+            ep, axis_only = only[0], "tp"
     ok, rejected = layouts(model, devices, seq, batch, micro_batch or local_batch or 1,
                            local_batch, ep)
     if only is not None:
-        ok = [lay for lay in ok if lay[:3] == tuple(only)]
+        ok = [lay for lay in ok if lay[:3] == tuple(only)
+              and (axis_only is None or lay[4] == axis_only)]
         rejected = [r for r in rejected if r[:3] == tuple(only)]
         if not ok and not rejected:
             rejected = [(*only, f"tp*up*dp is not {devices}, or TP and UP combined")]
     timer = timer or OpTimer(dtype_bytes)
     plans = []
     for tp, up, dp, *e in ok:
-        e = e[0] if e else 1
+        e, axis = e if e else (1, "dp")
         b = dp * local_batch if local_batch is not None else batch
         mb = micro_batch or local_batch or 1
         for method in methods:
@@ -152,29 +166,31 @@ def plan(model, devices: int, hw="h100-nvlink", *, seq: int, batch: int | None =
                                 method_opts=method_options(method, method_opts or {}))
             kw = dict(seq=seq, batch=b, micro_batch=mb, dtype_bytes=dtype_bytes,
                       inter_hw=inter_hw, node_size=node_size, timer=timer,
-                      step_model=step_model, ep=e)
+                      step_model=step_model, ep=e, ep_axis=axis)
             if setup is None:
                 plans.append(Plan(tp, up, dp, method, simulate_step(model, dims, hw, **kw),
-                                  ep=e))
+                                  ep=e, ep_axis=axis))
             else:
                 t = simulate_train_step(model, dims, hw, setup=setup, **kw)
-                plans.append(Plan(tp, up, dp, method, t.base, t, ep=e))
+                plans.append(Plan(tp, up, dp, method, t.base, t, ep=e, ep_axis=axis))
     if setup is None:  # by step time; the same order unless the batch differs (local_batch)
-        plans.sort(key=lambda p: (-p.tokens_per_s_per_device, p.tp, p.up, p.ep, p.method))
+        plans.sort(key=lambda p: (-p.tokens_per_s_per_device, p.tp, p.up, p.ep, p.ep_axis,
+                                  p.method))
     else:
         plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s_per_device, p.tp, p.up, p.ep,
-                                  p.method))
+                                  p.ep_axis, p.method))
     return plans, rejected
 
 
 def plan_records(plans) -> list[dict]:
-    """Every plan as a dict (for ``commfuse plan --json``): tp, up, dp, ep, method, step_s,
+    """Every plan as a dict (for ``commfuse plan --json``): tp, up, dp, ep, ep_axis, method, step_s,
     tokens_per_s_per_device, mfu, peak_memory_gib, fits (None without a setup), the global
     tokens per step, and the seconds per step of each part (``breakdown``)."""
     out = []
     for p in plans:
         r = p.train or p.result
-        out.append(dict(tp=p.tp, up=p.up, dp=p.dp, ep=p.ep, method=p.method, step_s=p.step_s,
+        out.append(dict(tp=p.tp, up=p.up, dp=p.dp, ep=p.ep, ep_axis=p.ep_axis, method=p.method,
+                        step_s=p.step_s,
                         tokens_per_s_per_device=p.tokens_per_s_per_device, mfu=p.mfu,
                         peak_memory_gib=p.peak_memory_gib, fits=p.fits,
                         tokens_per_step=p.result.tokens,
@@ -203,7 +219,8 @@ def table(plans, top: int | None = None) -> str:
     for i, p in enumerate(plans[:top] if top else plans, 1):
         r, b = p.result, p.result.breakdown
         lines.append(
-            f"{i:>3} {p.tp:>3} {p.up:>3} {p.dp:>5}{eps(p.ep)} {p.method:<10}{r.step_s:>9.3f}"
+            f"{i:>3} {p.tp:>3} {p.up:>3} {p.dp:>5}{eps(p.ep_label)} {p.method:<10}"
+            f"{r.step_s:>9.3f}"
             f"{r.limit_s:>9.3f}{r.tokens / r.step_s:>11,.0f}{100 * r.mfu:>6.1f}%"
             f"{100 * r.exposed_comm_s / r.step_s:>8.1f}%{b.get('tp', 0) + b.get('up', 0):>9.3f}"
             f"{b.get('dp', 0) + b.get('ep', 0) + b.get('edp', 0):>8.3f}"
@@ -225,7 +242,8 @@ def train_table(plans, top: int | None = None) -> str:
     for i, p in enumerate(plans[:top] if top else plans, 1):
         b = p.train.breakdown
         lines.append(
-            f"{i:>3} {p.tp:>3} {p.up:>3} {p.dp:>5}{eps(p.ep)} {p.method:<10}{p.step_s:>8.3f}"
+            f"{i:>3} {p.tp:>3} {p.up:>3} {p.dp:>5}{eps(p.ep_label)} {p.method:<10}"
+            f"{p.step_s:>8.3f}"
             f"{p.tokens_per_s_per_device:>10,.0f}{100 * p.mfu:>6.1f}%"
             f"{p.peak_memory_gib:>9.1f}{'yes' if p.fits else 'NO':>5}"
             f"{b.get('ops', 0):>8.3f}{b.get('attention', 0):>8.3f}"
@@ -235,7 +253,7 @@ def train_table(plans, top: int | None = None) -> str:
 
 
 def _ep_column(plans):
-    """A formatter of the ep column: 4 wide where any plan has ep > 1, else nothing."""
+    """A formatter of the ep column: 5 wide where any plan has ep > 1, else nothing."""
     if any(p.ep > 1 for p in plans):
-        return lambda v: f"{v:>4}"
+        return lambda v: f"{v:>5}"
     return lambda v: ""

@@ -123,7 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     a("--ops-only", action="store_true",
       help="the GEMMs and collectives only (the planner before the whole-step model)")
     a("--layout", default=None, metavar="TP,UP,DP[,EP]",
-      help="time this layout only, e.g. 1,1,8 (an MoE model: 1,1,8,8 for ep=8)")
+      help="time this layout only, e.g. 1,1,8 (an MoE model: 1,1,8,8 for ep=8 over DP "
+           "ranks, 2,1,4,tp for the experts over the TP group)")
     a("--ep", type=int, default=None,
       help="MoE models: plan this expert-parallel size only (default: every ep dividing dp "
            "and the experts)")
@@ -164,8 +165,8 @@ def main_plan(argv=None) -> int:
     only = None
     if a.layout:
         try:
-            only = tuple(int(x) for x in a.layout.split(","))
-            assert len(only) in (3, 4) and min(only) >= 1
+            only = tuple(x if x == "tp" else int(x) for x in a.layout.split(","))
+            assert len(only) in (3, 4) and min(x for x in only if x != "tp") >= 1
         except (ValueError, AssertionError):
             raise SystemExit(f"commfuse plan: --layout wants TP,UP,DP[,EP], got {a.layout!r}")
     cfg = _with_overrides(model_config(a.model), a.set)
@@ -214,7 +215,8 @@ def main_plan(argv=None) -> int:
     dims = ParallelDims(tp=best.tp, up=best.up, dp=best.dp, method=best.method,
                         method_opts=method_options(best.method, opts), world_size=a.devices)
     r = simulate_step(cfg, dims, a.hw, timeline=True, timer=timer, batch=best.result.tokens
-                      // seq, micro_batch=a.micro_batch or a.local_batch or 1, ep=best.ep, **kw)
+                      // seq, micro_batch=a.micro_batch or a.local_batch or 1, ep=best.ep,
+                      ep_axis=best.ep_axis, **kw)
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"{a.model}-{a.devices}")
     r.write_trace(stem + ".trace.json")

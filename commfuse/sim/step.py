@@ -41,7 +41,7 @@ from commfuse.sim.attention import attention_s
 from commfuse.sim.costs import OpSpec
 from commfuse.sim.hardware import Hardware
 from commfuse.sim.hardware import resolve as resolve_hw
-from commfuse.sim.arch import check_layout, is_hybrid, model_flops_per_token
+from commfuse.sim.arch import check_layout, expert_groups, is_hybrid, model_flops_per_token
 from commfuse.sim.layers import hybrid_grad_sync_ops, layer_groups, layer_order
 from commfuse.sim.model_ops import (CURRENT, FUSED, StepModel, StepOp, embed_ops,
                                     grad_sync_ops, head_ops, local_attention_ops, model_config,
@@ -166,7 +166,7 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
                   micro_batch: int = 1, dtype_bytes: float = 2, backward: bool = True,
                   inter_hw=None, node_size: int = 8, timeline: bool = False,
                   timer: OpTimer | None = None, step_model: StepModel = CURRENT,
-                  ep: int | None = None) -> StepResult:
+                  ep: int | None = None, ep_axis: str = "dp") -> StepResult:
     """Time one training step of ``model`` (a `LlamaConfig`, a
     `commfuse.sim.arch.HybridConfig` or a name in `MODELS`) under
     ``parallel`` (a `commfuse.parallel.config.ParallelDims`: tp, up, dp, method and its options;
@@ -177,7 +177,8 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     that span nodes of ``node_size`` ranks (None: ``hw``'s everywhere). ``backward=False``:
     forward only. ``step_model``: which step (`StepModel`; default the current one).
     ``ep``: expert-parallel ranks of an MoE model, taken from the DP ranks (default
-    ``parallel.ep`` where it has one, else 1; `commfuse.sim.layers`).
+    ``parallel.ep`` where it has one, else 1; `commfuse.sim.layers`); ``ep_axis="tp"``: the
+    TP group is the expert-parallel group (ep = tp, `commfuse.sim.arch.expert_groups`).
     MFU = flops_per_token * tokens / step_s / (ranks * hw.gemm_flops), with
     `commfuse.models.llama.flops_per_token` (6N + 12*L*H*Q*T, PaLM appendix B, as
     ``commfuse train`` reports it; `commfuse.sim.arch.flops_per_token` for MoE and Mamba
@@ -188,7 +189,8 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     ep = ep or getattr(parallel, "ep", 1) or 1
     batch = dp * micro_batch if batch is None else batch
     parallel.check_model(cfg, seq, batch)
-    check_layout(cfg, tp, up, dp, ep)
+    check_layout(cfg, tp, up, dp, ep, ep_axis)
+    _, _, shard_ax, edp = expert_groups(tp, dp, ep, ep_axis)
     if micro_batch < 1 or batch % (dp * micro_batch):
         raise ValueError(f"global batch {batch} is not a whole number of micro-batches of "
                          f"{micro_batch} sequences on each of dp={dp} replicas")
@@ -199,7 +201,7 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     inner, world = tp * up, tp * up * dp
     inter = resolve_hw(inter_hw) if inter_hw is not None else hw
     group = {"local": (1, hw), "tp": (tp, hw), "up": (up, hw), "dp": (dp, hw),
-             "world": (world, hw), "ep": (ep, hw), "edp": (dp // ep, hw)}
+             "world": (world, hw), "ep": (ep, hw), "edp": (edp, hw)}
     for axis, span in (("tp", inner), ("up", inner), ("dp", inner * dp), ("world", world),
                        ("ep", inner * ep), ("edp", inner * dp)):
         if span > node_size:
@@ -207,14 +209,15 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     sm, mb = step_model, micro_batch
     groups = layer_groups(cfg, tp, up, dp, seq, mb, ep, backward, dtype_bytes, sm,
                           query_split=tp > 1 and resolve_query_split(parallel, cfg, seq, mb,
-                                                                     dtype_bytes, hw, timer))
+                                                                     dtype_bytes, hw, timer),
+                          ep_axis=ep_axis)
     bwd = [op for g in groups for op in g.bwd]
     hf, hb = head_ops(cfg, tp, up, dp, seq, mb, backward, dtype_bytes, sm)
     ef, eb = embed_ops(cfg, tp, up, seq, mb, backward, dtype_bytes, sm)
     hf, hb = ef + hf, hb + eb  # embedding first in the forward, last in the backward
     per_mb = [(op, g.count) for g in groups for op in g.fwd + g.bwd] + [(op, 1)
                                                                         for op in hf + hb]
-    sync = (hybrid_grad_sync_ops(cfg, tp, up, dp, ep, dtype_bytes, sm) if is_hybrid(cfg)
+    sync = (hybrid_grad_sync_ops(cfg, tp, up, dp, ep, dtype_bytes, sm, ep_axis) if is_hybrid(cfg)
             else grad_sync_ops(cfg, tp, up, dp, dtype_bytes, sm)) if backward else []
     n_mb = batch // (dp * mb)
     times, breakdown, wire = {}, {}, {}

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from commfuse.sim import layer_work, work
-from commfuse.sim.arch import is_hybrid
+from commfuse.sim.arch import expert_groups, is_hybrid
 from commfuse.sim.hardware import resolve as resolve_hw
 from commfuse.sim.layers import hybrid_grad_sync_ops, layer_groups
 from commfuse.sim.memory import MemoryEstimate, rank_params, step_memory
@@ -77,10 +77,11 @@ class TrainStepResult:
 ATTENTION_OPS = ("attention", "attention bwd")  # the step's attention GEMMs (model_ops)
 
 
-def base_sync_ops(cfg, tp: int, up: int, dp: int, ep: int, a: float, sm: StepModel) -> list:
+def base_sync_ops(cfg, tp: int, up: int, dp: int, ep: int, a: float, sm: StepModel,
+                  ep_axis: str = "dp") -> list:
     """The step's gradient all-reduces, as `simulate_step` runs them."""
     if is_hybrid(cfg):
-        return hybrid_grad_sync_ops(cfg, tp, up, dp, ep, a, sm)
+        return hybrid_grad_sync_ops(cfg, tp, up, dp, ep, a, sm, ep_axis)
     return grad_sync_ops(cfg, tp, up, dp, a, sm)
 
 
@@ -100,12 +101,13 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
                         setup: work.TrainSetup = work.TrainSetup(), dtype_bytes: float = 2,
                         inter_hw=None, node_size: int = 8, timer: OpTimer | None = None,
                         step_model: StepModel = CURRENT,
-                        ep: int | None = None) -> TrainStepResult:
+                        ep: int | None = None, ep_axis: str = "dp") -> TrainStepResult:
     """Predict one training step of ``model`` under ``parallel`` (a `ParallelDims`) on ``hw``
     (module doc). ``local_batch``: sequences per DP replica per step (torchtitan's
     ``local_batch_size``; the global batch is dp times it), or ``batch`` global sequences
     (default: one per DP replica); ``micro_batch``: sequences per forward/backward (default
-    the whole local batch). ``ep``: expert-parallel ranks (MoE). The other arguments are
+    the whole local batch). ``ep``, ``ep_axis``: expert parallelism (MoE,
+    `commfuse.sim.arch.expert_groups`). The other arguments are
     `simulate_step`'s. Each layer kind (`commfuse.sim.layers.LayerGroup`: Llama blocks, or
     a hybrid's attention, MLP, MoE and Mamba layers) is counted with its own work
     (`commfuse.sim.layer_work`)."""
@@ -121,16 +123,17 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
     timer = timer or OpTimer(dtype_bytes)
     base = simulate_step(cfg, parallel, hw, seq=seq, batch=batch, micro_batch=mb,
                          dtype_bytes=dtype_bytes, inter_hw=inter_hw, node_size=node_size,
-                         timer=timer, step_model=step_model, ep=ep)
+                         timer=timer, step_model=step_model, ep=ep, ep_axis=ep_axis)
     a, T, n_mb = dtype_bytes, tp * up, base.micro_batches
     nl = mb * seq // T
     rows = {row[0]: row for row in base.rows}  # op -> (op, per step, total s, compute s, label)
     # the layers' ops as simulate_step timed them (TP attention per query slice or not)
     groups = layer_groups(cfg, tp, up, dp, seq, mb, ep, True, a, step_model,
                           query_split=tp > 1 and resolve_query_split(parallel, cfg, seq, mb, a,
-                                                                     hw, timer))
+                                                                     hw, timer), ep_axis=ep_axis)
+    edp = expert_groups(tp, dp, ep, ep_axis)[3]  # the ZeRO shards of each rank's experts
     hf, hb = head_ops(cfg, tp, up, dp, seq, mb, True, a, step_model)
-    sync = base_sync_ops(cfg, tp, up, dp, ep, a, step_model)
+    sync = base_sync_ops(cfg, tp, up, dp, ep, a, step_model, ep_axis)
     parts = {"ops": base.step_s}
     attn = work.attention_times(hw, cfg, seq, mb, T)
     per_mb, per_step, fsdp = 0.0, 0.0, []
@@ -160,7 +163,7 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
             ew_s, ew_b_s = ew_s + scan, ew_b_s + scan_b
         dense_w, expert_w = layer_work.rank_weights(cfg, g.kind, tp, ep)
         if setup.fsdp and dp > 1:  # copy-out of 2 gathers (a in, a out), copy-in of the grads
-            sharded = dense_w + (expert_w if dp > ep else 0.0)
+            sharded = dense_w + (expert_w if edp > 1 else 0.0)
             per_step += L * sharded * (2 * 2 * a + (a + setup.grad_bytes)) * n_mb
 
         # recompute
@@ -176,7 +179,7 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
         fsdp.append((g, attn_ops, g_attn, dense_w, expert_w, ew_s, ew_b_s,
                      recompute / (L * n_mb)))
     per_mb += work.LOSS_BYTES_PER_LOGIT * mb * seq * cfg.vocab_size / T
-    params = rank_params(cfg, tp, up, dp, setup, step_model, ep)
+    params = rank_params(cfg, tp, up, dp, setup, step_model, ep, ep_axis)
     per_step += work.OPTIMIZER_BYTES * params
     if attn_s:
         parts["attention"] = attn_s
@@ -193,7 +196,7 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
         exposed = slowed = 0.0
         L_all = sum(g.count for g in groups)
         for g, attn_ops, g_attn, dense_w, expert_w, ew_s, ew_b_s, recompute in fsdp:
-            L, edp = g.count, dp // ep  # routed experts: sharded over the edp ranks
+            L = g.count  # routed experts: gathered over their edp ZeRO shards
             gather = hw_dp.collective_time("all_gather", dense_w * a, dp)
             scatter = hw_dp.collective_time("reduce_scatter", dense_w * setup.grad_bytes, dp)
             if expert_w and edp > 1:
@@ -225,7 +228,7 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
                 parts["ops"] -= rows[op][1] * (rows[op][2] - rows[op][3])
         if all(op.axis == "dp" for op in sync):
             parts["ops"] -= base.sync_exposed_s
-        root = rank_params(cfg, tp, up, 1, setup, step_model, ep) - sum(
+        root = rank_params(cfg, tp, up, 1, setup, step_model, ep, ep_axis) - sum(
             g.count * d for g, _, _, d, *_ in fsdp) - sum(
             g.count * layer_work.rank_weights(cfg, g.kind, tp, ep)[1] for g in groups)
         exposed += (hw_dp.collective_time("all_gather", root * a, dp)
@@ -238,5 +241,5 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
     world = tp * up * dp
     mfu = model_flops_per_token(cfg, seq) * batch * seq / step_s / (world * hw.gemm_flops)
     mem = step_memory(cfg, tp, up, dp, seq, mb, parallel.method, setup, dtype_bytes,
-                      hw.memory_gib, step_model, ep)
+                      hw.memory_gib, step_model, ep, ep_axis)
     return TrainStepResult(step_s, batch * seq, world, mfu, mem, parts, base, setup)
