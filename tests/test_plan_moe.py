@@ -12,6 +12,7 @@ from commfuse.parallel.config import ParallelDims
 from commfuse.sim import layer_work, preset as hw_preset
 from commfuse.sim.arch import HybridConfig, MambaSpec, MoESpec, check_layout, sublayers
 from commfuse.sim.arch import preset as arch_preset
+from commfuse.sim.hf_config import from_hf
 from commfuse.sim.layers import hybrid_grad_sync_ops, layer_groups, moe_ops
 from commfuse.sim.memory import step_memory
 from commfuse.sim.model_ops import model_config, wire_bytes
@@ -182,3 +183,21 @@ def test_experts_over_the_tp_group():
     assert {(p.tp, p.ep, p.ep_axis) for p in plans if p.ep_axis == "tp"} == {(2, 2, "tp"),
                                                                             (4, 4, "tp")}
     assert "2tp" in table(plans)
+
+
+def test_hf_configs_plan_as_commfuse_train_builds_them(capsys):
+    """The shipped --hf-config names read as the planner's configs (JSON, no transformers)."""
+    mixtral, qwen = from_hf("mixtral-tiny"), from_hf("qwen3-moe-tiny")
+    assert sublayers(mixtral) == "*E*E" and mixtral.moe == MoESpec(8, 2, 256)
+    assert qwen.moe.expert_ffn == 128 and qwen.head_dim == 32
+    assert sublayers(from_hf("bamba-tiny")) == "M-*-" and sublayers(from_hf("mamba2-tiny")) == "MM"
+    assert type(from_hf("llama-tiny")).__name__ == "LlamaConfig"
+    with pytest.raises(ValueError, match="divisible by 3"):
+        from_hf("nemotron-h-tiny")  # a 344-wide squared-ReLU MLP
+    with pytest.raises(ValueError, match="no config"):
+        from_hf("no-such-model")
+    assert main_plan(["--hf-config", "mixtral-tiny", "--devices", "2", "--hw", "cpu-testbed",
+                      "--inter-hw", "same", "--seq", "256", "--layout", "2,1,1,tp",
+                      "--methods", "none,commfuse", "--no-files"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mixtral-tiny") and "ep=2tp" in out

@@ -100,7 +100,7 @@ def layouts(model, devices: int, seq: int, batch: int | None, micro_batch: int =
             if batch % (dp * micro_batch):
                 raise ValueError(f"global batch {batch} is not a whole number of micro-batches "
                                  f"of {micro_batch} on each of {dp} DP replicas")
-            check_layout(cfg, tp, up, dp, ep or 1)
+            check_layout(cfg, tp, up, dp, 1)  # the rest of the model; ep just below
         except ValueError as e:
             rejected.append((tp, up, dp, *([ep or 1] if moe else []), str(e)))
             continue
@@ -115,7 +115,7 @@ def layouts(model, devices: int, seq: int, batch: int | None, micro_batch: int =
                 check_layout(cfg, tp, up, dp, e, axis)
                 ok.append((tp, up, dp, e, axis))
             except ValueError as why:
-                if ep:
+                if ep and (axis == "tp" or ep != tp):
                     rejected.append((tp, up, dp, e, str(why)))
     return ok, rejected
 

@@ -92,6 +92,11 @@ def _parser() -> argparse.ArgumentParser:
            "8B/70B, Llama 3.2 1B, the CPU-sized tiny/small, MoE Mixtral 8x7B, Qwen3-30B-A3B, "
            "DeepSeek-V2-Lite, hybrid Mamba-2 Nemotron-H 8B (default 70b; shapes and sources "
            "in commfuse/sim/model_ops.py and arch.py)")
+    a("--hf-config", default=None, metavar="NAME|PATH",
+      help="plan a transformers config instead of --model: a shipped name (mixtral-tiny, "
+           "qwen3-moe-tiny, bamba-tiny, mamba2-tiny, llama-tiny, ...: commfuse/data/hf, as "
+           "commfuse train --hf-config), a config.json or a directory holding one "
+           "(commfuse/sim/hf_config.py)")
     a("--set", action="append", default=[], metavar="FIELD=VALUE",
       help="override a field of the model preset (a LlamaConfig field, e.g. vocab_size=131072 "
            "or n_layers=40); repeatable")
@@ -169,7 +174,15 @@ def main_plan(argv=None) -> int:
             assert len(only) in (3, 4) and min(x for x in only if x != "tp") >= 1
         except (ValueError, AssertionError):
             raise SystemExit(f"commfuse plan: --layout wants TP,UP,DP[,EP], got {a.layout!r}")
-    cfg = _with_overrides(model_config(a.model), a.set)
+    if a.hf_config:
+        from commfuse.sim.hf_config import from_hf
+
+        try:
+            base = from_hf(a.hf_config)
+        except (ValueError, KeyError) as e:
+            raise SystemExit(f"commfuse plan: --hf-config {a.hf_config}: {e}") from e
+        a.model = os.path.splitext(os.path.basename(a.hf_config.rstrip("/")))[0]
+    cfg = _with_overrides(base if a.hf_config else model_config(a.model), a.set)
     seq = a.seq or min(4096, cfg.max_seq_len)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     inter = None if a.inter_hw == "same" else a.inter_hw
