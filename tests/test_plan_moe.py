@@ -192,8 +192,8 @@ def test_hf_configs_plan_as_commfuse_train_builds_them(capsys):
     assert qwen.moe.expert_ffn == 128 and qwen.head_dim == 32
     assert sublayers(from_hf("bamba-tiny")) == "M-*-" and sublayers(from_hf("mamba2-tiny")) == "MM"
     assert type(from_hf("llama-tiny")).__name__ == "LlamaConfig"
-    with pytest.raises(ValueError, match="divisible by 3"):
-        from_hf("nemotron-h-tiny")  # a 344-wide squared-ReLU MLP
+    nemo = from_hf("nemotron-h-tiny")  # a 344-wide squared-ReLU MLP: SwiGLU 2/3 x 344, up to 8
+    assert sublayers(nemo) == "M-*-" and nemo.ffn_hidden == 232 and nemo.mamba.heads == 8
     with pytest.raises(ValueError, match="no config"):
         from_hf("no-such-model")
     assert main_plan(["--hf-config", "mixtral-tiny", "--devices", "2", "--hw", "cpu-testbed",
