@@ -129,7 +129,7 @@ def test_tiny_preset_loss_decreases():
     batch = torch.randint(0, cfg.vocab_size, (4, 65))
     inputs, targets = batch[:, :-1], batch[:, 1:]
     losses = []
-    for _ in range(30):
+    for _ in range(15):  # one batch, memorised: the loss halves by step 13
         loss = model.loss(inputs, targets)
         opt.zero_grad()
         loss.backward()
