@@ -22,13 +22,17 @@ def pytest_addoption(parser):
                           "instead of forking it from a server that imported it once")
 
 
-# The files that take longest, longest first (--durations on 2 cores, rounded). pytest-xdist
-# (`--dist loadfile --no-loadscope-reorder` in pyproject) hands whole files to its two workers
-# in collection order, a next file to whichever finishes first: started first, the long files
-# run beside the many short ones instead of leaving one worker alone with a long file at the
-# end. A file not listed keeps its place after them.
-LONGEST_FIRST = ("test_tp.py", "test_train.py", "test_tp_compile.py", "test_infer.py", "test_parallel.py",
-                 "test_bench.py", "test_compile.py", "test_memory.py")
+# The files that take longest, longest first (their tests' --durations summed, 2 cores).
+# pytest-xdist (`--dist loadfile --no-loadscope-reorder` in pyproject) hands whole files to its
+# two workers in collection order, a next file to whichever finishes first: started first,
+# the long files run beside the many short ones instead of leaving one worker alone with a
+# long file at the end. A file not listed keeps its place after them.
+LONGEST_FIRST = ("test_moe_hf.py", "test_ops_dist.py", "test_parallel.py", "test_tp_mamba.py",
+                 "test_doc_commands.py", "test_llama.py", "test_probe.py", "test_cluster.py",
+                 "test_faults.py", "test_examples.py", "test_compile.py", "test_bench_train.py",
+                 "test_memory.py", "test_train_cli.py", "test_infer.py", "test_tp.py",
+                 "test_regather_prefetch.py", "test_bench.py", "test_tp_compile.py",
+                 "test_train.py", "test_infer_hf.py")
 
 
 def pytest_collection_modifyitems(items):
