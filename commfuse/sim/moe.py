@@ -37,6 +37,11 @@ from commfuse.schedule.moe import TAIL, ExpertCounts, build, clip, piece
 from commfuse.sim.engine import Engine
 from commfuse.sim.hardware import Hardware
 from commfuse.sim.hardware import resolve as resolve_hw
+from commfuse.sim.moe_routing import ROUTINGS, counts_of, route_tokens, routing_counts
+
+__all__ = ["CANDIDATES", "ROUTINGS", "MoEOp", "MoESim", "choose", "counts_of", "fastest",
+           "layer_ops", "moe_layer_time", "moe_op_time", "representative", "route_tokens",
+           "routing_counts", "simulate_moe"]
 
 # auto's candidates for the MoE ops, in order of preference at equal predicted time. No
 # commfuse with 8 pieces: the model gives it about 1 % over 4 pieces on the testbed's sizes,
@@ -44,7 +49,6 @@ from commfuse.sim.hardware import resolve as resolve_hw
 # charge undercounts on a loaded CPU
 CANDIDATES = (("none", {}), ("commfuse", {"splits": 1}), ("commfuse", {"splits": 2}),
               ("commfuse", {"splits": 4}), ("sliced", {"chunks": 4}))
-ROUTINGS = ("balanced", "zipf")
 
 
 @dataclass(frozen=True)
@@ -74,65 +78,6 @@ class MoESim:
     total_s: float
     compute_s: float
     rank_s: tuple
-
-
-def route_tokens(routing: str, tokens: int, experts: int, top_k: int, world: int,
-                 seed: int = 0, zipf_s: float = 1.2) -> list[list[tuple[int, ...]]]:
-    """Each rank's tokens' experts (``tokens`` per rank, ``top_k`` distinct experts of
-    ``experts`` each, best first), the same on every caller for a given seed:
-
-    - ``"balanced"``: token t of rank p takes experts (t k + p + j) mod E, j < k: every expert
-      gets as close to ``tokens * top_k / experts`` rows from each rank as integers allow;
-    - ``"zipf"``: expert popularity ~ 1 / i^``zipf_s`` for the i-th of a seeded shuffle of the
-      experts; each token draws its k experts without replacement in proportion to it.
-    """
-    if routing not in ROUTINGS:
-        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-    if not (0 < top_k <= experts) or tokens < 0 or experts % world:
-        raise ValueError(f"bad routing shape: {tokens} tokens, top-{top_k} of {experts} "
-                         f"experts on {world} ranks")
-    if routing == "balanced":
-        return [[tuple((t * top_k + p + j) % experts for j in range(top_k))
-                 for t in range(tokens)] for p in range(world)]
-    import random
-
-    rng = random.Random(seed)
-    order = list(range(experts))
-    rng.shuffle(order)
-    weight = [0.0] * experts
-    for i, e in enumerate(order):
-        weight[e] = 1.0 / (i + 1) ** zipf_s
-    out = []
-    for _ in range(world):
-        mine = []
-        for _ in range(tokens):
-            pool, chosen = list(range(experts)), []
-            for _ in range(top_k):
-                e = rng.choices(pool, [weight[x] for x in pool])[0]
-                pool.remove(e)
-                chosen.append(e)
-            mine.append(tuple(chosen))
-        out.append(mine)
-    return out
-
-
-def routing_counts(routing: str, tokens: int, experts: int, top_k: int, world: int,
-                   seed: int = 0, zipf_s: float = 1.2) -> ExpertCounts:
-    """The `ExpertCounts` of `route_tokens`' assignment (the same arguments)."""
-    return counts_of(route_tokens(routing, tokens, experts, top_k, world, seed, zipf_s),
-                     experts)
-
-
-def counts_of(assignment, experts: int) -> ExpertCounts:
-    """The table of an assignment (per rank, per token, its experts)."""
-    table = []
-    for mine in assignment:
-        hist = [0] * experts
-        for chosen in mine:
-            for e in chosen:
-                hist[e] += 1
-        table.append(tuple(hist))
-    return ExpertCounts(tuple(table))
 
 
 def simulate_moe(ops, counts: ExpertCounts, hw, dtype_bytes: float = 4,
