@@ -8,6 +8,7 @@ benchmarks) and a predicted one (the simulator). No torch needed; the PNG needs 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -78,7 +79,9 @@ def trace_events(spans: Sequence[Span]) -> list[dict]:
 
 
 def write_trace(spans: Sequence[Span], path: str) -> None:
-    """Write ``spans`` as a Chrome trace JSON (open in ui.perfetto.dev or chrome://tracing)."""
+    """Write ``spans`` as a Chrome trace JSON (open in ui.perfetto.dev or chrome://tracing),
+    creating ``path``'s folder."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump({"traceEvents": trace_events(spans), "displayTimeUnit": "ms"}, f)
 
