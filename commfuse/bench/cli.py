@@ -119,6 +119,11 @@ def run(args) -> int:
                          f"--hardware {args.hardware} (a preset, used as it is) rules out")
     if any(s % args.nproc for s in seqs):
         raise SystemExit(f"commfuse bench: every --seq must be divisible by --nproc ({args.nproc})")
+    split_d = [n for n in names if n in ("matmul_a2a", "a2a_matmul", "ulysses")]
+    if split_d and args.d_model % args.nproc:
+        raise SystemExit(f"commfuse bench: --d-model ({args.d_model}) must be divisible by "
+                         f"--nproc ({args.nproc}) for {', '.join(split_d)} (the all-to-all "
+                         f"splits the width), or leave them out with --workloads")
     if "RANK" in os.environ:  # a rank: launched by us, by `commfuse launch` or by torchrun
         return _worker(args, names, seqs)
     from commfuse.testbed import launch as cluster
