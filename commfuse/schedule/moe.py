@@ -29,9 +29,9 @@ Methods (``auto`` is the fastest of them on the simulator's cost model, `commfus
   all-to-all, overlapped with chunk j-1's GEMMs (dispatch) or chunk j+1's (combine);
 - ``commfuse``: pairwise P2P. Dispatch posts every send and receive at once and computes the
   own slot first, on tokens already here, while the peers' slots arrive, then slots r-1, r-2,
-  ... as each lands. Combine posts every receive at the start, computes the rows for r+1
-  first and sends them, then r+2, ..., each send hiding behind the next slot's GEMMs, its
-  own rows last. ``splits`` m cuts every slot into m near-equal pieces (slot p*m + j is
+  ... as each lands. Combine computes the rows for r+1 first and sends them, then r+2, ...,
+  each send hiding behind the next slot's GEMMs, its own rows last; step i's receive (from
+  r-i) is posted in the same batch as step i's send. ``splits`` m cuts every slot into m near-equal pieces (slot p*m + j is
   piece j of slot p, its transfer tagged i*m + j at pairwise step i), so a peer's rows are
   computed (dispatch) or sent (combine) piece by piece: a transfer that outlasts a slot's
   GEMMs is hidden behind all but its last piece's.
@@ -243,20 +243,29 @@ def _dispatch(rows, w: int, r: int, m: int = 1) -> list[Step]:
 
 
 def _combine(rows, w: int, r: int, m: int = 1) -> list[Step]:
-    """Every receive posted at the start; the rows for r+1 computed first, piece by piece,
-    each piece sent at once and hiding behind the next piece's GEMMs; then r+2, ...; the own
-    rows last; receives, then sends, waited at the end."""
+    """The rows for r+1 computed first, piece by piece, each piece sent at once with the
+    receive of the same step (from r-i, tag i*m + j) and hiding behind the next piece's
+    GEMMs; then r+2, ...; the own rows last; receives, then sends, waited at the end.
+
+    Step i's receive is posted with step i's send, not before: where a rank's P2P batches
+    run one after another (NCCL: one stream per group, `commfuse.runtime.cuda`), a batch of
+    receives alone would hold every later batch, this rank's sends included, until its
+    peers' sends land, and theirs are held behind their own receives, so no rank would ever
+    send. Batch (i, j) on every rank pairs with batch (i, j) on its two peers, so the
+    batches complete in the same order everywhere (as `_dispatch`'s and the pairwise ops').
+    """
     steps: list[Step] = []
-    batches = [_pair(rows, w, r, i, m, j) for i in range(1, w) for j in range(m)]
-    recvs = [t for batch in batches for t in batch if t.kind == "recv"]
-    if recvs:
-        steps.append(Post(tuple(recvs)))  # buffers ready before the peers send
-    sends = []
-    for batch in batches:
-        for t in batch:
-            if t.kind == "send":
-                steps += [Compute(t.slot), Post((t,))]  # the send hides behind the next GEMMs
-                sends.append(t)
+    recvs, sends = [], []
+    for i in range(1, w):
+        for j in range(m):
+            batch = _pair(rows, w, r, i, m, j)
+            for t in batch:
+                if t.kind == "send":
+                    steps.append(Compute(t.slot))  # the send hides behind the next GEMMs
+            if batch:
+                steps.append(Post(tuple(batch)))
+            recvs += [t for t in batch if t.kind == "recv"]
+            sends += [t for t in batch if t.kind == "send"]
     for j in range(m):
         if piece(rows[r][r], m, j)[1]:
             steps.append(Compute(r * m + j))  # own rows, straight into the output
