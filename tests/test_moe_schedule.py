@@ -3,7 +3,8 @@
 The table's geometry, then, for every method on 1-4 ranks and many count tables (zeros,
 empty ranks, empty experts): every message has exactly one matching side of the same size,
 no message or GEMM for an empty slot, every transfer waited once after its post, the
-overlap order each method promises, and all ranks' schedules run together to the end.
+overlap order each method promises, and all ranks' schedules run together to the end, also
+where each rank's P2P batches run one after another in post order (NCCL).
 """
 
 from __future__ import annotations
@@ -134,26 +135,44 @@ def _check_p2p(op: str, c: ExpertCounts) -> list[str]:
                         bad.append(f"rank {r}: slot {t.slot} sent before it was computed")
     if not bad and not _runs_together(scheds):
         bad.append("the ranks' schedules do not run to the end together (deadlock)")
+    if not bad and not _runs_together(scheds, serial=True):
+        bad.append("the ranks' schedules deadlock when each rank's batches run in post order "
+                   "(NCCL)")
     return bad
 
 
-def _runs_together(scheds) -> bool:
-    """Step every rank as far as it can: a wait on a receive needs the peer's send posted,
-    a wait on a send its receive posted (a rendezvous, the strictest transport)."""
+def _runs_together(scheds, serial: bool = False) -> bool:
+    """Step every rank as far as it can: a transfer is done once both its sides are posted
+    (a rendezvous, the strictest transport), a wait needs its transfer done. ``serial``
+    (NCCL: a rank's P2P batches run one after another on one stream): a rank's batch is
+    posted only once all of its earlier batches are done."""
     at, posted = [0] * len(scheds), set()
+    queues: list[list] = [[] for _ in scheds]  # serial: each rank's batches not yet done
+
+    def done(r, t) -> bool:
+        other = "recv" if t.kind == "send" else "send"
+        return (r, t.kind, t.peer, t.tag) in posted and (t.peer, other, r, t.tag) in posted
+
     progress = True
     while progress:
         progress = False
         for r, s in enumerate(scheds):
+            q = queues[r]
+            while q and all(done(r, t) for t in q[0]):
+                q.pop(0)
+                if q:
+                    posted.update((r, t.kind, t.peer, t.tag) for t in q[0])
+                progress = True
             while at[r] < len(s.steps):
                 step = s.steps[at[r]]
                 if isinstance(step, Post):
-                    posted.update((r, t.kind, t.peer, t.tag) for t in step.transfers)
-                elif isinstance(step, Wait):
-                    t = step.transfer
-                    other = "recv" if t.kind == "send" else "send"
-                    if (t.peer, other, r, t.tag) not in posted:
-                        break
+                    q.append(step.transfers)
+                    if not serial or len(q) == 1:
+                        posted.update((r, t.kind, t.peer, t.tag) for t in step.transfers)
+                    if not serial:
+                        q.clear()
+                elif isinstance(step, Wait) and not done(r, step.transfer):
+                    break
                 at[r] += 1
                 progress = True
     return all(a == len(s.steps) for a, s in zip(at, scheds))
@@ -197,8 +216,9 @@ def test_schedules_match_and_skip_empty_slots(op, method):
 
 
 def test_commfuse_order_on_four_ranks():
-    """Rank 1 of 4, every slot full: dispatch posts all, computes 1, 0, 3, 2; combine posts
-    the receives, computes 2, 3, 0 each followed by its send, then its own rows."""
+    """Rank 1 of 4, every slot full: dispatch posts all, computes 1, 0, 3, 2; combine
+    computes 2, 3, 0, each followed by one batch of its send and the receive of the same
+    step (from 0, 3, 2), then its own rows."""
     c = ExpertCounts(tuple((1,) * 4 for _ in range(4)))
     d = build("moe_dispatch", "commfuse", c, 1)
     assert d.computes() == [1, 0, 3, 2]
@@ -206,6 +226,22 @@ def test_commfuse_order_on_four_ranks():
     cb = build("moe_combine", "commfuse", c, 1)
     assert cb.computes() == [2, 3, 0, 1]
     kinds = [type(x).__name__ for x in cb.steps]
-    assert kinds[:8] == ["Post", "Compute", "Post", "Compute", "Post", "Compute", "Post",
-                         "Compute"]
-    assert all(t.kind == "recv" for t in cb.steps[0].transfers)
+    assert kinds[:7] == ["Compute", "Post"] * 3 + ["Compute"]
+    batches = [[(t.kind, t.peer, t.tag) for t in x.transfers] for x in cb.steps
+               if isinstance(x, Post)]
+    assert batches == [[("send", 2, 1), ("recv", 0, 1)], [("send", 3, 2), ("recv", 3, 2)],
+                       [("send", 0, 3), ("recv", 2, 3)]]
+
+
+def test_serial_check_catches_a_receive_only_batch():
+    """The serial stepping of `_runs_together` refuses what NCCL would hang on: every rank
+    posting its receive alone, before the send its peer waits for."""
+    from commfuse.schedule import Schedule, Transfer
+
+    def sched(r):
+        recv, send = Transfer("recv", 1 - r, 1 - r, 1), Transfer("send", 1 - r, 1 - r, 1)
+        steps = (Post((recv,)), Compute(1 - r), Post((send,)), Wait(recv), Wait(send))
+        return Schedule("moe_combine", "commfuse", 2, r, "direct", 2, steps)
+
+    scheds = [sched(0), sched(1)]
+    assert _runs_together(scheds) and not _runs_together(scheds, serial=True)
