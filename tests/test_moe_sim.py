@@ -23,9 +23,8 @@ def _starved(world: int) -> ExpertCounts:
     e = 2 * world
     rows = []
     for p in range(world):
-        row = [0 if p == 1 or x == 0 or x >= e - 2 or (p == 0 and x < 2 < world) else 1 + (p + x) % 5
-               for x in range(e)]
-        rows.append(tuple(row))
+        rows.append(tuple(0 if p == 1 or x == 0 or x >= e - 2 or (p == 0 and x < 2 < world)
+                          else 1 + (p + x) % 5 for x in range(e)))
     return ExpertCounts(tuple(rows))
 
 

@@ -31,10 +31,10 @@ Methods (``auto`` is the fastest of them on the simulator's cost model, `commfus
   own slot first, on tokens already here, while the peers' slots arrive, then slots r-1, r-2,
   ... as each lands. Combine computes the rows for r+1 first and sends them, then r+2, ...,
   each send hiding behind the next slot's GEMMs, its own rows last; step i's receive (from
-  r-i) is posted in the same batch as step i's send. ``splits`` m cuts every slot into m near-equal pieces (slot p*m + j is
-  piece j of slot p, its transfer tagged i*m + j at pairwise step i), so a peer's rows are
-  computed (dispatch) or sent (combine) piece by piece: a transfer that outlasts a slot's
-  GEMMs is hidden behind all but its last piece's.
+  r-i) is posted in the same batch as step i's send. ``splits`` m cuts every slot into m
+  near-equal pieces (slot p*m + j is piece j of slot p, its transfer tagged i*m + j at
+  pairwise step i), so a peer's rows are computed (dispatch) or sent (combine) piece by
+  piece: a transfer that outlasts a slot's GEMMs is hidden behind all but its last piece's.
 
 ``tail=True`` (the backward's use: the weight grads, which need no transfer) adds one
 ``Compute(TAIL)`` after the last GEMM and before the final waits of ``sliced`` and
