@@ -329,11 +329,11 @@ _MATMULS = """\
 import torch
 torch.set_num_threads(1)
 a = torch.randn(256, 256)
-t0, n = time.perf_counter(), 0
+t0, c0 = time.perf_counter(), time.process_time()
 while time.perf_counter() - t0 < 1.0:
     a @ a
-    n += 1
-report(rate=n, cgroup=open(f"/proc/{os.getpid()}/cgroup").read())
+report(cpu=(time.process_time() - c0) / (time.perf_counter() - t0),
+       cgroup=open(f"/proc/{os.getpid()}/cgroup").read())
 """
 
 
@@ -343,7 +343,9 @@ def test_cpu_straggler_runs_slower_and_its_cgroup_is_removed(tmp_path):
     spec = ClusterSpec(nproc=2, straggler_rank=1, straggler_cpu=0.4)
     assert launch(spec, _script(tmp_path, _MATMULS)) == 0
     fast, slow = _reports(tmp_path, 2)
-    assert slow["rate"] < 0.7 * fast["rate"], (fast["rate"], slow["rate"])
+    # the quota is a ceiling on the straggler's CPU per second of wall time (0.4 of a core,
+    # plus a period's slack); a busy machine can only lower it, so this holds under load
+    assert slow["cpu"] < 0.4 + 0.15, slow
     assert "commfuse-" in slow["cgroup"] and "commfuse-" not in fast["cgroup"]
     left = [p for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/cpu") if os.path.isdir(root)
             for p in os.listdir(root) if p.startswith("commfuse-")]
