@@ -26,13 +26,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from commfuse.ops.prefetch import Prefetcher
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.hf_mamba import KNOWN as MAMBA, parallelize_mamba
 from commfuse.tp.hf_moe import KNOWN as MOE, parallelize_moe
 from commfuse.tp.mesh import tp_mesh
-from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, FusedRowwiseParallel,
-                               ReplicateParallel, SeqSplit, SequenceParallelNorm, ShardSequence)
+from commfuse.tp.plan_styles import plan_styles
+from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, ReplicateParallel,
+                               ShardSequence)
 
 KNOWN = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -109,11 +109,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     T = mesh.size()
     k = check(model, T)
     duplex(mesh.get_group())
-    split, chain = SeqSplit(), Prefetcher(1 if prefetch else 0)
-    kw = dict(method=method, split=split, **opts)
-    ag = dict(kw, save_gathered=save_gathered)  # the all-gather -> GEMM styles
-    col, row, norm = FusedColwiseParallel(**ag), FusedRowwiseParallel(prefetch=chain, **kw), \
-        SequenceParallelNorm()
+    split, chain, kw, ag, col, row, norm = plan_styles(method, save_gathered, prefetch, opts)
     kv = FusedColwiseParallel(replicas=k, **ag)
     plan = {"model.embed_tokens": ReplicateParallel(),
             "model.layers.0": ShardSequence(split, prefetch=chain),

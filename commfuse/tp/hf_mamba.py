@@ -36,12 +36,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from commfuse.ops.prefetch import Prefetcher
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.mamba import MambaMixerParallel, MixerLayout, mixer_layout
 from commfuse.tp.mesh import tp_mesh
-from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, FusedRowwiseParallel,
-                               ReplicateParallel, SeqSplit, SequenceParallelNorm, ShardSequence)
+from commfuse.tp.plan_styles import plan_styles
+from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, ReplicateParallel,
+                               ShardSequence)
 
 # class name -> (embedding, layers, final norm): the module names its plan uses
 KNOWN = {"Mamba2ForCausalLM": ("backbone.embeddings", "backbone.layers", "backbone.norm_f"),
@@ -135,11 +135,7 @@ def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto
     T = mesh.size()
     check(model, T)
     duplex(mesh.get_group())
-    split, chain = SeqSplit(), Prefetcher(1 if prefetch else 0)
-    kw = dict(method=method, split=split, **opts)
-    ag = dict(kw, save_gathered=save_gathered)
-    col, row, norm = FusedColwiseParallel(**ag), FusedRowwiseParallel(prefetch=chain, **kw), \
-        SequenceParallelNorm()
+    split, chain, kw, ag, col, row, norm = plan_styles(method, save_gathered, prefetch, opts)
     mixer = MambaMixerParallel(prefetch=chain, **ag)
     emb, layers, final = KNOWN[type(model).__name__]
     plan = {emb: ReplicateParallel(), f"{layers}.0": ShardSequence(split, prefetch=chain),

@@ -37,13 +37,13 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from commfuse.moe.parallel import expert_ffn
 from commfuse.ops.methods import method_spec
-from commfuse.ops.prefetch import Prefetcher
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.functional import gather_cols
 from commfuse.tp.hf_mamba import _attention
 from commfuse.tp.mesh import tp_mesh
-from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, FusedRowwiseParallel,
-                               ReplicateParallel, SeqSplit, SequenceParallelNorm, ShardSequence)
+from commfuse.tp.plan_styles import plan_styles
+from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, ReplicateParallel, SeqSplit,
+                               SequenceParallelNorm, ShardSequence)
 
 KNOWN = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 EXPERTS = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCausalLM": "num_experts"}
@@ -200,11 +200,7 @@ def parallelize_moe(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     T = mesh.size()
     check(model, T)
     duplex(mesh.get_group())
-    split, chain = SeqSplit(), Prefetcher(1 if prefetch else 0)
-    kw = dict(method=method, split=split, **opts)
-    ag = dict(kw, save_gathered=save_gathered)
-    col, row, norm = FusedColwiseParallel(**ag), FusedRowwiseParallel(prefetch=chain, **kw), \
-        SequenceParallelNorm()
+    split, chain, kw, ag, col, row, norm = plan_styles(method, save_gathered, prefetch, opts)
     moe = ExpertParallel(split=split, method=method, **opts)
     plan = {"model.embed_tokens": ReplicateParallel(),
             "model.layers.0": ShardSequence(split, prefetch=chain),

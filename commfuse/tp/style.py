@@ -330,3 +330,4 @@ class ShardSequence(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"ShardSequence(sequence_dim={self.dim})"
+
