@@ -111,13 +111,8 @@ def _grad_step(forward, leaves):
     def run(method: str, opts: dict):
         return forward(method, {k: v for k, v in opts.items() if k != "topology"})  # no rings
 
-    def step(method: str, opts: dict, backward: bool) -> None:
-        if backward:
-            out = run(method, opts)
-            out.backward(torch.ones_like(out))
-        else:
-            with torch.no_grad():
-                run(method, opts)
+    from commfuse.bench.workloads import _grad_step  # workloads imports this module
+    step = _grad_step(run)
     step.forward, step.leaves = run, leaves
     return step
 
