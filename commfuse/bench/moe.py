@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from commfuse.bench.steps import grad_step
 from commfuse.moe.layer import swiglu
 from commfuse.ops.moe import moe_dispatch_matmul, moe_matmul_combine
 from commfuse.ops.moe_counts import exchange_counts
@@ -111,8 +112,7 @@ def _grad_step(forward, leaves):
     def run(method: str, opts: dict):
         return forward(method, {k: v for k, v in opts.items() if k != "topology"})  # no rings
 
-    from commfuse.bench.workloads import _grad_step  # workloads imports this module
-    step = _grad_step(run)
+    step = grad_step(run)
     step.forward, step.leaves = run, leaves
     return step
 

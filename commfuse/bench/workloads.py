@@ -16,13 +16,13 @@ one forward (and backward) pass. Shapes (batch folded into the sequence S, width
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 import commfuse
 from commfuse.bench import moe as moe_workloads
+from commfuse.bench.steps import Step, grad_step
 from commfuse.ops import registry
 from commfuse.ops.attention import query_split_attention
 from commfuse.schedule import OPS
@@ -31,8 +31,6 @@ LAYERS = ("mlp", "attn_row", "attn_qsplit", "ulysses")
 MOE = moe_workloads.OPS + moe_workloads.LAYERS  # named explicitly: not in a kind's default
 FORWARD_ONLY: tuple[str, ...] = ()  # workloads with no backward (none now)
 HEAD_DIM = 64
-
-Step = Callable[[str, dict, bool], None]
 
 
 def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype,
@@ -49,7 +47,7 @@ def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype
     s = seq // world
     if name in OPS:  # the op alone, at its shapes in its layer
         a, b = (rnd(*shape) for shape in registry.layer_shapes(name, world, seq, d, ffn))
-        return _grad_step(lambda m, o: registry.call(name, a, b, m, o))
+        return grad_step(lambda m, o: registry.call(name, a, b, m, o))
     x = rnd(s, d)
     if name == "mlp":
         h = (ffn or 4 * d) // world
@@ -58,7 +56,7 @@ def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype
         def mlp(m, o):
             _, (h,) = commfuse.fused_all_gather_matmul(x, [w1], 0, return_A=False, method=m, **o)
             return commfuse.fused_matmul_reduce_scatter(F.gelu(h), w2, "sum", 0, method=m, **o)
-        return _grad_step(mlp)
+        return grad_step(mlp)
     heads = d // HEAD_DIM // world
     if heads < 1:
         raise ValueError(f"d_model {d} gives no attention head per rank (head dim {HEAD_DIM})")
@@ -75,7 +73,7 @@ def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype
                                                is_causal=True)
             y = y.permute(2, 0, 1, 3).reshape(seq, heads * HEAD_DIM)
             return commfuse.fused_matmul_reduce_scatter(y, wo, "sum", 0, method=m, **o)
-        return _grad_step(attn)
+        return grad_step(attn)
     # ulysses: the QKV weight's column block p holds head group p's q, k and v
     w_qkv, w_o = rnd(d, 3 * d), rnd(d, d)
 
@@ -85,15 +83,4 @@ def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(seq, heads * HEAD_DIM)
         return commfuse.fused_all_to_all_matmul(y, w_o, method=m, **o)
-    return _grad_step(ulysses)
-
-
-def _grad_step(forward: Callable) -> Step:
-    def step(method: str, opts: dict, backward: bool) -> None:
-        if backward:
-            out = forward(method, opts)
-            out.backward(torch.ones_like(out))
-        else:
-            with torch.no_grad():
-                forward(method, opts)
-    return step
+    return grad_step(ulysses)

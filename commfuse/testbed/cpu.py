@@ -73,3 +73,23 @@ class CpuQuota:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+
+def remove_stale(prefix: str = "commfuse-") -> list[str]:
+    """Delete the empty ``<prefix><pid>`` cgroups whose launcher ``pid`` is gone (a launcher
+    killed before its teardown leaves one); a cgroup still holding processes is kept."""
+    try:
+        root, _ = _root()
+    except CpuQuotaUnavailable:
+        return []
+    removed = []
+    for path in root.glob(prefix + "*"):
+        pid = path.name[len(prefix):]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        try:
+            path.rmdir()
+            removed.append(path.name)
+        except OSError:
+            pass  # processes still in it, or not ours to remove
+    return removed

@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass, field, replace
 
 from commfuse.testbed import gso
-from commfuse.testbed.cpu import CpuQuota
+from commfuse.testbed.cpu import CpuQuota, remove_stale
 from commfuse.testbed.procs import Supervisor, say
 from commfuse.testbed.links import LinkSpec
 from commfuse.testbed.net import (MAX_RANKS, EmulatedNetwork, EmulationUnavailable,
@@ -194,6 +194,7 @@ def launch(spec: ClusterSpec, argv: list[str], timeout: float | None = None) -> 
                     f"the {spec.gso_bytes // 1024} KiB asked (BIG TCP for IPv4 needs Linux 6.3+): "
                     f"the kernel's network stack takes more of the ranks' CPU")
         if spec.straggler_cpu is not None:
+            remove_stale()
             quota = CpuQuota(f"commfuse-{os.getpid()}", spec.straggler_cpu)
         if sup.signum is None:  # a signal during setup ends the run before it starts
             netns = [p.netns for p in net.ports] if net else [None] * spec.nproc
