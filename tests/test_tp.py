@@ -25,7 +25,8 @@ ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
          "llama-bias": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True,
                                                             "mlp_bias": True})}
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "commfuse-direct":
-           {"topology": "direct"}, "auto": {}, "commfuse-keep": {"save_gathered": True}}
+           {"topology": "direct"}, "auto": {}, "commfuse-keep": {"save_gathered": True},
+           "commfuse-lp": {"loss_parallel": True}}  # lp: vocabulary-sharded logits and loss
 TOL = {"f32": 1e-5, "bf16": 3e-2}  # norm-relative vs the float32 model, as tests/test_parallel.py
 # (arch, method, attention, sequence length): 11 tokens split unevenly over 2 and 4 ranks
 EXACT = ([(a, m, "sdpa", 11) for a in ("llama", "qwen2") for m in METHODS
@@ -70,10 +71,15 @@ def _full_grad(name: str, p, want_shape, world: int) -> tuple[torch.Tensor, list
 
 def outputs_match(got, out, model, ref, tol) -> list[str]:
     """What differs between the sharded ``model``'s output ``got`` and the unsharded ``ref``'s
-    ``out``: logits, loss (relative ``tol``) and the parameter names."""
-    problems = []
-    if _rel(got.logits.detach(), out.logits.detach()) > tol:
-        problems.append(f"logits rel {_rel(got.logits.detach(), out.logits.detach()):.1e}")
+    ``out``: logits (under ``loss_parallel``, this rank's vocabulary columns of them), loss
+    (relative ``tol``) and the parameter names."""
+    problems, want_logits = [], out.logits.detach()
+    if got.logits.shape[-1] != want_logits.shape[-1]:  # loss_parallel: this rank's columns
+        from commfuse.tp.loss import vocab_start
+        start = vocab_start(model.lm_head, model.lm_head.weight.device_mesh.get_group())
+        want_logits = want_logits[..., start:start + got.logits.shape[-1]]
+    if _rel(got.logits.detach(), want_logits) > tol:
+        problems.append(f"logits rel {_rel(got.logits.detach(), want_logits):.1e}")
     if abs(got.loss.item() - out.loss.item()) > tol * abs(out.loss.item()):
         problems.append(f"loss {got.loss.item()} vs {out.loss.item()}")
     names = sorted(n for n, _ in model.named_parameters())

@@ -45,15 +45,18 @@ METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
 # norm-relative; float32 everywhere (the mixer keeps its scan and norm in float32 even for a
 # float64 model, so float64 is not tighter), or the sharded model in bfloat16 vs float32 (the
 # unsharded model in bfloat16 is itself 2-3e-2 off float32 on the D / dt_bias gradients)
-TOL = {"": 1e-5, "mask": 1e-5, "bf16": 8e-2}
+TOL = {"": 1e-5, "mask": 1e-5, "bf16": 8e-2, "lp": 1e-5}
 # (layout, method, variant): 11 tokens, split unevenly over 2 and 4 ranks, 3 scan chunks;
-# variant "mask": a padding mask, "bf16": the sharded model in bfloat16
+# variant "mask": a padding mask, "bf16": the sharded model in bfloat16, "lp": loss_parallel
+# (vocabulary-sharded logits and loss; also a loss_function call with num_items_in_batch)
 EXACT = ([("g2", m, "") for m in METHODS] + [("g1", m, "") for m in ("none", "commfuse", "auto")]
          + [("g4-bias", "commfuse", ""), ("g4-bias", "auto", ""), ("g2", "commfuse", "mask"),
-            ("g1", "commfuse", "bf16")]
+            ("g1", "commfuse", "bf16"), ("g1", "auto", "lp")]
          + [("bamba", m, "") for m in ("none", "commfuse", "auto")]
-         + [("nemotron-h", m, "") for m in ("none", "commfuse", "auto")])
-TRAIN = [("g2", "commfuse"), ("g1", "auto"), ("bamba", "commfuse"), ("nemotron-h", "auto")]
+         + [("nemotron-h", m, "") for m in ("none", "commfuse", "auto")]
+         + [("nemotron-h", "commfuse", "lp")])
+TRAIN = [("g2", "commfuse"), ("g1", "auto"), ("bamba", "commfuse"), ("nemotron-h", "auto"),
+         ("nemotron-h", "auto-lp")]
 STEPS, BATCH, SEQ = 20, 4, 12
 
 
@@ -107,10 +110,16 @@ def _check_exact(layout, method, variant, mesh) -> list[str]:
         labels[0, :3] = -100
     out = ref(ids, labels=labels, use_cache=False, **kw)
     out.loss.backward()
-    tp.parallelize(model, mesh, method=method, **METHODS[method])
+    tp.parallelize(model, mesh, method=method, loss_parallel=variant == "lp", **METHODS[method])
     got = model(ids, labels=labels, **kw)
     got.loss.backward()
     problems = outputs_match(got, out, model, ref, tol)
+    if variant == "lp":  # the Trainer's call: a sum over the tokens, over num_items_in_batch
+        n, V = torch.tensor(7), ref.config.vocab_size
+        a = model.loss_function(got.logits.detach(), labels, V, num_items_in_batch=n)
+        b = ref.loss_function(out.logits.detach(), labels, V, num_items_in_batch=n)
+        if abs(a.item() - b.item()) > tol * abs(b.item()):
+            problems.append(f"loss_function(num_items_in_batch=7) {a.item()} vs {b.item()}")
     want = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
@@ -154,7 +163,9 @@ def _check_train(layout, method, mesh) -> list[str]:
     import commfuse.tp as tp
     ids, labels = _batches(STEPS)
     want = _train(build(layout), ids, labels)
-    got = _train(tp.parallelize(build(layout), mesh, method=method), ids, labels)
+    method, _, lp = method.partition("-")
+    got = _train(tp.parallelize(build(layout), mesh, method=method, loss_parallel=lp == "lp"),
+                 ids, labels)
     err = max(abs(a - b) / abs(b) for a, b in zip(got, want))
     ok = err < 1e-4 and want[-1] < want[0] - 0.5  # and it learned something
     return [] if ok else [f"losses {got} vs {want} (max rel {err:.1e})"]
@@ -290,3 +301,10 @@ def test_check_refuses_nemotron_h_moe():
                                          r"full_attention, mlp\)$"):
         check(model, 2)
     check(build("nemotron-h"), 4)  # the shipped pattern fits 4 ranks
+
+
+def test_loss_parallel_refuses_a_z_loss():
+    from commfuse.tp.loss import check_loss_parallel
+    check_loss_parallel(build("bamba"))
+    with pytest.raises(ValueError, match=r"z-loss \(z_loss_coefficient=0\.1\) .* loss_parallel=False"):
+        check_loss_parallel(build("bamba", z_loss_coefficient=0.1))

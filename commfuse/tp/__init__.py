@@ -8,6 +8,7 @@ all-gather / reduce-scatter fused with its GEMM by commfuse.
     hf.py          parallelize(model, mesh): the plan for transformers' Llama/Mistral/Qwen2/Qwen3
     mesh.py        tp_mesh: the "tp" dim of a user's mesh
     plan_styles.py the styles every whole-model plan shares (plan_styles)
+    loss.py        loss_parallel=True: vocabulary-sharded logits and their cross-entropy
     mamba.py       MambaMixerParallel: a Mamba-2 mixer's TPSP (MixerLayout: its rows per rank)
     hf_mamba.py    parallelize_mamba: the plans for transformers' Mamba2ForCausalLM,
                    BambaForCausalLM and NemotronHForCausalLM (parallelize dispatches to it)

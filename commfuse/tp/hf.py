@@ -16,6 +16,8 @@ sequence-sharded (``[B, s, D]``). The plan, on the TP mesh of T ranks:
     *.mlp                        FusedProjections(gate_proj, up_proj)
     *.mlp.{gate,up}_proj, down_proj   FusedColwiseParallel, FusedRowwiseParallel
     lm_head                      FusedColwiseParallel(gather_output=True): full logits everywhere
+                                 (loss_parallel=True: this rank's vocabulary columns, and a
+                                 vocabulary-parallel loss_function; `commfuse.tp.loss`)
 
 Each attention then runs on the full sequence of H/T query heads and max(G/T, 1) kv heads.
 """
@@ -29,6 +31,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.hf_mamba import KNOWN as MAMBA, parallelize_mamba
 from commfuse.tp.hf_moe import KNOWN as MOE, parallelize_moe
+from commfuse.tp.loss import check_loss_parallel, head_style, install_loss_parallel
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.plan_styles import plan_styles
 from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, ReplicateParallel,
@@ -82,7 +85,8 @@ def check(model: nn.Module, T: int) -> int:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
-                save_gathered: bool = False, prefetch: bool = True, **opts) -> nn.Module:
+                save_gathered: bool = False, prefetch: bool = True, loss_parallel: bool = False,
+                **opts) -> nn.Module:
     """Shard ``model`` (a transformers Llama-style causal LM, the same on every rank) for
     commfuse TPSP over ``mesh`` (1-D, or the "tp" dim of a larger one), in place; returns it.
 
@@ -98,22 +102,28 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     projections before it ahead, so it moves during the attention / MLP backward
     (`commfuse.ops.prefetch`; False: each gathers in its own backward; nothing to prefetch
     with ``save_gathered``).
+    ``loss_parallel=True``: the output head keeps this rank's vocabulary columns (``logits``
+    is ``[B, S, V/T]``, not all-gathered) and ``model.loss_function`` becomes the
+    vocabulary-parallel cross-entropy (`commfuse.tp.loss`), so ``model(..., labels=...).loss``
+    is the unsharded loss (up to float rounding) without the ``[B, S, V]`` logits moving.
     """
     if type(model).__name__ in MAMBA:
         return parallelize_mamba(model, mesh, method=method, save_gathered=save_gathered,
-                                 prefetch=prefetch, **opts)
+                                 prefetch=prefetch, loss_parallel=loss_parallel, **opts)
     if type(model).__name__ in MOE:
         return parallelize_moe(model, mesh, method=method, save_gathered=save_gathered,
-                               prefetch=prefetch, **opts)
+                               prefetch=prefetch, loss_parallel=loss_parallel, **opts)
     mesh = tp_mesh(mesh)
     T = mesh.size()
     k = check(model, T)
+    if loss_parallel:
+        check_loss_parallel(model)
     duplex(mesh.get_group())
     split, chain, kw, ag, col, row, norm = plan_styles(method, save_gathered, prefetch, opts)
     kv = FusedColwiseParallel(replicas=k, **ag)
     plan = {"model.embed_tokens": ReplicateParallel(),
             "model.layers.0": ShardSequence(split, prefetch=chain),
-            "model.norm": norm, "lm_head": FusedColwiseParallel(gather_output=True, **ag)}
+            "model.norm": norm, "lm_head": head_style(loss_parallel, ag)}
     H, G = model.config.num_attention_heads, model.config.num_key_value_heads
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
@@ -134,4 +144,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
             if isinstance(getattr(attn, name, None), int):
                 setattr(attn, name, n)
     parallelize_module(model, mesh, plan)
+    if loss_parallel:
+        install_loss_parallel(model, mesh.get_group())
     return model

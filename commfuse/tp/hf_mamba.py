@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.mamba import MambaMixerParallel, MixerLayout, mixer_layout
+from commfuse.tp.loss import check_loss_parallel, head_style, install_loss_parallel
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.plan_styles import plan_styles
 from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, ReplicateParallel,
@@ -127,19 +128,22 @@ def check(model: nn.Module, T: int) -> dict[str, MixerLayout]:
 
 
 def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
-                      save_gathered: bool = False, prefetch: bool = True, **opts) -> nn.Module:
+                      save_gathered: bool = False, prefetch: bool = True, loss_parallel: bool = False,
+                      **opts) -> nn.Module:
     """Shard ``model`` (one of ``KNOWN``, the same on every rank) for commfuse TPSP over
     ``mesh`` (1-D, or its "tp" dim), in place; returns it. Arguments as
     `commfuse.tp.parallelize`."""
     mesh = tp_mesh(mesh)
     T = mesh.size()
     check(model, T)
+    if loss_parallel:
+        check_loss_parallel(model)
     duplex(mesh.get_group())
     split, chain, kw, ag, col, row, norm = plan_styles(method, save_gathered, prefetch, opts)
     mixer = MambaMixerParallel(prefetch=chain, **ag)
     emb, layers, final = KNOWN[type(model).__name__]
     plan = {emb: ReplicateParallel(), f"{layers}.0": ShardSequence(split, prefetch=chain),
-            final: norm, "lm_head": FusedColwiseParallel(gather_output=True, **ag)}
+            final: norm, "lm_head": head_style(loss_parallel, ag)}
     for mod, role in _roles(model).items():
         if role == "norm":
             plan[mod] = norm
@@ -154,6 +158,8 @@ def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto
                          **{f"{mod}.{n}": col for n in ups}, mod + ".down_proj": row})
     model.config.use_cache = False
     parallelize_module(model, mesh, plan)
+    if loss_parallel:
+        install_loss_parallel(model, mesh.get_group())
     return model
 
 

@@ -40,9 +40,10 @@ from commfuse.ops.methods import method_spec
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.functional import gather_cols
 from commfuse.tp.hf_mamba import _attention
+from commfuse.tp.loss import check_loss_parallel, head_style, install_loss_parallel
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.plan_styles import plan_styles
-from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, ReplicateParallel, SeqSplit,
+from commfuse.tp.style import (FusedProjections, ReplicateParallel, SeqSplit,
                                SequenceParallelNorm, ShardSequence)
 
 KNOWN = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
@@ -191,7 +192,8 @@ class ExpertParallel(ParallelStyle):
 
 
 def parallelize_moe(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
-                    save_gathered: bool = False, prefetch: bool = True, **opts) -> nn.Module:
+                    save_gathered: bool = False, prefetch: bool = True, loss_parallel: bool = False,
+                    **opts) -> nn.Module:
     """Shard ``model`` (one of ``KNOWN``, the same on every rank) over ``mesh`` (1-D, or its
     "tp" dim): TPSP attention, experts split over the same ranks, in place; returns it.
     Arguments as `commfuse.tp.parallelize`; ``method`` and ``opts`` also go to the MoE ops.
@@ -199,12 +201,14 @@ def parallelize_moe(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     mesh = tp_mesh(mesh)
     T = mesh.size()
     check(model, T)
+    if loss_parallel:
+        check_loss_parallel(model)
     duplex(mesh.get_group())
     split, chain, kw, ag, col, row, norm = plan_styles(method, save_gathered, prefetch, opts)
     moe = ExpertParallel(split=split, method=method, **opts)
     plan = {"model.embed_tokens": ReplicateParallel(),
             "model.layers.0": ShardSequence(split, prefetch=chain),
-            "model.norm": norm, "lm_head": FusedColwiseParallel(gather_output=True, **ag)}
+            "model.norm": norm, "lm_head": head_style(loss_parallel, ag)}
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         plan.update({p + n: norm for n in NORMS})
@@ -220,4 +224,6 @@ def parallelize_moe(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
                          p + "mlp.down_proj": row})
     model.config.use_cache = False
     parallelize_module(model, mesh, plan)
+    if loss_parallel:
+        install_loss_parallel(model, mesh.get_group())
     return model

@@ -15,7 +15,8 @@ where the config computes it (``output_router_logits``), times ``router_aux_loss
 ``--checkpoint-dir D`` saves the whole model as a transformers model directory (config.json,
 model.safetensors: `save_hf_checkpoint`) at D/step-N, named by D/latest, which ``commfuse
 generate --checkpoint D`` and ``from_pretrained`` read. The loss is the next-token
-cross-entropy on ``targets``; MFU uses 6N + 12 L H Q T (PaLM, appendix B) with the config's
+cross-entropy on ``targets``, vocabulary-parallel under TP (``loss_parallel=True``: the
+head's logits stay sharded over the vocabulary, `commfuse.tp.loss`); MFU uses 6N + 12 L H Q T (PaLM, appendix B) with the config's
 sizes, plus the Mamba-2 scan on Mamba layers (`commfuse.train.hf_flops`).
 """
 
@@ -25,7 +26,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from commfuse.data import DATA_DIR, VOCAB_SIZE, batches, load_corpus_tokens
 from commfuse.train.config import DTYPES, TrainConfig
@@ -75,7 +75,9 @@ def build(cfg: TrainConfig, world: int):
     import commfuse.tp
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
-    commfuse.tp.parallelize(model, mesh, method=cfg.method, **cfg.method_opts())
+    # loss_parallel: the head keeps its vocabulary columns; the loss needs no [B, S, V] gather
+    commfuse.tp.parallelize(model, mesh, method=cfg.method, loss_parallel=True,
+                            **cfg.method_opts())
     if cfg.dp == 1:
         return model, None
     from torch.distributed.fsdp import fully_shard
@@ -122,7 +124,9 @@ def train_hf_rank(rank: int, world: int, cfg: TrainConfig, lr_at, seq_len_at) ->
             n = seq_len_at(cfg, step)
             tokens, targets = tokens[:, :n], targets[:, :n]
         out = model(tokens)
-        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten())
+        # next-token cross-entropy (vocabulary-parallel under TP: the logits are sharded)
+        loss = model.loss_function(out.logits, None, vocab_size=model.config.vocab_size,
+                                   shift_labels=targets)
         if getattr(out, "aux_loss", None) is not None:  # MoE: the router's, as the model adds it
             loss = loss + model.config.router_aux_loss_coef * out.aux_loss
         loss.backward()
