@@ -118,13 +118,18 @@ def make(variant: str, a, mesh):
         return dtensor_tp(model, mesh)
     method = variant if variant in ("none", "auto", "sliced", "decompose") else a.method
     return commfuse.tp.parallelize(model, mesh, method=method,
-                                   save_gathered=variant == "commfuse-keep")
+                                   save_gathered=variant == "commfuse-keep",
+                                   loss_parallel=a.loss_parallel)
 
 
 def run(rank: int, world: int, a) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
     torch.set_num_threads(a.threads)
     mesh = init_device_mesh("cpu", (world,))
+    from commfuse.ops.auto import use_hardware
+    _, line = use_hardware(a.hardware, torch.zeros(()), mesh.get_group())  # auto's and m's model
+    if rank == 0:
+        print(line, flush=True)
     g = torch.Generator().manual_seed(a.seed + 1)
     batches = torch.randint(a.vocab, (4, a.batch, a.seq), generator=g)
     runs = {}
@@ -217,7 +222,13 @@ def parse(argv=None):
     add("--method", default="auto", help="the commfuse variant's method")
     add("--variants", default="commfuse,dtensor,none",
         type=lambda s: [v for v in s.split(",") if v])
+    add("--loss-parallel", action="store_true",
+        help="commfuse variants and none: the head's logits stay vocabulary-sharded and the "
+             "loss is vocabulary-parallel (commfuse.tp.parallelize(loss_parallel=True)); "
+             "not with dtensor")
     add("--threads", type=int, default=1, help="intra-op threads per rank")
+    from commfuse.ops.auto import add_hardware_flag
+    add_hardware_flag(p)
     add("--json", default=None, metavar="FILE", help="rank 0 writes the results here")
     add("--local", type=int, default=0, metavar="N",
         help="spawn N local ranks (loopback) instead of reading torchrun's environment")
@@ -225,6 +236,9 @@ def parse(argv=None):
     bad = set(a.variants) - set(VARIANTS)
     if bad or not a.variants:
         p.error(f"unknown variant(s) {sorted(bad)}: choose from {', '.join(VARIANTS)}")
+    if a.loss_parallel and "dtensor" in a.variants:
+        p.error("--loss-parallel is not built for the dtensor variant (torch's loss_parallel "
+                "needs DTensor logits): leave dtensor out or drop --loss-parallel")
     if a.model != "llama" and "dtensor" in a.variants:
         p.error(f"no dtensor variant for {a.model}: transformers' tp_plan does not cover its "
                 f"Mamba-2 mixers")
