@@ -139,7 +139,10 @@ def test_calibrate_alone_sets_the_model_that_choices_are_made_on():
     hw, rates = auto.calibrate(like)
     assert auto._hardware("cpu") is hw
     assert _rate(hw) == pytest.approx(rates.gemm_flops, rel=1e-9)
-    assert _attention_rate(hw) == pytest.approx(rates.attention_flops, rel=1e-9)
+    if max(hw.attention_efficiency) < 1.0:
+        assert _attention_rate(hw) == pytest.approx(rates.attention_flops, rel=1e-9)
+    else:  # attention measured faster than the GEMM peak allows: the fit caps it at 1.0
+        assert _attention_rate(hw) <= rates.attention_flops * (1 + 1e-9)
     if hw.m0 > 0:  # (m0 >= 0: a small GEMM measured as fast per row, or faster, gives 0)
         assert _rate(hw, SMALL) == pytest.approx(rates.small_gemm_flops, rel=1e-9)
     else:
