@@ -13,7 +13,8 @@ the losses. The layouts: 2 B/C groups (split on 2 ranks, replicated on 4), 1 gro
 in_proj / out_proj biases (split on 2 and 4), a padding mask, bfloat16, and Bamba (its kv heads
 replicated on 4 ranks: their gradients compared block-repeated), also under FSDP2 over "dp"
 of a 2 x 2 mesh, and Nemotron-H (a Mamba-2 layer with conv bias, a squared-ReLU MLP layer and
-an attention layer without RoPE, its 2 kv heads replicated on 4 ranks).
+an attention layer without RoPE, its 2 kv heads replicated on 4 ranks), and Nemotron-H with
+MoE layers (routed experts over the ranks, a shared expert, a score-correction bias).
 """
 
 import copy
@@ -41,6 +42,13 @@ NEMOTRON_H = dict(vocab_size=63, hidden_size=16, intermediate_size=24,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=4, mamba_num_heads=8,
                   mamba_head_dim=4, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4,
                   max_position_embeddings=64, tie_word_embeddings=False)
+# Nemotron-H with MoE layers ("M E * E"): 4 routed experts of 8 (squared ReLU, non-gated),
+# top-2 by sigmoid scores within 1 of 2 expert groups, a score-correction bias, a shared expert
+NEMOTRON_H_MOE = dict(NEMOTRON_H, layers_block_type=["linear_attention", "moe",
+                                                     "full_attention", "moe"],
+                      n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                      moe_shared_expert_intermediate_size=12, n_group=2, topk_group=1,
+                      routed_scaling_factor=2.5, norm_topk_prob=True)
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
 # norm-relative; float32 everywhere (the mixer keeps its scan and norm in float32 even for a
 # float64 model, so float64 is not tighter), or the sharded model in bfloat16 vs float32 (the
@@ -54,9 +62,10 @@ EXACT = ([("g2", m, "") for m in METHODS] + [("g1", m, "") for m in ("none", "co
             ("g1", "commfuse", "bf16"), ("g1", "auto", "lp")]
          + [("bamba", m, "") for m in ("none", "commfuse", "auto")]
          + [("nemotron-h", m, "") for m in ("none", "commfuse", "auto")]
-         + [("nemotron-h", "commfuse", "lp")])
+         + [("nemotron-h", "commfuse", "lp")]
+         + [("nemotron-h-moe", m, "") for m in ("none", "commfuse", "auto")])
 TRAIN = [("g2", "commfuse"), ("g1", "auto"), ("bamba", "commfuse"), ("nemotron-h", "auto"),
-         ("nemotron-h", "auto-lp")]
+         ("nemotron-h", "auto-lp"), ("nemotron-h-moe", "commfuse")]
 STEPS, BATCH, SEQ = 20, 4, 12
 
 
@@ -66,10 +75,17 @@ def build(layout: str, seed: int = 0, **over):
         cfg = transformers.BambaConfig(**{**BAMBA, **over})
         torch.manual_seed(seed)
         return transformers.BambaForCausalLM(cfg).float()
-    if layout == "nemotron-h":
-        cfg = transformers.NemotronHConfig(**{**NEMOTRON_H, **over})
+    if layout in ("nemotron-h", "nemotron-h-moe"):
+        cfg = transformers.NemotronHConfig(**{**(NEMOTRON_H if layout == "nemotron-h"
+                                                 else NEMOTRON_H_MOE), **over})
         torch.manual_seed(seed)
-        return transformers.NemotronHForCausalLM(cfg).float()
+        model = transformers.NemotronHForCausalLM(cfg).float()
+        for layer in model.model.layers:  # a score-correction bias that changes the choices
+            if layer.block_type == "moe":
+                with torch.no_grad():
+                    layer.mixer.gate.weight.normal_()
+                    layer.mixer.gate.e_score_correction_bias.normal_(std=0.5)
+        return model
     cfg = transformers.Mamba2Config(**{**CFG, **LAYOUTS[layout], **over})
     torch.manual_seed(seed)
     return transformers.Mamba2ForCausalLM(cfg).float()
@@ -291,16 +307,12 @@ def test_check_names_what_is_missing():
         mixer_layout(torch.nn.Linear(2, 2), 2)
 
 
-def test_check_refuses_nemotron_h_moe():
+def test_check_refuses_nemotron_h_moe_experts_not_divisible():
     from commfuse.tp.hf_mamba import check
-    model = build("nemotron-h", layers_block_type=["linear_attention", "moe"], n_routed_experts=2,
-                  num_experts_per_tok=1, moe_intermediate_size=8,
-                  moe_shared_expert_intermediate_size=8)
-    with pytest.raises(ValueError, match=r"missing: model\.layers\.1\.mixer: unsupported: a 'moe' "
-                                         r"block \(the plan takes linear_attention, "
-                                         r"full_attention, mlp\)$"):
-        check(model, 2)
-    check(build("nemotron-h"), 4)  # the shipped pattern fits 4 ranks
+    check(build("nemotron-h-moe"), 4)  # 4 experts on 4 ranks: one each
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mixer: 6 experts cannot be split "
+                                         r"over 4 ranks"):
+        check(build("nemotron-h-moe", n_routed_experts=6, n_group=1), 4)
 
 
 def test_loss_parallel_refuses_a_z_loss():

@@ -1,5 +1,5 @@
 """``commfuse train --hf-config`` on the shipped Mamba-2 and hybrid configs (mamba2-tiny,
-bamba-tiny, nemotron-h-tiny): two steps on 2 TP ranks (and 2 x 2 with FSDP2) give one
+bamba-tiny, nemotron-h-tiny, nemotron-h-moe-tiny): two steps on 2 TP ranks (and 2 x 2 with FSDP2) give one
 process's losses under each method; the MFU numerator counts each architecture's weights."""
 
 import pytest
@@ -26,6 +26,7 @@ def _close(got, want) -> bool:
     ("mamba2-tiny", [dict(tp=2, method="none"), dict(tp=2, method="commfuse"),
                      dict(tp=2, dp=2, method="auto")]),
     ("nemotron-h-tiny", [dict(tp=2, method="auto")]),
+    ("nemotron-h-moe-tiny", [dict(tp=2, ep=2, method="commfuse")]),  # experts over the 2 ranks
 ])
 def test_tp_matches_one_process(name, runs):
     one = _losses(hf_config=name, tp=1)

@@ -12,8 +12,9 @@ all-gather / reduce-scatter fused with its GEMM by commfuse.
     mamba.py       MambaMixerParallel: a Mamba-2 mixer's TPSP (MixerLayout: its rows per rank)
     hf_mamba.py    parallelize_mamba: the plans for transformers' Mamba2ForCausalLM,
                    BambaForCausalLM and NemotronHForCausalLM (parallelize dispatches to it)
+    experts.py     ExpertParallel: a sparse MoE block's experts split over the mesh
     hf_moe.py      parallelize_moe: MixtralForCausalLM and Qwen3MoeForCausalLM, experts split
-                   over the TP ranks (ExpertParallel; parallelize dispatches to it)
+                   over the TP ranks (parallelize dispatches to it)
 
 Exports resolve lazily (PEP 562).
 """
@@ -30,5 +31,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "commfuse.tp.mesh": ("tp_mesh",),
     "commfuse.tp.mamba": ("MambaMixerParallel", "MixerLayout"),
     "commfuse.tp.hf_mamba": ("parallelize_mamba",),
-    "commfuse.tp.hf_moe": ("parallelize_moe", "ExpertParallel"),
+    "commfuse.tp.hf_moe": ("parallelize_moe",),
+    "commfuse.tp.experts": ("ExpertParallel",),
 })

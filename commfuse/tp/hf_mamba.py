@@ -24,7 +24,9 @@ sequence-sharded hidden states between the layers, full logits and loss on every
       *.mixer (linear_attention)    as Mamba2's *.mixer, *.mixer.out_proj
       *.mixer (full_attention)      FusedProjections(q, k, v) as Bamba's self_attn, o_proj row
       *.mixer (mlp)                 FusedProjections(up), down_proj row
-      ("moe" layers are refused: no expert-parallel plan here)
+      *.mixer (moe)                 ExpertParallel (`commfuse.tp.experts`): the routed experts
+                                    split over the TP ranks, dispatch/combine fused with
+                                    their GEMMs; router, shared experts replicated
 
 Mixer parameters are DTensors; in_proj and conv1d are shards of the assembled weight
 (`commfuse.tp.mamba`). Sets ``config.use_cache = False``: no generation cache under TP.
@@ -38,6 +40,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.mamba import MambaMixerParallel, MixerLayout, mixer_layout
+from commfuse.tp.experts import ExpertParallel, expert_weights, is_sparse
 from commfuse.tp.loss import check_loss_parallel, head_style, install_loss_parallel
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.plan_styles import plan_styles
@@ -51,11 +54,12 @@ KNOWN = {"Mamba2ForCausalLM": ("backbone.embeddings", "backbone.layers", "backbo
 # a role's linears, relative to its module: what the plan shards
 LINEARS = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
            "swiglu": ("gate_proj", "up_proj", "down_proj"), "mlp": ("up_proj", "down_proj")}
-NEMOTRON_H = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
+NEMOTRON_H = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp",
+              "moe": "moe"}
 
 
 def layer_roles(name: str, layer: nn.Module, p: str) -> dict[str, str]:
-    """Module name (prefix ``p``) -> role ("norm", "mamba", "attention", "swiglu", "mlp") of
+    """Module name (prefix ``p``) -> role ("norm", "mamba", "attention", "swiglu", "mlp", "moe") of
     one layer of a ``KNOWN`` class; a role "missing: ..." or "unsupported: ..." marks what
     the plan cannot take."""
     if name == "Mamba2ForCausalLM":
@@ -88,6 +92,9 @@ def _missing(model: nn.Module, name: str) -> list[str]:
                 missing.append(f"{mod}: {role}")
             elif mod not in have:
                 missing.append(mod)
+            elif role == "moe" and not is_sparse(have[mod]):
+                missing.append(f"{mod} (a sparse MoE block: gate.weight, experts.up_proj, "
+                               f"experts.down_proj)")
             else:
                 missing += [f"{mod}.{n}" for n in LINEARS.get(role, ())
                             if not isinstance(have.get(f"{mod}.{n}"), nn.Linear)]
@@ -123,6 +130,13 @@ def check(model: nn.Module, T: int) -> dict[str, MixerLayout]:
         if G % T and T % G:
             raise ValueError(f"num_key_value_heads ({G}) and the TP size ({T}) must divide one "
                              f"another (kv heads are split, or replicated when fewer than ranks)")
+    for n, role in roles.items():
+        if role == "moe":
+            block = model.get_submodule(n)
+            E = getattr(block.experts, expert_weights(block)[0]).shape[0]
+            if E % T:
+                raise ValueError(f"{n}: {E} experts cannot be split over {T} ranks (expert "
+                                 f"parallelism needs the experts divisible by the TP size)")
     return {n: mixer_layout(model.get_submodule(n), T, n)
             for n, role in roles.items() if role == "mamba"}
 
@@ -141,6 +155,7 @@ def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto
     duplex(mesh.get_group())
     split, chain, kw, ag, col, row, norm = plan_styles(method, save_gathered, prefetch, opts)
     mixer = MambaMixerParallel(prefetch=chain, **ag)
+    moe = ExpertParallel(split=split, method=method, **opts)
     emb, layers, final = KNOWN[type(model).__name__]
     plan = {emb: ReplicateParallel(), f"{layers}.0": ShardSequence(split, prefetch=chain),
             final: norm, "lm_head": head_style(loss_parallel, ag)}
@@ -149,6 +164,8 @@ def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto
             plan[mod] = norm
         elif role == "mamba":
             plan.update({mod: mixer, mod + ".out_proj": row})
+        elif role == "moe":  # experts split over the TP ranks, on this rank's tokens
+            plan[mod] = moe
         elif role == "attention":
             plan.update(_attention(model.get_submodule(mod), mod, model.config, T, chain, ag,
                                    col, row))

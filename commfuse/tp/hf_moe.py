@@ -14,7 +14,7 @@ logits and loss, each ``.grad`` this rank's shard of the unsharded gradient). On
       model.embed_tokens, model.layers.0, model.norm, lm_head,
       *.input_layernorm, *.post_attention_layernorm, *.self_attn(.q_norm, .k_norm)
                                     as `commfuse.tp.hf` (Llama's plan)
-      *.mlp (a sparse MoE block)    ExpertParallel: experts Shard(0) (rank r holds experts
+      *.mlp (a sparse MoE block)    ExpertParallel (`commfuse.tp.experts`): experts Shard(0) (rank r holds experts
                                     r*E/T .. (r+1)*E/T - 1), router Replicate (grad summed)
       *.mlp (a dense MLP: Qwen3-MoE's mlp_only_layers / decoder_sparse_step)
                                     FusedProjections(gate, up), down_proj row-parallel
@@ -27,38 +27,21 @@ transformers records the router logits, each block's router returns the whole se
 
 from __future__ import annotations
 
-import functools
-
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
-from commfuse.moe.parallel import expert_ffn
-from commfuse.ops.methods import method_spec
 from commfuse.runtime.gloo import duplex
-from commfuse.tp.functional import gather_cols
+from commfuse.tp.experts import ExpertParallel, is_sparse
 from commfuse.tp.hf_mamba import _attention
 from commfuse.tp.loss import check_loss_parallel, head_style, install_loss_parallel
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.plan_styles import plan_styles
-from commfuse.tp.style import (FusedProjections, ReplicateParallel, SeqSplit,
-                               SequenceParallelNorm, ShardSequence)
+from commfuse.tp.style import FusedProjections, ReplicateParallel, ShardSequence
 
 KNOWN = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 EXPERTS = {"MixtralForCausalLM": "num_local_experts", "Qwen3MoeForCausalLM": "num_experts"}
 NORMS = ("input_layernorm", "post_attention_layernorm")
-
-
-def is_sparse(block: nn.Module) -> bool:
-    """Whether ``block`` is a transformers sparse MoE block: a ``gate`` router with a
-    ``weight`` [E, D] and ``experts`` with fused ``gate_up_proj`` [E, 2F, D] and
-    ``down_proj`` [E, D, F]."""
-    experts, gate = getattr(block, "experts", None), getattr(block, "gate", None)
-    return (isinstance(getattr(gate, "weight", None), nn.Parameter)
-            and all(isinstance(getattr(experts, n, None), nn.Parameter)
-                    for n in ("gate_up_proj", "down_proj")))
 
 
 def _problems(model: nn.Module, T: int) -> list[str]:
@@ -112,83 +95,6 @@ def check(model: nn.Module, T: int) -> None:
     if problems:
         raise ValueError(f"commfuse.tp.parallelize cannot shard {name} as an MoE model: "
                          + "; ".join(problems))
-
-
-def _recording_router_logits() -> bool:
-    """Whether transformers is recording router logits for the running forward (the aux
-    loss); True when this transformers version does not say (the gather is then always
-    done: the loss stays exact, a small all-gather per layer is spent)."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
-        return True
-    collected = _active_collector.get()
-    return collected is not None and "router_logits" in collected
-
-
-class ExpertParallel(ParallelStyle):
-    """A transformers sparse MoE block (`is_sparse`) with its experts split over the mesh:
-    ``experts.gate_up_proj`` and ``experts.down_proj`` become ``Shard(0)`` DTensors (E/T
-    experts per rank), ``gate.weight`` a ``Replicate`` one whose gradient is summed over the
-    mesh (each rank routes its own tokens). ``forward(hidden_states [B, s, D])`` runs the
-    block's own router on this rank's tokens, then `commfuse.moe.parallel.expert_ffn` with
-    ``method`` and ``opts`` (`commfuse.ops.moe.moe_dispatch_matmul`'s); the experts' module
-    keeps the step's `ExpertCounts` as ``last_counts``. ``split``: the `SeqSplit` of the
-    model's plan (the router logits of every rank's shard are gathered in its order).
-    """
-
-    def __init__(self, *, split: SeqSplit | None = None, method: str = "auto", **opts):
-        method_spec(method, opts)  # a bad method or option fails here, before any forward
-        self.split, self.method, self.opts = split, method, opts
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not is_sparse(module):
-            raise TypeError(f"ExpertParallel applies to a sparse MoE block (gate.weight, "
-                            f"experts.gate_up_proj, experts.down_proj), got {type(module).__name__}")
-        T, experts = device_mesh.size(), module.experts
-        E = experts.gate_up_proj.shape[0]
-        if E % T:
-            raise ValueError(f"{E} experts cannot be split over {T} ranks")
-        for name in ("gate_up_proj", "down_proj"):
-            p = getattr(experts, name)
-            experts.register_parameter(name, nn.Parameter(
-                distribute_tensor(p.detach(), device_mesh, [Shard(0)]), p.requires_grad))
-        experts.last_counts = None
-        parallelize_module(module.gate, device_mesh, SequenceParallelNorm())
-        group = device_mesh.get_group()
-        module.gate.forward = functools.partial(self._route, module.gate.forward, group)
-        module.forward = functools.partial(self._forward, module, group, E)
-        return module
-
-    def _route(self, route, group, hidden_states: torch.Tensor):
-        """The block's router on ``hidden_states`` [B, s, D] (its weight's gradient summed
-        over the group); its logits gathered over the sequence while they are recorded."""
-        logits, weights, index = route(hidden_states)
-        if _recording_router_logits():
-            (B, s, _), E = hidden_states.shape, logits.shape[-1]
-            sizes = (self.split.sizes if self.split is not None and self.split.sizes
-                     else (s,) * group.size())
-            logits_BEs = logits.reshape(B, s, E).transpose(1, 2)
-            logits = gather_cols(logits_BEs, sizes, group).transpose(1, 2).reshape(-1, E)
-        return logits, weights, index
-
-    def _forward(self, module: nn.Module, group, E: int, hidden_states: torch.Tensor):
-        experts = module.experts
-        _, weights, index = module.gate(hidden_states)
-        x_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
-
-        def act(h):  # the model's gated activation on gate|up
-            gate, up = h.chunk(2, dim=-1)
-            return experts.act_fn(gate) * up
-
-        y_TD, experts.last_counts = expert_ffn(
-            x_TD, weights, index, experts.gate_up_proj.to_local().transpose(1, 2),
-            experts.down_proj.to_local().transpose(1, 2), act, group, E,
-            method=self.method, **self.opts)
-        return y_TD.reshape(hidden_states.shape)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(method={self.method!r}, {self.opts})"
 
 
 def parallelize_moe(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",

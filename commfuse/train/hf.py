@@ -2,15 +2,15 @@
 weights are downloaded), trained with `commfuse.tp` on the shipped corpus.
 
 PATH_OR_NAME: a shipped config (``llama-tiny``, ``qwen2-tiny``, ``qwen3-tiny``,
-``mistral-sw-tiny``, ``mamba2-tiny``, ``bamba-tiny``, ``nemotron-h-tiny``, ``mixtral-tiny``,
-``qwen3-moe-tiny``:
+``mistral-sw-tiny``, ``mamba2-tiny``, ``bamba-tiny``, ``nemotron-h-tiny``,
+``nemotron-h-moe-tiny``, ``mixtral-tiny``, ``qwen3-moe-tiny``:
 `commfuse/data/hf/*.json`; Mamba-2 mixers run transformers' torch path), a ``config.json``
 file or directory, or a Hugging Face hub name (its config only). ``--tp`` ranks run
 `commfuse.tp.parallelize` (every fused op with ``--method`` and its options); ``--dp`` ranks shard the model with FSDP2
 (``fully_shard`` per layer and at the root) over the "dp" dim of the (dp, tp) mesh. Not with
 ``--up``, ``--query-split`` or ``--resume`` (those are the built-in model's).
-An MoE config (``mixtral-tiny``, ``qwen3-moe-tiny``) splits its experts over the
-``--tp`` ranks (``--ep``, `commfuse.tp.hf_moe`); the loss adds the router's auxiliary loss
+An MoE config (``mixtral-tiny``, ``qwen3-moe-tiny``, ``nemotron-h-moe-tiny``) splits its
+experts over the ``--tp`` ranks (``--ep``, `commfuse.tp.experts`); the loss adds the router's auxiliary loss
 where the config computes it (``output_router_logits``), times ``router_aux_loss_coef``.
 ``--checkpoint-dir D`` saves the whole model as a transformers model directory (config.json,
 model.safetensors: `save_hf_checkpoint`) at D/step-N, named by D/latest, which ``commfuse
@@ -36,6 +36,11 @@ ATTENTION_FREE = ("mamba2",)  # model types whose class takes no attn_implementa
 MOE = ("mixtral", "qwen3_moe")  # model types whose experts --ep splits (`commfuse.tp.hf_moe`)
 
 
+def has_experts(hf) -> bool:
+    """Whether the config has sparse MoE layers (Mixtral, Qwen3-MoE, Nemotron-H with "moe")."""
+    return hf.model_type in MOE or "moe" in (getattr(hf, "layers_block_type", None) or ())
+
+
 def load_config(name_or_path: str):
     """The transformers config of a shipped name, a file or directory, or a hub name."""
     from transformers import AutoConfig
@@ -53,9 +58,9 @@ def _check(cfg: TrainConfig, hf) -> None:
                          f"tokenizer's ({VOCAB_SIZE})")
     if cfg.batch_size % cfg.dp:
         raise ValueError(f"global batch size ({cfg.batch_size}) must be divisible by dp ({cfg.dp})")
-    if cfg.ep is not None and hf.model_type not in MOE:
-        raise ValueError(f"--ep needs a mixture-of-experts config ({', '.join(MOE)}), got "
-                         f"{hf.model_type}")
+    if cfg.ep is not None and not has_experts(hf):
+        raise ValueError(f"--ep needs a mixture-of-experts config ({', '.join(MOE)}, or "
+                         f"nemotron_h with moe layers), got {hf.model_type}")
     if cfg.ep is not None and cfg.ep != cfg.tp:
         raise ValueError(f"--ep ({cfg.ep}) must equal --tp ({cfg.tp}): the experts are split "
                          f"over the tp ranks")
