@@ -8,7 +8,9 @@ and commfuse's styles with method="none" (the collective, then the GEMM).
     python scripts/bench_tp_hf.py --local 2 --hidden 64 --layers 2 --seq 64 --steps 3   # loopback
 
 ``--model nemotron-h``: NemotronHForCausalLM whose layers are ``--pattern`` (M a Mamba-2 mixer,
-- a squared-ReLU MLP of ``--ffn``, * attention; Nemotron-H's notation); ``--model bamba``:
+- a squared-ReLU MLP of ``--ffn``, * attention, E an MoE layer of ``--experts`` squared-ReLU
+experts of ``--expert-ffn``, ``--top-k`` per token, and a shared expert of ``--ffn``, its
+experts split over the ranks; Nemotron-H's notation); ``--model bamba``:
 BambaForCausalLM, M / * a Mamba-2 or attention layer, each with a SwiGLU MLP. The Mamba-2
 mixers have ``--mamba-heads`` of ``--mamba-head-dim``, ``--mamba-groups`` B/C groups of
 ``--state``, scan chunk ``--chunk`` (transformers' torch path on CPU).
@@ -59,8 +61,12 @@ def build_hybrid(a):
                  max_position_embeddings=max(a.seq, 64), tie_word_embeddings=False,
                  use_cache=False)
     if a.model == "nemotron-h":
-        kinds = {"M": "linear_attention", "-": "mlp", "*": "full_attention"}
+        kinds = {"M": "linear_attention", "-": "mlp", "*": "full_attention", "E": "moe"}
+        moe = dict(n_routed_experts=a.experts, num_experts_per_tok=a.top_k,
+                   moe_intermediate_size=a.expert_ffn, moe_shared_expert_intermediate_size=a.ffn,
+                   n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True)
         cfg = transformers.NemotronHConfig(
+            **(moe if "E" in a.pattern else {}),
             layers_block_type=[kinds[c] for c in a.pattern], head_dim=a.hidden // a.heads,
             mamba_num_heads=a.mamba_heads, mamba_head_dim=a.mamba_head_dim,
             n_groups=a.mamba_groups, ssm_state_size=a.state, chunk_size=a.chunk, **mamba)
@@ -200,7 +206,7 @@ def parse(argv=None):
     add = p.add_argument
     add("--model", default="llama", choices=("llama", "nemotron-h", "bamba"))
     add("--pattern", default=None,
-        help="hybrid layers: M Mamba-2, - MLP (nemotron-h), * attention (default: M-M-M*-M- "
+        help="hybrid layers: M Mamba-2, - MLP, E MoE (nemotron-h), * attention (default: M-M-M*-M- "
              "for nemotron-h, Nemotron-H's mix of 4 Mamba-2, 4 MLP, 1 attention; MMM* for bamba)")
     add("--mamba-heads", type=int, default=16)
     add("--mamba-head-dim", type=int, default=64)
@@ -211,7 +217,11 @@ def parse(argv=None):
     add("--layers", type=int, default=8)
     add("--heads", type=int, default=8)
     add("--kv-heads", type=int, default=4)
-    add("--ffn", type=int, default=1376)
+    add("--ffn", type=int, default=1376, help="the MLPs' width (and an MoE layer's shared "
+        "expert's)")
+    add("--experts", type=int, default=8, help="routed experts of an MoE layer (E)")
+    add("--top-k", type=int, default=2, help="experts per token of an MoE layer")
+    add("--expert-ffn", type=int, default=688, help="a routed expert's width")
     add("--vocab", type=int, default=4096)
     add("--seq", type=int, default=1024, help="tokens per sequence")
     add("--batch", type=int, default=4, help="sequences per step (every rank: the same)")
@@ -242,7 +252,7 @@ def parse(argv=None):
     if a.model != "llama" and "dtensor" in a.variants:
         p.error(f"no dtensor variant for {a.model}: transformers' tp_plan does not cover its "
                 f"Mamba-2 mixers")
-    allowed = "M-*" if a.model == "nemotron-h" else "M*"
+    allowed = "M-*E" if a.model == "nemotron-h" else "M*"
     a.pattern = a.pattern or ("M-M-M*-M-" if a.model == "nemotron-h" else "MMM*")
     if a.model == "bamba" and a.mamba_heads * a.mamba_head_dim % a.hidden:
         p.error("bamba: --mamba-heads x --mamba-head-dim must be a multiple of --hidden "
