@@ -62,7 +62,8 @@ class ExpertParallel(ParallelStyle):
     ``Shard(0)`` DTensors (E/T experts per rank), the router's ``gate.weight`` a ``Replicate``
     one whose gradient is summed over the mesh (each rank routes its own tokens; a router's
     buffers, such as Nemotron-H's score-correction bias, stay as they are), and so do the
-    block's dense parts (``DENSE``: Nemotron-H's shared experts and latent projections).
+    block's dense parts named in ``replicate`` (default ``DENSE``: Nemotron-H's shared experts
+    and latent projections; a plan that shards the shared experts itself leaves them out).
     ``forward(hidden_states [B, s, D])`` runs the block's own router on this rank's tokens,
     then `commfuse.moe.parallel.expert_ffn` with ``method`` and ``opts``
     (`commfuse.ops.moe.moe_dispatch_matmul`'s) and the experts' activation (gated on
@@ -71,9 +72,14 @@ class ExpertParallel(ParallelStyle):
     model's plan (the router logits of every rank's shard are gathered in its order).
     """
 
-    def __init__(self, *, split: SeqSplit | None = None, method: str = "auto", **opts):
+    def __init__(self, *, split: SeqSplit | None = None, method: str = "auto",
+                 replicate: tuple[str, ...] = DENSE, **opts):
         method_spec(method, opts)  # a bad method or option fails here, before any forward
+        unknown = set(replicate) - set(DENSE)
+        if unknown:
+            raise ValueError(f"replicate takes names from {DENSE}, got {sorted(unknown)}")
         self.split, self.method, self.opts = split, method, opts
+        self.replicate = tuple(replicate)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         names = expert_weights(module)
@@ -91,7 +97,7 @@ class ExpertParallel(ParallelStyle):
                 distribute_tensor(p.detach(), device_mesh, [Shard(0)]), p.requires_grad))
         experts.last_counts = None
         parallelize_module(module.gate, device_mesh, SequenceParallelNorm())
-        for name in DENSE:  # each submodule that holds parameters: replicated, grads summed
+        for name in self.replicate:  # each submodule with parameters: replicated, grads summed
             sub = getattr(module, name, None)
             for part in (sub.modules() if isinstance(sub, nn.Module) else ()):
                 if any(True for _ in part.parameters(recurse=False)):

@@ -26,7 +26,8 @@ sequence-sharded hidden states between the layers, full logits and loss on every
       *.mixer (mlp)                 FusedProjections(up), down_proj row
       *.mixer (moe)                 ExpertParallel (`commfuse.tp.experts`): the routed experts
                                     split over the TP ranks, dispatch/combine fused with
-                                    their GEMMs; router, shared experts replicated
+                                    their GEMMs; router replicated; shared experts
+                                    as the mlp layers (up AG->GEMM, down GEMM->RS)
 
 Mixer parameters are DTensors; in_proj and conv1d are shards of the assembled weight
 (`commfuse.tp.mamba`). Sets ``config.use_cache = False``: no generation cache under TP.
@@ -92,9 +93,12 @@ def _missing(model: nn.Module, name: str) -> list[str]:
                 missing.append(f"{mod}: {role}")
             elif mod not in have:
                 missing.append(mod)
-            elif role == "moe" and not is_sparse(have[mod]):
-                missing.append(f"{mod} (a sparse MoE block: gate.weight, experts.up_proj, "
-                               f"experts.down_proj)")
+            elif role == "moe":
+                if not is_sparse(have[mod]):
+                    missing.append(f"{mod} (a sparse MoE block: gate.weight, experts.up_proj, "
+                                   f"experts.down_proj)")
+                missing += [f"{mod}.shared_experts.{n}" for n in LINEARS["mlp"]
+                            if not isinstance(have.get(f"{mod}.shared_experts.{n}"), nn.Linear)]
             else:
                 missing += [f"{mod}.{n}" for n in LINEARS.get(role, ())
                             if not isinstance(have.get(f"{mod}.{n}"), nn.Linear)]
@@ -155,7 +159,11 @@ def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto
     duplex(mesh.get_group())
     split, chain, kw, ag, col, row, norm = plan_styles(method, save_gathered, prefetch, opts)
     mixer = MambaMixerParallel(prefetch=chain, **ag)
-    moe = ExpertParallel(split=split, method=method, **opts)
+    # the shared experts are a squared-ReLU MLP, TP-split as the "mlp" layers (their grads
+    # replicated would cost an all-reduce of their weights every step); the latent
+    # projections, if any, replicated
+    moe = ExpertParallel(split=split, method=method,
+                         replicate=("fc1_latent_proj", "fc2_latent_proj"), **opts)
     emb, layers, final = KNOWN[type(model).__name__]
     plan = {emb: ReplicateParallel(), f"{layers}.0": ShardSequence(split, prefetch=chain),
             final: norm, "lm_head": head_style(loss_parallel, ag)}
@@ -166,18 +174,25 @@ def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto
             plan.update({mod: mixer, mod + ".out_proj": row})
         elif role == "moe":  # experts split over the TP ranks, on this rank's tokens
             plan[mod] = moe
+            plan.update(_mlp(mod + ".shared_experts", "mlp", chain, ag, col, row))
         elif role == "attention":
             plan.update(_attention(model.get_submodule(mod), mod, model.config, T, chain, ag,
                                    col, row))
-        else:  # swiglu / mlp: the column-parallel projections fused, down_proj row-parallel
-            ups = LINEARS[role][:-1]
-            plan.update({mod: FusedProjections(ups, prefetch=chain, **ag),
-                         **{f"{mod}.{n}": col for n in ups}, mod + ".down_proj": row})
+        else:
+            plan.update(_mlp(mod, role, chain, ag, col, row))
     model.config.use_cache = False
     parallelize_module(model, mesh, plan)
     if loss_parallel:
         install_loss_parallel(model, mesh.get_group())
     return model
+
+
+def _mlp(name: str, role: str, chain, ag, col, row) -> dict:
+    """A swiglu / mlp role's plan: the column-parallel projections fused, down_proj
+    row-parallel."""
+    ups = LINEARS[role][:-1]
+    return {name: FusedProjections(ups, prefetch=chain, **ag),
+            **{f"{name}.{n}": col for n in ups}, name + ".down_proj": row}
 
 
 def _attention(attn: nn.Module, name: str, cfg, T: int, chain, ag, col, row) -> dict:
