@@ -39,8 +39,9 @@ def is_sparse(block: nn.Module) -> bool:
     return expert_weights(block) is not None
 
 
-# a sparse block's dense parts, run on this rank's tokens with replicated weights (their
-# gradients summed over the group): Nemotron-H's shared experts and latent projections
+# a sparse block's dense parts, run on this rank's tokens beside the routed experts:
+# Nemotron-H's shared experts and latent projections (replicated by `ExpertParallel` when
+# named in its ``replicate``, else sharded by the model's plan)
 DENSE = ("shared_experts", "fc1_latent_proj", "fc2_latent_proj")
 
 
@@ -100,7 +101,7 @@ class ExpertParallel(ParallelStyle):
         for name in self.replicate:  # each submodule with parameters: replicated, grads summed
             sub = getattr(module, name, None)
             for part in (sub.modules() if isinstance(sub, nn.Module) else ()):
-                if any(True for _ in part.parameters(recurse=False)):
+                if next(part.parameters(recurse=False), None) is not None:
                     parallelize_module(part, device_mesh, SequenceParallelNorm())
         group = device_mesh.get_group()
         module.gate.forward = functools.partial(self._route, module.gate.forward, group)
