@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.hf_mamba import KNOWN as MAMBA, parallelize_mamba
 from commfuse.tp.hf_moe import KNOWN as MOE, parallelize_moe
-from commfuse.tp.loss import check_loss_parallel, head_style, install_loss_parallel
+from commfuse.tp.loss import head_style, install_loss_parallel
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.plan_styles import plan_styles
 from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, ReplicateParallel,
@@ -116,14 +116,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     mesh = tp_mesh(mesh)
     T = mesh.size()
     k = check(model, T)
-    if loss_parallel:
-        check_loss_parallel(model)
     duplex(mesh.get_group())
     split, chain, kw, ag, col, row, norm = plan_styles(method, save_gathered, prefetch, opts)
     kv = FusedColwiseParallel(replicas=k, **ag)
     plan = {"model.embed_tokens": ReplicateParallel(),
             "model.layers.0": ShardSequence(split, prefetch=chain),
-            "model.norm": norm, "lm_head": head_style(loss_parallel, ag)}
+            "model.norm": norm, "lm_head": head_style(model, loss_parallel, ag)}
     H, G = model.config.num_attention_heads, model.config.num_key_value_heads
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."

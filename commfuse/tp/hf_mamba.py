@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.mamba import MambaMixerParallel, MixerLayout, mixer_layout
 from commfuse.tp.experts import ExpertParallel, expert_weights, is_sparse
-from commfuse.tp.loss import check_loss_parallel, head_style, install_loss_parallel
+from commfuse.tp.loss import head_style, install_loss_parallel
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.plan_styles import plan_styles
 from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, ReplicateParallel,
@@ -154,8 +154,6 @@ def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto
     mesh = tp_mesh(mesh)
     T = mesh.size()
     check(model, T)
-    if loss_parallel:
-        check_loss_parallel(model)
     duplex(mesh.get_group())
     split, chain, kw, ag, col, row, norm = plan_styles(method, save_gathered, prefetch, opts)
     mixer = MambaMixerParallel(prefetch=chain, **ag)
@@ -166,7 +164,7 @@ def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto
                          replicate=("fc1_latent_proj", "fc2_latent_proj"), **opts)
     emb, layers, final = KNOWN[type(model).__name__]
     plan = {emb: ReplicateParallel(), f"{layers}.0": ShardSequence(split, prefetch=chain),
-            final: norm, "lm_head": head_style(loss_parallel, ag)}
+            final: norm, "lm_head": head_style(model, loss_parallel, ag)}
     for mod, role in _roles(model).items():
         if role == "norm":
             plan[mod] = norm

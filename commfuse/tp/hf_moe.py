@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.experts import ExpertParallel, is_sparse
 from commfuse.tp.hf_mamba import _attention
-from commfuse.tp.loss import check_loss_parallel, head_style, install_loss_parallel
+from commfuse.tp.loss import head_style, install_loss_parallel
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.plan_styles import plan_styles
 from commfuse.tp.style import FusedProjections, ReplicateParallel, ShardSequence
@@ -107,14 +107,12 @@ def parallelize_moe(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     mesh = tp_mesh(mesh)
     T = mesh.size()
     check(model, T)
-    if loss_parallel:
-        check_loss_parallel(model)
     duplex(mesh.get_group())
     split, chain, kw, ag, col, row, norm = plan_styles(method, save_gathered, prefetch, opts)
     moe = ExpertParallel(split=split, method=method, **opts)
     plan = {"model.embed_tokens": ReplicateParallel(),
             "model.layers.0": ShardSequence(split, prefetch=chain),
-            "model.norm": norm, "lm_head": head_style(loss_parallel, ag)}
+            "model.norm": norm, "lm_head": head_style(model, loss_parallel, ag)}
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         plan.update({p + n: norm for n in NORMS})

@@ -19,9 +19,11 @@ from commfuse.tp.functional import chunk_sizes
 from commfuse.tp.style import FusedColwiseParallel
 
 
-def head_style(loss_parallel: bool, ag: dict) -> FusedColwiseParallel:
-    """The output head's style: full logits on every rank, or (``loss_parallel``) this rank's
-    vocabulary columns."""
+def head_style(model: nn.Module, loss_parallel: bool, ag: dict) -> FusedColwiseParallel:
+    """The output head's style: full logits on every rank, or (``loss_parallel``, checked on
+    ``model`` by `check_loss_parallel`) this rank's vocabulary columns."""
+    if loss_parallel:
+        check_loss_parallel(model)
     return FusedColwiseParallel(gather_output=not loss_parallel, **ag)
 
 
