@@ -95,6 +95,19 @@ def test_auto_chooses_query_split_as_the_simulator_times_it(hw, wins):
         auto._HARDWARE.clear()
 
 
+def test_the_planner_query_splits_only_where_the_runtime_does():
+    """The runtime's auto query-splits only on CPU (`auto.choose_query_split`), so the planner's
+    does not on a GPU model (NCCL's serial P2P), even where the simulator times it faster."""
+    timer, auto_dims = OpTimer(4, 10e-6), ParallelDims(2, method="auto", world_size=2)
+    gpu = dataclasses.replace(SLOW, serial_p2p=True)
+    assert query_split_wins(CFG, 2, 512, 4, "auto", {}, gpu, timer)
+    assert resolve_query_split(auto_dims, CFG, 512, 4, 4, gpu, timer) is False
+    forced = dataclasses.replace(auto_dims, query_split=True)  # a what-if the planner still times
+    assert resolve_query_split(forced, CFG, 512, 4, 4, gpu, timer) is True
+    assert not auto.choose_query_split(512, 4, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, CFG.dim,
+                                       2, torch.zeros(1, device="meta"))
+
+
 def test_query_split_settings_are_checked():
     with pytest.raises(ValueError, match="query_split must be None, True or False"):
         ParallelDims(2, world_size=2, query_split="yes")

@@ -129,10 +129,12 @@ def resolve_query_split(parallel, cfg, seq: int, mb: int, dtype_bytes: float, hw
     """``parallel.query_split``, or where it is None (the plan's default) what the TP plan
     runs: query-split under method "auto" where `query_split_wins` with the re-gather
     prefetch on (as `commfuse.ops.auto.choose_query_split` decides: the prefetch setting never
-    changes the choice), else row-parallel."""
+    changes the choice), else row-parallel. As there, only on CPU (the attention blocks'
+    fused kernels): a model of NCCL's P2P (``hw.serial_p2p``, the GPU presets) is a GPU, where
+    auto never query-splits."""
     if parallel.query_split is not None:
         return bool(parallel.query_split)
-    return parallel.method == "auto" and query_split_wins(
+    return parallel.method == "auto" and not hw.serial_p2p and query_split_wins(
         cfg, parallel.tp, seq, mb, parallel.method, parallel.method_opts, hw, timer)
 
 
