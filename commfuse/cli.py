@@ -61,7 +61,8 @@ def _bench_parser(sub) -> None:
 def _train_parser(sub) -> None:
     from commfuse import train
 
-    p = sub.add_parser("train", help="train the tiny Llama on the shipped corpus with TP/UP/DP",
+    p = sub.add_parser("train", help="train a Llama preset, or a transformers config "
+                       "(--hf-config), on the shipped corpus with TP/UP/DP (EP: MoE configs)",
                        description=train.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_arguments(p)

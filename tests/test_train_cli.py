@@ -37,6 +37,20 @@ def test_nproc_that_disagrees_with_the_layout_is_refused():
     assert (cfg.tp, cfg.dp) == (1, 2)
 
 
+def test_help_names_every_shipped_hf_config_and_what_train_trains(monkeypatch):
+    """--hf-config's help lists commfuse/data/hf/ as it is; `commfuse --help` says train takes
+    the presets and transformers configs."""
+    from commfuse import cli
+    from commfuse.data import DATA_DIR
+
+    monkeypatch.setenv("COLUMNS", "2000")  # no line breaks inside a name
+    shipped = sorted(p.stem for p in (DATA_DIR / "hf").glob("*.json"))
+    assert len(shipped) >= 10
+    assert f"Shipped: {', '.join(shipped)}." in _parser().format_help()
+    top = cli.build_parser().format_help()
+    assert "train a Llama preset, or a transformers config (--hf-config)" in top
+
+
 def test_numpy_is_a_declared_dependency():
     """``import torch`` warns "Failed to initialize NumPy" without numpy (torch does not
     require it), so a fresh ``pip install -e .`` must bring it."""

@@ -167,7 +167,7 @@ def check_hf(path: str | Path, tokenize: bool = False):
     try:
         from transformers import AutoConfig
     except ImportError as e:
-        raise ValueError(f"reading {path} needs transformers (pip install transformers)") from e
+        raise ValueError(f"reading {path} needs transformers (pip install 'commfuse[hf]')") from e
     from commfuse.models.llama import config_from_hf
 
     try:

@@ -38,10 +38,10 @@ class TrainConfig:
     """Sharded data-parallel (ZeRO-3) ranks."""
     ep: int | None = None
     """Expert-parallel ranks of a mixture-of-experts --hf-config (mixtral-tiny,
-    qwen3-moe-tiny): each MoE layer's experts are split over them, its tokens moved by the
-    dispatch / combine all-to-alls fused with the expert GEMMs (`commfuse.tp.hf_moe`). They
-    are the --tp ranks: it must equal --tp, and --ep N alone sets --tp N (an MoE config with
-    --tp > 1 splits its experts over them without --ep too)."""
+    qwen3-moe-tiny, nemotron-h-moe-tiny): each MoE layer's experts are split over them, its
+    tokens moved by the dispatch / combine all-to-alls fused with the expert GEMMs
+    (`commfuse.tp.experts`). They are the --tp ranks: it must equal --tp, and --ep N alone sets
+    --tp N (an MoE config with --tp > 1 splits its experts over them without --ep too)."""
     method: str = field(default="commfuse", metadata={"choices": tuple(OPTIONS)})
     """Schedule of every fused op (auto: the cost model picks one per op shape)."""
     topology: str = field(default="ring", metadata={"choices": TOPOLOGIES})
@@ -89,9 +89,10 @@ class TrainConfig:
     preset: str = "tiny"
     """A `LlamaConfig.preset` name: the model."""
     hf_config: str | None = field(default=None, metadata={"metavar": "PATH_OR_NAME"})
-    """Train a transformers causal LM built from this config instead (llama-tiny, qwen2-tiny,
-    qwen3-tiny, mistral-sw-tiny, a config.json or directory, or a hub name), with commfuse.tp over --tp and FSDP2 over
-    --dp (`commfuse.train.hf`); if not given (None), the preset."""
+    """Train a transformers causal LM built from this config instead (a shipped config's name,
+    a config.json or directory, or a hub name), with commfuse.tp over --tp and FSDP2 over --dp
+    (`commfuse.train.hf`; needs transformers: pip install 'commfuse[hf]'); if not given
+    (None), the preset."""
     model: dict = field(default_factory=dict)
     """LlamaConfig fields overriding the preset."""
     peak_flops: float | None = None
@@ -148,7 +149,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.ep must be a positive int, got {self.ep!r}")
         if self.ep is not None and self.hf_config is None:
             raise ValueError("--ep takes a mixture-of-experts --hf-config (mixtral-tiny, "
-                             "qwen3-moe-tiny): the built-in Llama has no experts")
+                             "qwen3-moe-tiny, nemotron-h-moe-tiny): the built-in Llama has no "
+                             "experts")
         if self.query_split and self.no_query_split:
             raise ValueError("--query-split and --no-query-split contradict each other")
         for f in dataclasses.fields(self):
@@ -208,8 +210,17 @@ def field_docs(cls) -> dict[str, str]:
             and isinstance(d.value.value, str)}
 
 
+def shipped_hf_configs() -> list[str]:
+    """The names --hf-config takes for the configs shipped in commfuse/data/hf/."""
+    from commfuse.data import DATA_DIR
+
+    return sorted(p.stem for p in (DATA_DIR / "hf").glob("*.json"))
+
+
 def _flag(f: dataclasses.Field, kind: type, doc: str) -> dict:
     """The ``add_argument`` keywords of one field."""
+    if f.name == "hf_config":  # the shipped names as they are on disk
+        doc = f"{doc.rstrip('.')}. Shipped: {', '.join(shipped_hf_configs())}."
     default = None if f.name in LAYOUT else f.default
     shown = ("2 if none of --tp/--up/--dp is given, else 1" if f.name == "tp"
              else f.default if f.default is not None and f.default is not False else None)
