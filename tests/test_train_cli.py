@@ -110,13 +110,32 @@ def test_compare_none_prints_and_records_the_verdict_of_the_run(tmp_path, capsys
     data = json.loads(out.read_text())
     v = data["compare_none"]
     assert v["step_s"] == statistics.median(m["step_s"] for m in data["steps"][1:])
-    assert v["ratio"] == v["step_s"] / v["none_step_s"] and v["loopback"] and v["steps"] == 3
+    assert len(v["step_ratios"]) == 2  # paired: each step after the first, against none's
+    assert v["ratio"] == statistics.median(v["step_ratios"]) and v["loopback"] and v["steps"] == 3
     assert v["exposed_s"] == data["summary"]["exposed_comm_s"]
     assert v["losses_equal"] and v["max_loss_diff"] < 1e-3
     printed = capsys.readouterr().out
     assert v["line"] in printed.splitlines()
     assert v["line"].startswith(f"verdict: commfuse step {v['ratio']:.2f}x of none on loopback, "
                                 "which cannot show overlap")
+
+
+def test_paired_ratio_is_each_steps_ratio_not_the_ratio_of_medians():
+    """The machine slows down through the run: paired steps (`paired_rank`) see the slowdown on
+    both sides and keep the 0.8 every step shows; sequential runs compare medians."""
+    from types import SimpleNamespace
+
+    from commfuse.train.compare import verdict
+    slow = [1.0, 1.0, 1.5, 2.0, 2.5, 3.0]  # none's step times, drifting up
+    base = [{"step_s": t, "loss": 1.0} for t in slow]
+    first = [{"step_s": 0.8 * t, "loss": 1.0} for t in slow]
+    cfg = SimpleNamespace(method="auto", dtype="float32")
+    v = verdict(cfg, first, base, "1gbit", paired=True)
+    assert v.step_ratios == pytest.approx([0.8] * 5) and v.ratio == pytest.approx(0.8)
+    # the method's run first, none's after it on a slower machine: medians mislead
+    seq = verdict(cfg, first, [{"step_s": 1.5 * t, "loss": 1.0} for t in slow], "1gbit")
+    assert seq.step_ratios is None and seq.ratio == pytest.approx(0.8 / 1.5)
+    assert verdict(cfg, first[:1], base[:1], "1gbit", paired=True).ratio == pytest.approx(0.8)
 
 
 def test_only_methods_that_consult_the_cost_model_fit_it():

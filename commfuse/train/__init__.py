@@ -17,9 +17,10 @@ did not hide (`sync_grads` waits for them) counts as exposed, and so do the voca
 embedding's and loss's collectives (skipped in compute_only mode); the other plain collectives
 (the loss's token count, the DP weight all-gather under TP/UP x DP) still run in compute_only
 mode, so they count as compute: the figure is a lower bound.
---compare-none runs the same steps again with method none afterwards (sequential, not
-interleaved): same losses up to summation order, and the ratio of median step times, ending
-with a one-line verdict (`commfuse.train.compare`): the ratio, the share of none's exposed
+--compare-none also trains the same model with method none on the same ranks and batches,
+the two models' steps in turn (with --hf-config: a second run after the first): same losses up
+to summation order, and the step-time ratio (the median of each step's ratio), ending with a
+one-line verdict (`commfuse.train.compare`): the ratio, the share of none's exposed
 communication the method hid, the loss check, or why the ratio cannot show overlap.
 """
 

@@ -251,12 +251,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "times show the overlap; otherwise loopback, saying so), loopback (shared "
                    "cores, as fast as memcpy: shows no overlap) or a tc rate such as 200mbit "
                    "(default: auto; ignored under torchrun and with --device cuda)")
-    p.add_argument("--compare-none", action="store_true", help="After the run, re-run the same "
-                   "steps with --method none (no checkpoints) and print the loss difference, "
-                   "the step-time ratio and a one-line verdict: how much faster, how much of "
-                   "none's exposed communication was hidden, whether the losses agree, or why "
-                   "the ratio cannot show overlap (loopback); --metrics-json gets it as "
-                   "compare_none")
+    p.add_argument("--compare-none", action="store_true", help="Also train the same model "
+                   "with --method none on the same ranks and batches, the two models' steps in "
+                   "turn (with --hf-config: a second run afterwards; none saves no checkpoint), "
+                   "and print the loss difference, the step-time ratio (the median of each "
+                   "step's) and a one-line verdict: how much faster, how much of none's exposed "
+                   "communication was hidden, whether the losses agree, or why the ratio "
+                   "cannot show overlap (loopback); --metrics-json gets it as compare_none")
 
 
 def config_from_args(args) -> TrainConfig:

@@ -3,11 +3,11 @@ the LR schedule and the variable sequence length."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,13 +15,14 @@ import torch.distributed as dist
 
 from commfuse.ops.auto import use_hardware
 from commfuse.runtime.gloo import duplex
-from commfuse.train.compare import link_label, record, verdict
+from commfuse.train.compare import link_label, paired_rank, record, sequential_none, verdict
 from commfuse.train.config import DTYPES, TrainConfig, config_from_args
 from commfuse.train.report import exposed, finish, measure_matmul_flops, progress
 
 
 def run(args) -> int:
-    """``commfuse train``: train, then (--compare-none) the same steps again with method none.
+    """``commfuse train``: train; with --compare-none, method none beside it on the same
+    steps (`commfuse.train.compare`), then the verdict.
 
     A failed rank (a dead or stalled peer, any exception) ends the run with exit code 1 and
     a message naming the last complete checkpoint to ``--resume`` from."""
@@ -36,8 +37,14 @@ def run(args) -> int:
     relaunched = on_emulated_cluster(args, cfg)
     if relaunched is not None:
         return relaunched
+    compare = getattr(args, "compare_none", False) and cfg.method != "none"
+    paired = compare and not cfg.hf_config  # --hf-config: the two runs one after the other
     try:
-        first = launch(cfg)
+        if paired:
+            first, base = launch(cfg, paired_rank)
+        else:
+            first = launch(cfg)
+            base = launch(sequential_none(cfg)) if compare else None
     except (RankFailed, CommFuseError, TimeoutError) as e:
         print(f"commfuse train: failed: {e}", file=sys.stderr)
         latest = Path(cfg.checkpoint_dir or "", "latest")
@@ -45,17 +52,15 @@ def run(args) -> int:
               f"{latest.parent / latest.read_text().strip() if latest.is_file() else 'none'}"
               f"{' (continue with --resume)' if latest.is_file() else ''}", file=sys.stderr)
         return 1
-    if getattr(args, "compare_none", False) and cfg.method != "none":
-        base = launch(dataclasses.replace(cfg, method="none", checkpoint_dir=None, resume=False,
-                                          metrics_json=None))
-        if first and base and int(os.environ.get("RANK", 0)) == 0:
-            v = verdict(cfg, first, base, link_label(cfg.world, cfg.device))
-            print(f"compare-none: max |loss - loss(none)| = {v.max_loss_diff:.3g}; median step "
-                  f"{cfg.method} {v.step_s * 1e3:.1f} ms / none {v.none_step_s * 1e3:.1f} ms = "
-                  f"{v.ratio:.3f}")
-            print(v.line(), flush=True)
-            if cfg.metrics_json:
-                record(cfg.metrics_json, v)
+    if compare and first and base and int(os.environ.get("RANK", 0)) == 0:
+        v = verdict(cfg, first, base, link_label(cfg.world, cfg.device), paired)
+        how = "median of the steps' ratios" if paired else "ratio"
+        print(f"compare-none: max |loss - loss(none)| = {v.max_loss_diff:.3g}; median step "
+              f"{cfg.method} {v.step_s * 1e3:.1f} ms / none {v.none_step_s * 1e3:.1f} ms; "
+              f"{how} {v.ratio:.3f}")
+        print(v.line(), flush=True)
+        if cfg.metrics_json:
+            record(cfg.metrics_json, v)
     return 0
 
 
@@ -88,11 +93,13 @@ def on_emulated_cluster(args, cfg: TrainConfig) -> int | None:
     return launch_ranks(spec, [sys.executable, "-m", "commfuse.cli", "train", *rest])
 
 
-def launch(cfg: TrainConfig) -> list[dict]:
+def launch(cfg: TrainConfig, rank_fn=None):
     """Train under torchrun (env), in this process (1 rank), or on spawned local ranks.
 
-    Returns this rank's per-step metrics (rank 0's when spawning); losses are global.
+    Returns what ``rank_fn(rank, world, cfg)`` (default `train_rank`: the per-step metrics,
+    losses global) returns on this rank (rank 0's when spawning).
     """
+    rank_fn = rank_fn or train_rank
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if not dist.is_initialized():
             if cfg.device == "cuda":
@@ -100,13 +107,13 @@ def launch(cfg: TrainConfig) -> list[dict]:
             dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo",
                                     timeout=datetime.timedelta(seconds=cfg.timeout))
             duplex()  # one connection per direction between two ranks (commfuse.runtime.gloo)
-        return train_rank(dist.get_rank(), dist.get_world_size(), cfg)
+        return rank_fn(dist.get_rank(), dist.get_world_size(), cfg)
     if cfg.world == 1:
-        return train_rank(0, 1, cfg)
+        return rank_fn(0, 1, cfg)
     from commfuse.testbed.spawn import run_local
 
     threads = max(1, (os.cpu_count() or 1) // cfg.world)
-    return run_local(train_rank, cfg.world, cfg, threads=threads, timeout=24 * 3600,
+    return run_local(rank_fn, cfg.world, cfg, threads=threads, timeout=24 * 3600,
                      pg_timeout_s=cfg.timeout,
                      backend="nccl" if cfg.device == "cuda" else "gloo")[0]
 
@@ -130,10 +137,38 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     """One rank's training loop; returns its per-step metrics (rank 0 prints and writes)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
+    device = device_of(cfg)
+    fit_cost_model(cfg, rank, device)
+    if cfg.hf_config:
+        from commfuse.train.hf import train_hf_rank
+        return train_hf_rank(rank, world, cfg, lr_at, seq_len_at)
+    run = build_llama(cfg, world, device)
+    data = llama_batches(run)
+    peak = cfg.peak_flops or measure_matmul_flops(dtype=DTYPES[cfg.dtype], device=device)
+    show = cfg.progress and rank == 0
+    metrics: list[dict] = []
+    if show:
+        print(header(run, peak, world), flush=True)
+    for step in range(run.start, last_step(cfg)):
+        tokens, targets = batch_at(cfg, data, step, device)
+        metrics.append(llama_step(run, step, tokens, targets, peak, world))
+        if show:
+            progress(metrics, cfg.steps)
+        save_if_due(run, step, world)
+    summary = {"exposed_comm_s": None, "peak_flops_per_rank": peak}
+    if metrics and cfg.exposed_iters and world > 1:
+        summary.update(exposed(run.pmodel, tokens, targets, cfg.exposed_iters))
+    return finish(cfg, rank, world, metrics, summary, show)  # every rank its own (global losses)
+
+
+def device_of(cfg: TrainConfig) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
         else torch.device("cpu")
-    # auto's cost model on this machine's compute (a GEMM per rank, one all-reduce), fitted
-    # only where a method consults it: the fit takes seconds, --compare-none's none run too
+
+
+def fit_cost_model(cfg: TrainConfig, rank: int, device: torch.device) -> None:
+    """auto's cost model on this machine's compute (a GEMM per rank, one all-reduce), fitted
+    only where the method consults it (the fit takes seconds); rank 0 says which."""
     if cfg.hardware == "measured" and not cfg.consults_cost_model:
         line = f"hardware model: not fitted (method {cfg.method} consults no cost model)"
     else:
@@ -141,12 +176,32 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
                                torch.empty(0, dtype=DTYPES[cfg.dtype], device=device))
     if cfg.progress and rank == 0:
         print(f"commfuse train: {line}", flush=True)
-    if cfg.hf_config:
-        from commfuse.train.hf import train_hf_rank
-        return train_hf_rank(rank, world, cfg, lr_at, seq_len_at)
-    from commfuse.data import batches, load_corpus_tokens
-    from commfuse.models.llama import Llama, LlamaConfig, flops_per_token
-    from commfuse.parallel.checkpoint import load_checkpoint, save_checkpoint
+
+
+@dataclass
+class LlamaRun:
+    """One built-in Llama's training state on this rank (`build_llama`)."""
+
+    cfg: TrainConfig
+    mcfg: object
+    """The model's `LlamaConfig`."""
+    dims: object
+    """Its `ParallelDims` (the layout and method)."""
+    mesh: object
+    """Its process groups (`ParallelDims.build_mesh`), None for one process."""
+    pmodel: torch.nn.Module
+    """The `ParallelLlama`."""
+    opt: torch.optim.Optimizer
+    start: int
+    """The step it starts at (a resumed checkpoint's, else 0)."""
+
+
+def build_llama(cfg: TrainConfig, world: int, device: torch.device) -> LlamaRun:
+    """The preset's Llama (seeded: the same full model on every rank, and for every call with
+    the same ``cfg.seed``), parallelized by ``cfg``'s layout and method on process groups of
+    its own, its AdamW, resumed from ``cfg.checkpoint_dir`` with ``cfg.resume``."""
+    from commfuse.models.llama import Llama, LlamaConfig
+    from commfuse.parallel.checkpoint import load_checkpoint
     from commfuse.parallel.config import ParallelDims
     from commfuse.parallel.plan import parallelize
 
@@ -171,47 +226,75 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
         if not cfg.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (--checkpoint-dir)")
         start = load_checkpoint(pmodel, opt, cfg.checkpoint_dir, _layout(cfg, world))
-    dp_index = mesh.dp_index if mesh else 0
-    data = batches(load_corpus_tokens(), cfg.batch_size // cfg.dp, cfg.seq_len, cfg.seed,
-                   rank=dp_index, world=cfg.dp, start_step=start)
-    peak = cfg.peak_flops or measure_matmul_flops(dtype=DTYPES[cfg.dtype], device=device)
-    show = cfg.progress and rank == 0
-    metrics: list[dict] = []
-    if show:
-        print(f"commfuse train: {cfg.preset} {sum(p.numel() for p in model.parameters())} local "
-              f"params, tp={cfg.tp} up={cfg.up} dp={cfg.dp} method={cfg.method} "
-              f"{f'prefetch={cfg.prefetch} ' if cfg.dp > 1 else ''}"
-              f"{dims.method_opts}, batch {cfg.batch_size}x{cfg.seq_len}, "
-              f"steps {start}..{cfg.steps}, peak {peak / 1e9:.1f} GFLOP/s per rank, link "
-              f"{os.environ.get('COMMFUSE_LINK', 'loopback' if world > 1 else 'none')}", flush=True)
-    for step in range(start, min(cfg.steps, cfg.stop_after or cfg.steps)):
-        t0 = time.perf_counter()
-        for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step)
-        tokens, targets = (t.to(device) for t in next(data))
-        if cfg.variable_length:
-            n = seq_len_at(cfg, step)
-            tokens, targets = tokens[:, :n], targets[:, :n]
-        local = pmodel.loss(tokens, targets)
-        local.backward()
-        pmodel.sync_grads()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = pmodel.global_loss(local)
-        dt = time.perf_counter() - t0
-        tps = tokens.numel() * cfg.dp / dt
-        metrics.append({"step": step + 1, "loss": loss, "step_s": dt, "tokens_per_s": tps,
-                        "mfu": flops_per_token(mcfg, tokens.shape[1]) * tps / (peak * world),
-                        "lr": lr_at(cfg, step), "seq_len": tokens.shape[1]})
-        if show:
-            progress(metrics, cfg.steps)
-        if cfg.checkpoint_dir and (step + 1 in (cfg.steps, cfg.stop_after) or (
-                cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
-            save_checkpoint(pmodel, opt, cfg.checkpoint_dir, step + 1, _layout(cfg, world))
-    summary = {"exposed_comm_s": None, "peak_flops_per_rank": peak}
-    if metrics and cfg.exposed_iters and world > 1:
-        summary.update(exposed(pmodel, tokens, targets, cfg.exposed_iters))
-    return finish(cfg, rank, world, metrics, summary, show)  # every rank its own (global losses)
+    return LlamaRun(cfg, mcfg, dims, mesh, pmodel, opt, start)
+
+
+def llama_batches(run: LlamaRun):
+    """This rank's batches of the corpus from ``run.start`` on (its DP replica's rows)."""
+    from commfuse.data import batches, load_corpus_tokens
+
+    cfg = run.cfg
+    return batches(load_corpus_tokens(), cfg.batch_size // cfg.dp, cfg.seq_len, cfg.seed,
+                   rank=run.mesh.dp_index if run.mesh else 0, world=cfg.dp,
+                   start_step=run.start)
+
+
+def last_step(cfg: TrainConfig) -> int:
+    """The step a run ends at: ``steps``, or ``stop_after`` (a simulated interruption)."""
+    return min(cfg.steps, cfg.stop_after or cfg.steps)
+
+
+def batch_at(cfg: TrainConfig, data, step: int, device: torch.device):
+    """The next (tokens, targets) of ``data`` on ``device``, cut to `seq_len_at` with
+    ``variable_length``."""
+    tokens, targets = (t.to(device) for t in next(data))
+    if cfg.variable_length:
+        n = seq_len_at(cfg, step)
+        tokens, targets = tokens[:, :n], targets[:, :n]
+    return tokens, targets
+
+
+def llama_step(run: LlamaRun, step: int, tokens, targets, peak: float, world: int) -> dict:
+    """One optimizer step of ``run`` on this batch; its metrics (the loss is global)."""
+    from commfuse.models.llama import flops_per_token
+
+    cfg, pmodel, opt = run.cfg, run.pmodel, run.opt
+    t0 = time.perf_counter()
+    for g in opt.param_groups:
+        g["lr"] = lr_at(cfg, step)
+    local = pmodel.loss(tokens, targets)
+    local.backward()
+    pmodel.sync_grads()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss = pmodel.global_loss(local)
+    dt = time.perf_counter() - t0
+    tps = tokens.numel() * cfg.dp / dt
+    return {"step": step + 1, "loss": loss, "step_s": dt, "tokens_per_s": tps,
+            "mfu": flops_per_token(run.mcfg, tokens.shape[1]) * tps / (peak * world),
+            "lr": lr_at(cfg, step), "seq_len": tokens.shape[1]}
+
+
+def save_if_due(run: LlamaRun, step: int, world: int) -> None:
+    """Save ``run`` after ``step`` where ``--checkpoint-dir`` / ``--checkpoint-every`` ask."""
+    from commfuse.parallel.checkpoint import save_checkpoint
+
+    cfg = run.cfg
+    if cfg.checkpoint_dir and (step + 1 in (cfg.steps, cfg.stop_after) or (
+            cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
+        save_checkpoint(run.pmodel, run.opt, cfg.checkpoint_dir, step + 1, _layout(cfg, world))
+
+
+def header(run: LlamaRun, peak: float, world: int) -> str:
+    """The line rank 0 prints before the first step."""
+    cfg = run.cfg
+    params = sum(p.numel() for p in run.pmodel.parameters())
+    return (f"commfuse train: {cfg.preset} {params} local params, tp={cfg.tp} up={cfg.up} "
+            f"dp={cfg.dp} method={cfg.method} "
+            f"{f'prefetch={cfg.prefetch} ' if cfg.dp > 1 else ''}"
+            f"{run.dims.method_opts}, batch {cfg.batch_size}x{cfg.seq_len}, "
+            f"steps {run.start}..{cfg.steps}, peak {peak / 1e9:.1f} GFLOP/s per rank, link "
+            f"{os.environ.get('COMMFUSE_LINK', 'loopback' if world > 1 else 'none')}")
 
 
 def _layout(cfg: TrainConfig, world: int) -> dict:
