@@ -180,7 +180,7 @@ def _check_errors(mesh) -> dict[str, list[str]]:
     """Bad input raises on every rank (each rank reports; the run returning is the no-hang)."""
     import commfuse.tp as tp
     from commfuse.moe.parallel import expert_ffn
-    from commfuse.ops.moe_counts import CountsError
+    from commfuse.ops.moe.counts import CountsError
     world, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
     out = {"error-not-divisible": _raises(
         lambda: tp.parallelize(build("mixtral", world, num_local_experts=world + 1), mesh),

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from commfuse.moe import MoEConfig, MoELayer
-from commfuse.ops import moe_gemm
+from commfuse.ops.moe import gemm
 from commfuse.testbed.spawn import run_local
 
 METHODS = (("none", {}), ("none", {"collective": "backend"}), ("sliced", {"chunks": 2}),
@@ -39,16 +39,16 @@ def test_grouped_gemm_equals_one_gemm_per_expert():
         w = torch.randn(len(sizes), k, n, generator=g, dtype=dtype)
         for weights in (w, w.transpose(1, 2).contiguous().transpose(1, 2)):
             out = torch.full((sum(sizes), n), float("nan"), dtype=dtype)
-            moe_gemm.grouped(x, weights, sizes, out)
+            gemm.grouped(x, weights, sizes, out)
             ref = torch.cat([x[s:s + m] @ weights[e] for e, (s, m) in enumerate(
                 zip([0, 3, 3, 8], sizes))])
             torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
         aligned = k * x.element_size() % 16 == 0 and dtype != torch.float64
-        assert moe_gemm.grouped_ok(x, w) == (aligned and hasattr(torch, "_grouped_mm"))
+        assert gemm.grouped_ok(x, w) == (aligned and hasattr(torch, "_grouped_mm"))
     gy = torch.randn(sum(sizes), 8, generator=g, dtype=torch.float64)
     x = torch.randn(sum(sizes), 5, generator=g, dtype=torch.float64)
     runs = (((0, 2), (6, 1)), ((2, 0), (6, 0)), ((2, 4), (7, 2)))  # expert 1 got nothing
-    gw = moe_gemm.weight_grads(x, gy, runs, 3)
+    gw = gemm.weight_grads(x, gy, runs, 3)
     for e, pieces in enumerate(runs):
         idx = [i for s, m in pieces for i in range(s, s + m)]
         torch.testing.assert_close(gw[e], x[idx].t() @ gy[idx], rtol=0, atol=1e-12)
@@ -145,7 +145,7 @@ def _good_case(rank, world, group, config, routing, method, opts) -> list[str]:
             counts.sent(p) == 0 for p in range(world) if sizes[p]) or (
             c.experts - local - 1 >= c.top_k and counts.expert_rows(0)[0])):
         bad.append(f"not starved as meant: {counts.tokens}")
-    if dtype == torch.float32 and hasattr(torch, "_grouped_mm") and not moe_gemm.grouped_ok(
+    if dtype == torch.float32 and hasattr(torch, "_grouped_mm") and not gemm.grouped_ok(
             x_r.new_empty(4, layer.config.dim), ep.w_gate_up.detach()):
         bad.append("the grouped GEMM was not used")
     return bad
@@ -156,7 +156,7 @@ def _bad_cases(rank, world, group):
     import torch.distributed as dist
 
     from commfuse.ops.moe import moe_dispatch_matmul, moe_matmul_combine
-    from commfuse.ops.moe_counts import exchange_counts
+    from commfuse.ops.moe.counts import exchange_counts
     from commfuse.schedule.moe import ExpertCounts
 
     last, e = world - 1, 2 * world
@@ -198,7 +198,7 @@ def _all_cases(rank, world):
     """Every case of one group size on this rank; returns the failing ones' ids and why."""
     import torch.distributed as dist
 
-    from commfuse.ops.moe_counts import CountsError
+    from commfuse.ops.moe.counts import CountsError
 
     group, failures = dist.group.WORLD, []
     for config in CONFIGS:

@@ -24,8 +24,8 @@ import torch
 
 from commfuse.bench.steps import grad_step
 from commfuse.moe.layer import swiglu
+from commfuse.moe.parallel import expert_ffn
 from commfuse.ops.moe import moe_dispatch_matmul, moe_matmul_combine
-from commfuse.ops.moe_counts import exchange_counts
 from commfuse.sim import moe as sim_moe
 
 OPS = ("moe_dispatch", "moe_combine")
@@ -89,20 +89,12 @@ def build(name: str, world: int, rank: int, seq: int, d: int, dtype: torch.dtype
     if name != "moe":
         raise ValueError(f"not an MoE workload: {name!r}")
     x, w_router = rnd(seq // world, d), rnd(d, o.experts)
-    flat = chosen.reshape(-1)
-    order = torch.sort(flat, stable=True).indices  # the send layout: by global expert
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel())
 
-    def layer(m, op):
+    def layer(m, op):  # the router's scores at the table's experts, then the EP layer's core
         scores = (x @ w_router).float().softmax(-1).gather(1, chosen)
         weights = (scores / scores.sum(-1, keepdim=True)).to(dtype)
-        live = exchange_counts(torch.bincount(flat, minlength=o.experts), group,
-                               rows=flat.numel())  # what the EP layer exchanges every step
-        h = moe_dispatch_matmul(x[order // o.top_k], w_gu, live, group, method=m, **op)
-        y = moe_matmul_combine(swiglu(h), w_dn, live, group, method=m, **op)
-        y_TkD = y[back].reshape(*chosen.shape, d)
-        return (y_TkD * weights.unsqueeze(-1)).sum(1)
+        return expert_ffn(x, weights, chosen, w_gu, w_dn, swiglu, group, o.experts, method=m,
+                          **op)[0]
     return _grad_step(layer, (x, w_router, w_gu, w_dn))
 
 

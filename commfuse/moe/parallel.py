@@ -5,7 +5,7 @@ Per step, on every rank of the group (its own tokens, any number, zero included)
 
 1. route the tokens (the replicated router, `commfuse.moe.layer.route`), one row per
    (token, chosen expert), sorted by global expert: the send layout;
-2. exchange the per-expert counts (`commfuse.ops.moe_counts.exchange_counts`: validated, the
+2. exchange the per-expert counts (`commfuse.ops.moe.counts.exchange_counts`: validated, the
    same table on every rank, before any token moves);
 3. ``h = moe_dispatch_matmul(rows, w_gate_up)``: dispatch fused with the gate|up GEMM;
 4. ``a = swiglu(h)``; ``y = moe_matmul_combine(a, w_down)``: the down GEMM fused with the
@@ -25,8 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commfuse.moe.layer import MoELayer, route, swiglu
-from commfuse.ops.moe import moe_dispatch_matmul, moe_matmul_combine
-from commfuse.ops.moe_counts import exchange_counts
+from commfuse.ops.moe import exchange_counts, moe_dispatch_matmul, moe_matmul_combine
 from commfuse.schedule.moe import ExpertCounts
 
 

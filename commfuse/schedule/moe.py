@@ -4,7 +4,7 @@ per-peer row counts that change every step.
 
 Experts: E in all, E_l = E/W per rank, global expert e on rank e // E_l (local index
 e % E_l). `ExpertCounts.tokens[p][e]` is how many rows (token copies, one per chosen
-expert) rank p routes to expert e; every rank holds the same table (`commfuse.ops.moe_counts`
+expert) rank p routes to expert e; every rank holds the same table (`commfuse.ops.moe.counts`
 exchanges and validates it once per step). ``rows[p][q]``, the rows rank p dispatches to
 rank q, is the sum of ``tokens[p][e]`` over rank q's experts; the combine moves the same rows
 back, rank q to rank p.

@@ -8,8 +8,8 @@ Legend (suffixes): T rows of this rank's send layout (its tokens, one row per ch
 sorted by global expert), R rows of its receive layout (what its experts get, source-major,
 sorted by local expert inside each source slot), E its local experts (E_l), K the
 contraction, N the output columns. The layouts and the schedules are
-`commfuse.schedule.moe`'s, the bindings that run them `commfuse.ops.moe_bindings`'; the
-counts, the same table on every rank, come from `commfuse.ops.moe_counts.exchange_counts`
+`commfuse.schedule.moe`'s, the bindings that run them `commfuse.ops.moe.bindings`'; the
+counts, the same table on every rank, come from `commfuse.ops.moe.counts.exchange_counts`
 once per step.
 """
 
@@ -21,9 +21,9 @@ import torch
 
 from commfuse.ops import checks
 from commfuse.ops.methods import MethodSpec, method_spec
-from commfuse.ops.moe_bindings import dispatch_matmul, matmul_combine
-from commfuse.ops.moe_counts import agree_counts
-from commfuse.ops.moe_gemm import weight_grads
+from commfuse.ops.moe.bindings import dispatch_matmul, matmul_combine
+from commfuse.ops.moe.counts import agree_counts
+from commfuse.ops.moe.gemm import weight_grads
 from commfuse.schedule.moe import ExpertCounts
 
 
@@ -97,7 +97,7 @@ def moe_dispatch_matmul(x: torch.Tensor, w: torch.Tensor, counts: ExpertCounts, 
 
     ``x`` [T, K]: this rank's rows sorted by global expert (``counts.sent(rank)`` of them);
     ``w`` [E_l, K, N]: this rank's experts' weights (e.g. gate|up side by side); ``counts``:
-    the table every rank holds (`commfuse.ops.moe_counts.exchange_counts`). Returns the rows
+    the table every rank holds (`commfuse.ops.moe.counts.exchange_counts`). Returns the rows
     my experts got, source-major, each source's sorted by local expert, times their weights.
     ``method``: "none" | "sliced" (``chunks``) | "commfuse" (``splits``: pieces per slot,
     default 1) | "auto" (the fastest of those on the simulator's cost model for these counts,

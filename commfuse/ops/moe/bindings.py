@@ -1,9 +1,9 @@
 """The MoE ops' bindings: what each slot of a `commfuse.schedule.moe` schedule reads, writes
 and computes, and `dispatch_matmul` / `matmul_combine`, which run one schedule without
-autograd (`commfuse.ops.moe` wraps them in autograd Functions).
+autograd (`commfuse.ops.moe.autograd` wraps them in autograd Functions).
 
-Legend as in `commfuse.ops.moe`: T rows of this rank's send layout, R rows of its receive
-layout, E its local experts, K the contraction, N the output columns.
+Legend as in `commfuse.ops.moe.autograd`: T rows of this rank's send layout, R rows of its
+receive layout, E its local experts, K the contraction, N the output columns.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from commfuse.ops.methods import MethodSpec
-from commfuse.ops.moe_gemm import grouped
+from commfuse.ops.moe.gemm import grouped
 from commfuse.runtime import executor
 from commfuse.schedule import Transfer
 from commfuse.schedule import moe as moe_schedule
