@@ -95,7 +95,7 @@ def _simulate_parser(sub) -> None:
 
 def _plan_parser(sub) -> None:
     _forwarding_parser(sub, "plan", "rank every TP/UP/DP layout and method of a model by "
-                       "predicted step time (commfuse.sim)", "commfuse.sim.plan_cli", "main_plan")
+                       "predicted step time (commfuse.sim)", "commfuse.sim.plan.cli", "main_plan")
 
 
 def _check_gpu_parser(sub) -> None:

@@ -40,8 +40,8 @@ from commfuse.schedule import VARIANTS
 from commfuse.sim import choose
 from commfuse.sim.calibrate import DTYPE_BYTES, op_shape
 from commfuse.sim.hardware import preset
-from commfuse.sim.ops import simulate_op
-from commfuse.sim.probe import from_fields
+from commfuse.sim.simulate import simulate_op
+from commfuse.runtime.probe import from_fields
 
 METHODS = ("none", "sliced", "commfuse-m1", "commfuse-m2", "commfuse-m4", "commfuse-m8", "auto")
 SHORT = {"commfuse-m1": "m1", "commfuse-m2": "m2", "commfuse-m4": "m4", "commfuse-m8": "m8"}
@@ -79,7 +79,7 @@ def _name(method: str, opts: dict) -> str:
 def file_hardware(meta: dict, name: str):
     """The hardware model a result's predictions use: preset ``name``, or for "measured" the
     ``cpu-testbed`` preset with what the run's ``--hardware measured`` fitted (``meta``: the
-    file's meta, fitted at start, or the result's own fit; `commfuse.sim.probe.from_fields`;
+    file's meta, fitted at start, or the result's own fit; `commfuse.runtime.probe.from_fields`;
     the preset's values where the file predates them)."""
     return preset(name) if name != "measured" else from_fields(meta, preset("cpu-testbed"))
 

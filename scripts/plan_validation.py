@@ -3,12 +3,12 @@ and AC tables, printed as markdown rows.
 
     python scripts/plan_validation.py
 
-The rows are torchtitan's Llama 3.1 runs on H100 (`commfuse.sim.published.RUNS`: the 8B
+The rows are torchtitan's Llama 3.1 runs on H100 (`commfuse.sim.plan.published.RUNS`: the 8B
 "FSDP" rows of Tables 1 and 3, eager, selective op AC, local batch 2; the 70B 2-D rows of
 Table 4, FSDP 32 x TP 8, full AC, local batch 16, with torch.compile and float8 linears),
 each predicted by its `commfuse plan` command. Each sensitivity variant changes one
 physical figure of the `h100-hbm2e-500w` preset on the 8B rows. Then the MoE rows
-(`commfuse.sim.published.MOE_RUNS`: NeMo AutoModel's Qwen3-30B-A3B on 8 H100s, FSDP 8 x EP
+(`commfuse.sim.plan.published.MOE_RUNS`: NeMo AutoModel's Qwen3-30B-A3B on 8 H100s, FSDP 8 x EP
 8) under each method and AC mode.
 """
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from commfuse import sim
 from commfuse.parallel.config import ParallelDims
-from commfuse.sim.memory import GIB
-from commfuse.sim.published import MOE_RUNS, RUNS
-from commfuse.sim.train_step import simulate_train_step
-from commfuse.sim.work import TrainSetup
+from commfuse.sim.step.memory import GIB
+from commfuse.sim.plan.published import MOE_RUNS, RUNS
+from commfuse.sim.step.train import simulate_train_step
+from commfuse.sim.step.work import TrainSetup
 
 FSDP_8B = [r for r in RUNS if r.model == "8b"]
 

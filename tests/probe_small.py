@@ -1,4 +1,4 @@
-"""A smaller hardware probe for tests that run ``--hardware measured`` (`commfuse.sim.probe`).
+"""A smaller hardware probe for tests that run ``--hardware measured`` (`commfuse.runtime.probe`).
 
 The probe's kernels are sized to time a machine well (a 1024 x 1024 x 2048 GEMM, a 2048-token
 attention, 20 runs each, up to 3 attempts): seconds per rank on a 2-core machine, more under
@@ -10,7 +10,7 @@ a forked rank's change dies with it.
 
 
 def shrink() -> None:
-    from commfuse.sim import probe
+    from commfuse.runtime import probe
 
     probe.GEMM_SHAPE["cpu"] = (512, 512, 1024)
     probe.SMALL_GEMM_SHAPE["cpu"] = (128, 512, 1024)

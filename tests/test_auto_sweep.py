@@ -47,7 +47,7 @@ def _made_up(tmp_path, run_hw, auto_scale: float = 1.0):
     """A bench file whose every method measured what the model predicts on ``run_hw`` (auto
     ``auto_scale`` times its pick's prediction), fitted to the ``cpu-testbed`` preset."""
     from commfuse.sim.hardware import preset
-    from commfuse.sim.probe import fitted_fields
+    from commfuse.runtime.probe import fitted_fields
 
     r = {"workload": "ag_matmul", "seq": 2048, "d_model": 1024, "ffn": 4096, "world": 2,
          "dtype": "float32", "pass": "forward", "comm_alone_ms": 1.0, "limit_ms": 1.0}

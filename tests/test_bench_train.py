@@ -147,7 +147,7 @@ def test_prediction_of_a_configuration():
     from commfuse.models.config import LlamaConfig
     from commfuse.parallel.config import ParallelDims
     from commfuse.sim.choose import STEP_OVERHEAD_S
-    from commfuse.sim.step import OpTimer, simulate_step
+    from commfuse.sim.step.timing import OpTimer, simulate_step
 
     ops = simulate_step(LlamaConfig.preset("tiny", max_seq_len=128),
                         ParallelDims(2, 1, 1, "commfuse", {}, world_size=2), "cpu-testbed",

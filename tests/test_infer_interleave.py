@@ -75,7 +75,7 @@ def test_interleaved_prefill_prediction():
 
     from commfuse.infer import predict
     from commfuse.sim.hardware import preset
-    from commfuse.sim.work import block_width_bytes, mem_time
+    from commfuse.sim.step.work import block_width_bytes, mem_time
 
     cfg = LlamaConfig.preset("small")
     hw = preset("cpu-testbed")

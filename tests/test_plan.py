@@ -1,4 +1,4 @@
-"""Whole-model steps (commfuse.sim.step), planning (commfuse.sim.plan) and `commfuse plan`."""
+"""Whole-model steps (commfuse.sim.step.timing), planning (commfuse.sim.plan) and `commfuse plan`."""
 
 import json
 import re
@@ -8,10 +8,10 @@ import pytest
 from commfuse import sim
 from commfuse.models.llama import LlamaConfig, matmul_params
 from commfuse.parallel.config import ParallelDims
-from commfuse.sim.model_ops import (FUSED, StepModel, block_ops, grad_sync_ops, head_ops,
+from commfuse.sim.step.ops import (FUSED, StepModel, block_ops, grad_sync_ops, head_ops,
                                     model_config)
 from commfuse.sim.plan import layouts, method_options, plan, table
-from commfuse.sim.step import OpTimer, simulate_step
+from commfuse.sim.step.timing import OpTimer, simulate_step
 
 HW = sim.Hardware(gemm_flops=100e12, link_bandwidth=50e9, link_latency=5e-6,
                   mem_bandwidth=2e12, m0=64.0, n0=64.0, k0=64.0, interference=0.1)
@@ -189,7 +189,7 @@ def test_layouts_and_plan_ranking():
 
 def test_plan_cli_writes_table_trace_and_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from commfuse.sim.plan_cli import main_plan
+    from commfuse.sim.plan.cli import main_plan
 
     rc = main_plan(["--model", "tiny", "--devices", "4", "--hw", "cpu-testbed", "--inter-hw",
                     "same", "--methods", "none,commfuse", "--top", "3", "--out", str(tmp_path)])
@@ -202,7 +202,7 @@ def test_plan_cli_writes_table_trace_and_png(tmp_path, capsys):
 
 
 def test_plan_cli_no_valid_layout(capsys):
-    from commfuse.sim.plan_cli import main_plan
+    from commfuse.sim.plan.cli import main_plan
 
     assert main_plan(["--model", "tiny", "--devices", "3", "--no-files"]) == 1
     assert "no valid layout" in capsys.readouterr().out
@@ -221,7 +221,7 @@ def test_plan_help_is_a_manual(capsys):
 
 
 def test_plan_cli_model_overrides(capsys):
-    from commfuse.sim.plan_cli import main_plan
+    from commfuse.sim.plan.cli import main_plan
 
     assert main_plan(["--model", "tiny", "--set", "n_layers=2", "--devices", "2",
                       "--methods", "commfuse", "--no-files"]) == 0

@@ -1,17 +1,17 @@
-"""The planner's peak memory for 2-D (FSDP x TP) and full-AC runs (commfuse.sim.memory),
-against the published rows docs/planning.md cites (commfuse.sim.published). Pure: no
+"""The planner's peak memory for 2-D (FSDP x TP) and full-AC runs (commfuse.sim.step.memory),
+against the published rows docs/planning.md cites (commfuse.sim.plan.published). Pure: no
 processes."""
 
 import json
 
 import pytest
 
-from commfuse.sim import work
-from commfuse.sim.memory import (ALLOCATOR_RESERVE, block_backward_bytes, fsdp_gathered_bytes,
+from commfuse.sim.step import work
+from commfuse.sim.step.memory import (ALLOCATOR_RESERVE, block_backward_bytes, fsdp_gathered_bytes,
                                  loss_bytes, step_memory)
-from commfuse.sim.model_ops import model_config
-from commfuse.sim.plan_cli import main_plan
-from commfuse.sim.published import RUNS
+from commfuse.sim.step.ops import model_config
+from commfuse.sim.plan.cli import main_plan
+from commfuse.sim.plan.published import RUNS
 
 FULL = work.TrainSetup(ac="full")
 

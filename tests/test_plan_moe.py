@@ -1,4 +1,4 @@
-"""The planner's MoE and Mamba-2 layers (commfuse.sim.arch, layers, layer_work): bytes and
+"""The planner's MoE and Mamba-2 layers (commfuse.sim.step.arch, layers, work): bytes and
 costs scale as the model says, memory shrinks with ep, both presets plan, bad layouts get a
 clear error, and a hybrid made of Llama sub-layers predicts the Llama step. Pure: no
 processes."""
@@ -9,18 +9,19 @@ import json
 import pytest
 
 from commfuse.parallel.config import ParallelDims
-from commfuse.sim import layer_work, preset as hw_preset
-from commfuse.sim.arch import HybridConfig, MambaSpec, MoESpec, check_layout, sublayers
-from commfuse.sim.arch import preset as arch_preset
-from commfuse.sim.hf_config import from_hf
-from commfuse.sim.layers import hybrid_grad_sync_ops, layer_groups, moe_ops
-from commfuse.sim.memory import step_memory
-from commfuse.sim.model_ops import model_config, wire_bytes
+from commfuse.sim import preset as hw_preset
+from commfuse.sim.step.arch import HybridConfig, MambaSpec, MoESpec, check_layout, sublayers
+from commfuse.sim.step.arch import preset as arch_preset
+from commfuse.sim.plan.hf_config import from_hf
+from commfuse.sim.step.layers import hybrid_grad_sync_ops, layer_groups, moe_ops
+from commfuse.sim.step.memory import step_memory
+from commfuse.sim.step.ops import model_config, wire_bytes
 from commfuse.sim.plan import plan, table
-from commfuse.sim.plan_cli import main_plan
-from commfuse.sim.step import simulate_step
-from commfuse.sim.train_step import simulate_train_step
-from commfuse.sim.work import TrainSetup
+from commfuse.sim.plan.cli import main_plan
+from commfuse.sim.step.timing import simulate_step
+from commfuse.sim.step.train import simulate_train_step
+from commfuse.sim.step import work
+from commfuse.sim.step.work import TrainSetup
 
 MOE = HybridConfig(vocab_size=1024, dim=256, n_layers=4, n_heads=4, ffn_hidden=512,
                    max_seq_len=1024, moe=MoESpec(experts=8, top_k=2, expert_ffn=384))
@@ -56,12 +57,12 @@ def test_expert_flops_are_top_k_rows_whatever_ep():
 
 def test_scan_cost_grows_with_tokens_and_state():
     hw, cfg = hw_preset("h100-nvlink"), arch_preset("nemotron-h-8b")
-    t = layer_work.scan_time(hw, cfg, 4096, 4096, 1)
-    assert layer_work.scan_time(hw, cfg, 4096, 8192, 1) == pytest.approx(2 * t)
-    assert layer_work.scan_time(hw, cfg, 4096, 4096, 2) == pytest.approx(t / 2)  # heads / tp
+    t = work.scan_time(hw, cfg, 4096, 4096, 1)
+    assert work.scan_time(hw, cfg, 4096, 8192, 1) == pytest.approx(2 * t)
+    assert work.scan_time(hw, cfg, 4096, 4096, 2) == pytest.approx(t / 2)  # heads / tp
     big = dataclasses.replace(cfg, mamba=dataclasses.replace(cfg.mamba, d_state=256))
-    assert layer_work.scan_time(hw, big, 4096, 4096, 1) > 1.5 * t
-    assert layer_work.scan_time(hw, cfg, 4096, 4096, 1, backward=True) == pytest.approx(2 * t)
+    assert work.scan_time(hw, big, 4096, 4096, 1) > 1.5 * t
+    assert work.scan_time(hw, cfg, 4096, 4096, 1, backward=True) == pytest.approx(2 * t)
 
 
 def test_memory_shrinks_with_ep():

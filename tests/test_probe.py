@@ -1,4 +1,4 @@
-"""The hardware model fitted at start (`commfuse.sim.probe`, `commfuse.ops.auto.calibrate`):
+"""The hardware model fitted at start (`commfuse.runtime.probe`, `commfuse.ops.auto.calibrate`):
 the compute is scaled to a measured GEMM rate, the links are kept, and every rank of a group
 ends with the same model (the slowest rank's rate), so auto's choices stay the same on all."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from commfuse.ops import auto
-from commfuse.sim import probe
+from commfuse.runtime import probe
 from commfuse.sim.choose import best_splits
 from commfuse.sim.hardware import preset
 from commfuse.testbed.spawn import run_local

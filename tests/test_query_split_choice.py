@@ -13,8 +13,8 @@ from commfuse.ops import auto
 from commfuse.parallel.config import ParallelDims
 from commfuse.sim.attention import attention_s, slot_attention_s
 from commfuse.sim.costs import OpSpec
-from commfuse.sim.model_ops import tp_attention_ops
-from commfuse.sim.step import OpTimer, query_split_wins, resolve_query_split, simulate_step
+from commfuse.sim.step.ops import tp_attention_ops
+from commfuse.sim.step.timing import OpTimer, query_split_wins, resolve_query_split, simulate_step
 from commfuse.testbed.spawn import run_local
 
 BASE = dict(gemm_flops=100e9, link_bandwidth=1e9, link_latency=1e-6, mem_bandwidth=1e12)

@@ -81,8 +81,8 @@ def test_prefetcher_rejects_bad_depth():
 
 def test_step_model_hides_the_prefetched_regather_behind_the_attention_backward():
     from commfuse import sim
-    from commfuse.sim.model_ops import StepModel, block_ops
-    from commfuse.sim.step import prefetch_credit, simulate_step
+    from commfuse.sim.step.ops import StepModel, block_ops
+    from commfuse.sim.step.timing import prefetch_credit, simulate_step
 
     cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4,
                       ffn_hidden=512, max_seq_len=1024)

@@ -1,4 +1,4 @@
-"""The training step of issue #12 in the simulator (commfuse.sim.model_ops.StepModel): the
+"""The training step of issue #12 in the simulator (commfuse.sim.step.ops.StepModel): the
 vocabulary-parallel head and embedding, the re-gathering / streaming backwards of the fused
 ops, the bucketed gradient sync, the step's limit, and commfuse's chosen splits."""
 
@@ -8,9 +8,9 @@ from commfuse import sim
 from commfuse.models.llama import LlamaConfig
 from commfuse.parallel.config import ParallelDims
 from commfuse.sim.choose import best_splits
-from commfuse.sim.model_ops import (FUSED, StepModel, StepOp, block_ops, embed_ops,
+from commfuse.sim.step.ops import (FUSED, StepModel, StepOp, block_ops, embed_ops,
                                     grad_sync_ops, head_ops, wire_bytes)
-from commfuse.sim.step import OpTimer, _buckets, bucketed_exposed, simulate_step
+from commfuse.sim.step.timing import OpTimer, _buckets, bucketed_exposed, simulate_step
 
 HW = sim.Hardware(gemm_flops=100e12, link_bandwidth=50e9, link_latency=5e-6,
                   mem_bandwidth=2e12, m0=64.0, n0=64.0, k0=64.0, interference=0.1)

@@ -1,5 +1,5 @@
-"""The whole training step (commfuse.sim.train_step), its work (commfuse.sim.work), the memory
-model (commfuse.sim.memory), `commfuse plan --local-batch/--json`, and the published rows of
+"""The whole training step (commfuse.sim.step.train), its work (commfuse.sim.step.work), the memory
+model (commfuse.sim.step.memory), `commfuse plan --local-batch/--json`, and the published rows of
 docs/planning.md."""
 
 import json
@@ -9,11 +9,11 @@ import pytest
 from commfuse import sim
 from commfuse.models.config import LlamaConfig, num_params
 from commfuse.parallel.config import ParallelDims
-from commfuse.sim import work
-from commfuse.sim.memory import ALLOCATOR_RESERVE, GIB, rank_params, step_memory
-from commfuse.sim.model_ops import model_config
+from commfuse.sim.step import work
+from commfuse.sim.step.memory import ALLOCATOR_RESERVE, GIB, rank_params, step_memory
+from commfuse.sim.step.ops import model_config
 from commfuse.sim.plan import plan
-from commfuse.sim.train_step import simulate_train_step
+from commfuse.sim.step.train import simulate_train_step
 
 HW = sim.Hardware(gemm_flops=100e12, link_bandwidth=50e9, link_latency=5e-6,
                   mem_bandwidth=2e12, m0=64.0, n0=64.0, k0=64.0, interference=0.1,
@@ -161,7 +161,7 @@ def test_local_batch_and_validation():
 
 
 def test_plan_json_lists_every_plan(tmp_path, capsys):
-    from commfuse.sim.plan_cli import main_plan
+    from commfuse.sim.plan.cli import main_plan
 
     out = tmp_path / "plans.json"
     assert main_plan(["--model", "tiny", "--devices", "4", "--hw", "h100-nvlink", "--seq",
@@ -215,7 +215,7 @@ PUBLISHED = [(8, 5762, 82.4), (128, 5605, 67.0)]
 
 @pytest.mark.parametrize("devices,tps,gib", PUBLISHED)
 def test_published_torchtitan_rows(tmp_path, devices, tps, gib):
-    from commfuse.sim.plan_cli import main_plan
+    from commfuse.sim.plan.cli import main_plan
 
     out = tmp_path / "p.json"
     assert main_plan(["--model", "8b", "--devices", str(devices), "--hw", "h100-hbm2e-500w",

@@ -14,7 +14,7 @@ import torch
 from commfuse.bench import measure, report, workloads
 from commfuse.bench import moe as bench_moe
 from commfuse.ops.auto import add_hardware_flag, use_hardware
-from commfuse.sim.probe import fitted_fields
+from commfuse.runtime.probe import fitted_fields
 from commfuse.runtime.gloo import duplex
 from commfuse.schedule import VARIANTS
 

@@ -230,7 +230,7 @@ layout (its run without the backward prefetch where there are both; "-noprefetch
 backward posts no re-gather ahead, `commfuse train --no-regather-prefetch`); tokens/s and MFU as `commfuse train` reports them (MFU against each rank's measured
 dense-matmul peak); exposed comm = fwd+bwd(+grad sync) minus the same in compute-only mode,
 medians of {exposed_iters} interleaved pairs after training; predicted =
-`commfuse.sim.simulate_train_step` of the same model, layout, method, batch and sequence on
+`commfuse.sim.step.simulate_train_step` of the same model, layout, method, batch and sequence on
 the `{hw}` hardware model, for the training step {step_model}: the GEMMs and communication,
 fused attention, the elementwise kernels, the loss and the AdamW step, as `commfuse train`
 runs them (no activation checkpointing, no FSDP2 prefetch); limit = the same compute and

@@ -27,7 +27,7 @@ from commfuse.bench.train_table import Config
 DESCRIPTION = __doc__.split("\n\n", 1)[1].replace("``", "").replace("`", "") + """
 Per configuration the table has: median step (ms), the ratio to method none of the same preset
 and layout, tokens/s, MFU, exposed communication (fwd+bwd minus the same in compute-only mode),
-the simulator's predicted step (commfuse.sim.simulate_train_step on --hw: GEMMs, transfers,
+the simulator's predicted step (commfuse.sim.step.simulate_train_step on --hw: GEMMs, transfers,
 attention, elementwise work, loss and optimizer, the current training step)
 and the step's limit (the same compute and bytes with no dependency), and whether the losses
 equal none's step for step (same seed and data: they should, up to summation order).
@@ -215,9 +215,9 @@ def predict(c: Config, args) -> tuple[float | None, float | None]:
     from commfuse.parallel.config import ParallelDims
     from commfuse.schedule import VARIANTS
     from commfuse.sim.choose import STEP_OVERHEAD_S
-    from commfuse.sim.step import OpTimer
-    from commfuse.sim.train_step import simulate_train_step
-    from commfuse.sim.work import TrainSetup
+    from commfuse.sim.step.timing import OpTimer
+    from commfuse.sim.step.train import simulate_train_step
+    from commfuse.sim.step.work import TrainSetup
 
     method, opts = VARIANTS[c.method]
     try:
@@ -252,7 +252,7 @@ def _load(path: Path) -> dict | None:
 def _meta(args) -> dict:
     import torch
 
-    from commfuse.sim.model_ops import StepModel
+    from commfuse.sim.step.ops import StepModel
 
     root = hasattr(os, "geteuid") and os.geteuid() == 0
     emulated = not args.local and args.emulate and root

@@ -1,12 +1,12 @@
 """The simulator's prediction of a prefill and of a decode step (`commfuse.sim`'s op timer on
-the blocks' ops of a forward, as `commfuse.sim.step.simulate_step` builds them), and decode's choice between the fused ops and
+the blocks' ops of a forward, as `commfuse.sim.step.timing.simulate_step` builds them), and decode's choice between the fused ops and
 replicated rows with all-reduces (`decode_choice`).
 
 Prefill of S tokens is the blocks' forward over S rows (the fused ops, the attention GEMMs),
 the head once (one token per sequence). A decode step is the same ops over B rows (the new
 tokens), its attention B x H query rows against ``context`` keys, and the head. Each block's
 memory-bound kernels (norms, RoPE, SwiGLU, residual adds) are timed as the training step's
-model times them (`commfuse.sim.work.block_elementwise_bytes` over the preset's memory
+model times them (`commfuse.sim.step.work.block_elementwise_bytes` over the preset's memory
 bandwidth), on the rank's share of the tokens. What is not modelled: the cache writes,
 sampling and Python overhead (the measured times include them), and the one small
 all-reduce of the last hidden states.
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from commfuse.models.config import LlamaConfig
 from commfuse.sim.attention import attention_s
-from commfuse.sim.model_ops import StepOp, block_ops
-from commfuse.sim.step import OpTimer
-from commfuse.sim.work import block_elementwise_bytes, block_width_bytes, mem_time
+from commfuse.sim.step.ops import StepOp, block_ops
+from commfuse.sim.step.timing import OpTimer
+from commfuse.sim.step.work import block_elementwise_bytes, block_width_bytes, mem_time
 
 
 def _elementwise_s(cfg: LlamaConfig, tokens: float, hw, dtype_bytes: float) -> float:

@@ -55,10 +55,10 @@ def set_hardware(hw, device_type: str = "cpu") -> None:
 def calibrate(like: torch.Tensor, group=None):
     """Fit the hardware model in use for ``like``'s device to this machine and use it
     (`set_hardware`): its GEMM peak and attention efficiency set to the slowest rank's rates
-    measured in ``like``'s dtype (`commfuse.sim.probe`). Collective over ``group``: call it
+    measured in ``like``'s dtype (`commfuse.runtime.probe`). Collective over ``group``: call it
     on every rank, at the same point, before the first auto op. Returns the model and the
     rates."""
-    from commfuse.sim.probe import probe
+    from commfuse.runtime.probe import probe
 
     device_type = like.device.type
     fitted, rates = probe(_hardware(device_type), group, like.device, like.dtype)
@@ -253,7 +253,7 @@ def choose_query_split(seq: int, batch: int, heads: int, kv_heads: int, head_dim
     tokens, ``heads`` / ``kv_heads`` heads in all of ``head_dim``, model dim ``dim``, on
     ``world`` ranks. The simulator times both, forward and backward, each op with auto's own
     method, with q|k|v's re-gather after them, posted ahead as by default
-    (`commfuse.sim.step.query_split_wins`; turning the prefetch off never changes the
+    (`commfuse.sim.step.timing.query_split_wins`; turning the prefetch off never changes the
     choice, so it never changes the arithmetic); ``backward=False``: the forward alone (a
     prefill, `commfuse.infer.InferenceLlama`). Every rank has these global shapes, so every rank
     decides the same (given the same hardware model, as for every choice here). Only where
@@ -262,7 +262,7 @@ def choose_query_split(seq: int, batch: int, heads: int, kv_heads: int, head_dim
     from types import SimpleNamespace
 
     from commfuse.ops.attn_blocks import fused_kernels
-    from commfuse.sim.step import OpTimer, query_split_wins
+    from commfuse.sim.step.timing import OpTimer, query_split_wins
 
     if not fused_kernels(like):
         return False

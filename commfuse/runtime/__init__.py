@@ -6,4 +6,6 @@
     cuda.py         the CUDA transport: a communication stream ordered with events (lazy)
     collectives.py  the collectives behind none / sliced: the backend's, or the same bytes as P2P
     modes.py        measurement modes (compute alone, communication alone, record, trace)
+    probe.py        times this device's kernels at start and fits the simulator's hardware
+                    model to them (what ``auto`` decides on; `commfuse.ops.auto.calibrate`)
 """

@@ -21,7 +21,7 @@ from dataclasses import replace
 from commfuse.schedule import VARIANTS as ALL_VARIANTS
 from commfuse.sim import choose
 from commfuse.sim.hardware import Hardware, preset
-from commfuse.sim.ops import simulate_op
+from commfuse.sim.simulate import simulate_op
 
 # the bench's methods the simulator models (not gloo's own collectives, not auto itself).
 # "commfuse" ran m=1 in results from before `commfuse` chose its splits per shape; newer

@@ -2,7 +2,7 @@
 ``splits`` that ``method="commfuse"`` runs when none is given (`best_splits`).
 
 Pure (no torch): `commfuse.ops.auto` calls `fastest` for the tensors of a live call (and
-caches its choice); the whole-step simulation (`commfuse.sim.step`) calls it for ``auto``
+caches its choice); the whole-step simulation (`commfuse.sim.step.timing`) calls it for ``auto``
 plans.
 
 Host time: the hardware model's host costs per launch (``Hardware.host_collective_s`` /

@@ -4,7 +4,7 @@
     commfuse simulate --table1
     commfuse simulate --calibrate FIT.json [--against OTHER.json] [--auto-check SWEEP.json]
 
-Whole-model steps and layouts: `commfuse plan` (`commfuse.sim.plan_cli`).
+Whole-model steps and layouts: `commfuse plan` (`commfuse.sim.plan.cli`).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def main_simulate(argv=None) -> int:
     rows = []
     from commfuse.schedule import VARIANTS  # the bench's methods, by the same labels
     from commfuse.sim.choose import STEP_OVERHEAD_S, best_splits
-    from commfuse.sim.ops import mlp_specs
+    from commfuse.sim.simulate import mlp_specs
 
     for name, (method, opts) in VARIANTS.items():
         if name in ("none-torch", "auto"):

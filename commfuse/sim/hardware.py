@@ -100,7 +100,7 @@ class Hardware:
     """rank -> factor >= 1: that rank's link (both directions) is factor times slower."""
     mem_efficiency: float = 1.0
     """Fraction of ``mem_bandwidth`` that streaming (elementwise, memory-bound) kernels reach;
-    the whole-step model (`commfuse.sim.work`) times such work at this rate."""
+    the whole-step model (`commfuse.sim.step.work`) times such work at this rate."""
     attention_efficiency: tuple = (0.0, 0.0)
     """Fraction of ``gemm_flops`` a fused attention kernel reaches (forward, backward), causal
     FLOPs counted; (0, 0): time attention as GEMMs (``gemm_time``)."""
@@ -301,7 +301,7 @@ PRESETS: dict[str, Hardware] = {
     # rows run at 0.67 of the formula's rate at a B of 8 MiB, slowly less as B grows
     # (narrow_*). Adds walking distinct buffers into a reused output move 17 GB/s (3x the
     # bytes). `--hardware measured`, the default of bench and train, starts from this preset
-    # and fits the compute rates to the running machine at start (`commfuse.sim.probe`);
+    # and fits the compute rates to the running machine at start (`commfuse.runtime.probe`);
     # predictions against measured runs: docs/benchmarks/simulator.md.
     "cpu-testbed": Hardware(gemm_flops=92.6e9, link_bandwidth=1.204e9 / 8, link_latency=50e-6,
                             mem_bandwidth=5e9, add_bandwidth=17e9, gemm_max_efficiency=1.0,

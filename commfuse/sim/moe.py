@@ -37,7 +37,7 @@ from commfuse.schedule.moe import TAIL, ExpertCounts, build, clip, piece
 from commfuse.sim.engine import Engine
 from commfuse.sim.hardware import Hardware
 from commfuse.sim.hardware import resolve as resolve_hw
-from commfuse.sim.moe_routing import ROUTINGS, counts_of, route_tokens, routing_counts
+from commfuse.sim.routing import ROUTINGS, counts_of, route_tokens, routing_counts
 
 __all__ = ["CANDIDATES", "ROUTINGS", "MoEOp", "MoESim", "choose", "counts_of", "fastest",
            "layer_ops", "moe_layer_time", "moe_op_time", "representative", "route_tokens",

@@ -1,14 +1,15 @@
-"""A whole training step as a framework runs it: `simulate_train_step`.
+"""A whole training step as a framework runs it: `simulate_train_step` (the upper layer of the
+step model, on `commfuse.sim.step.timing`).
 
-    from commfuse import sim
     from commfuse.parallel.config import ParallelDims
-    r = sim.simulate_train_step("8b", ParallelDims(dp=8, method="none", world_size=8),
-                                "h100-hbm2e-500w", seq=8192, local_batch=2)
+    from commfuse.sim.step import simulate_train_step
+    r = simulate_train_step("8b", ParallelDims(dp=8, method="none", world_size=8),
+                            "h100-hbm2e-500w", seq=8192, local_batch=2)
     r.tokens_per_s_per_device, r.peak_memory_gib, r.fits, r.breakdown
 
-It starts from `commfuse.sim.step.simulate_step` (the GEMMs and collectives of
-`commfuse.sim.model_ops`, each op timed on its group and summed along the step) and adds what
-moves a real step (`commfuse.sim.work` says how each is counted):
+It starts from `commfuse.sim.step.timing.simulate_step` (the GEMMs and collectives of
+`commfuse.sim.step.ops`, each op timed on its group and summed along the step) and adds what
+moves a real step (`commfuse.sim.step.work` says how each is counted):
 
 - **fused attention** in place of the step's attention GEMMs, where the preset has
   `Hardware.attention_efficiency` (the GPU presets);
@@ -27,7 +28,7 @@ moves a real step (`commfuse.sim.work` says how each is counted):
   direction, exposed = one block's transfers (the first gather, the last reduce-scatter) +
   whatever the other blocks' transfers exceed their compute by; the compute they run beside
   is slowed by `Hardware.interference`.
-- the step's **peak memory** (`commfuse.sim.memory.step_memory`) and whether it fits the
+- the step's **peak memory** (`commfuse.sim.step.memory.step_memory`) and whether it fits the
   preset's `Hardware.memory_gib`.
 
 TPS/device = tokens per step / step time / devices, as torchtitan logs it; MFU as
@@ -38,13 +39,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commfuse.sim import layer_work, work
-from commfuse.sim.arch import expert_groups, is_hybrid
+from commfuse.sim.step import work
+from commfuse.sim.step.arch import expert_groups, is_hybrid
 from commfuse.sim.hardware import resolve as resolve_hw
-from commfuse.sim.layers import hybrid_grad_sync_ops, layer_groups
-from commfuse.sim.memory import MemoryEstimate, rank_params, step_memory
-from commfuse.sim.model_ops import CURRENT, FUSED, StepModel, grad_sync_ops, head_ops, model_config
-from commfuse.sim.step import (OpTimer, StepResult, model_flops_per_token, resolve_query_split,
+from commfuse.sim.step.layers import hybrid_grad_sync_ops, layer_groups
+from commfuse.sim.step.memory import MemoryEstimate, rank_params, step_memory
+from commfuse.sim.step.ops import CURRENT, FUSED, StepModel, grad_sync_ops, head_ops, model_config
+from commfuse.sim.step.timing import (OpTimer, StepResult, model_flops_per_token, resolve_query_split,
                                simulate_step)
 
 
@@ -74,7 +75,7 @@ class TrainStepResult:
         return self.memory.fits
 
 
-ATTENTION_OPS = ("attention", "attention bwd")  # the step's attention GEMMs (model_ops)
+ATTENTION_OPS = ("attention", "attention bwd")  # the step's attention GEMMs (ops.py)
 
 
 def base_sync_ops(cfg, tp: int, up: int, dp: int, ep: int, a: float, sm: StepModel,
@@ -107,10 +108,10 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
     ``local_batch_size``; the global batch is dp times it), or ``batch`` global sequences
     (default: one per DP replica); ``micro_batch``: sequences per forward/backward (default
     the whole local batch). ``ep``, ``ep_axis``: expert parallelism (MoE,
-    `commfuse.sim.arch.expert_groups`). The other arguments are
-    `simulate_step`'s. Each layer kind (`commfuse.sim.layers.LayerGroup`: Llama blocks, or
+    `commfuse.sim.step.arch.expert_groups`). The other arguments are
+    `simulate_step`'s. Each layer kind (`commfuse.sim.step.layers.LayerGroup`: Llama blocks, or
     a hybrid's attention, MLP, MoE and Mamba layers) is counted with its own work
-    (`commfuse.sim.layer_work`)."""
+    (`commfuse.sim.step.work`)."""
     cfg, hw = model_config(model), resolve_hw(hw)
     tp, up, dp = parallel.tp, parallel.up, parallel.dp
     ep = ep or getattr(parallel, "ep", 1) or 1
@@ -151,17 +152,17 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
             attn_s += (g_attn[0] + g_attn[1]) * L * n_mb
 
         # memory-bound work (and a Mamba layer's scan)
-        ew = layer_work.elementwise_bytes(cfg, g.kind, a) * nl
-        ew_b = layer_work.elementwise_bytes(cfg, g.kind, a, backward=True) * nl
+        ew = work.elementwise_bytes(cfg, g.kind, a) * nl
+        ew_b = work.elementwise_bytes(cfg, g.kind, a, backward=True) * nl
         per_mb += L * (ew * (1 + (setup.ac != "none")) + ew_b)
         ew_s, ew_b_s = work.mem_time(hw, ew), work.mem_time(hw, ew_b)
         if g.kind == "M":
-            scan = layer_work.scan_time(hw, cfg, seq, mb * seq, T, a)
-            scan_b = layer_work.scan_time(hw, cfg, seq, mb * seq, T, a, backward=True)
-            # selective AC saves the scan's output (layer_work.saved_bytes): only full reruns it
+            scan = work.scan_time(hw, cfg, seq, mb * seq, T, a)
+            scan_b = work.scan_time(hw, cfg, seq, mb * seq, T, a, backward=True)
+            # selective AC saves the scan's output (work.saved_bytes): only full reruns it
             scan_s += L * n_mb * (scan * (1 + (setup.ac == "full")) + scan_b)
             ew_s, ew_b_s = ew_s + scan, ew_b_s + scan_b
-        dense_w, expert_w = layer_work.rank_weights(cfg, g.kind, tp, ep)
+        dense_w, expert_w = work.rank_weights(cfg, g.kind, tp, ep)
         if setup.fsdp and dp > 1:  # copy-out of 2 gathers (a in, a out), copy-in of the grads
             sharded = dense_w + (expert_w if edp > 1 else 0.0)
             per_step += L * sharded * (2 * 2 * a + (a + setup.grad_bytes)) * n_mb
@@ -169,7 +170,7 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
         # recompute
         recompute = 0.0
         if setup.ac == "selective":
-            recompute = L * n_mb * sum(hw.gemm_time(*s) for s in layer_work.recomputed_gemms(
+            recompute = L * n_mb * sum(hw.gemm_time(*s) for s in work.recomputed_gemms(
                 cfg, g.kind, tp, up, ep, mb * seq))
         elif setup.ac == "full":
             layer_fwd = sum(rows[op][2] * op.count if op.axis != "dp" else rows[op][3] * op.count
@@ -230,7 +231,7 @@ def simulate_train_step(model, parallel, hw="h100-nvlink", *, seq: int,
             parts["ops"] -= base.sync_exposed_s
         root = rank_params(cfg, tp, up, 1, setup, step_model, ep, ep_axis) - sum(
             g.count * d for g, _, _, d, *_ in fsdp) - sum(
-            g.count * layer_work.rank_weights(cfg, g.kind, tp, ep)[1] for g in groups)
+            g.count * work.rank_weights(cfg, g.kind, tp, ep)[1] for g in groups)
         exposed += (hw_dp.collective_time("all_gather", root * a, dp)
                     + hw_dp.collective_time("reduce_scatter", root * setup.grad_bytes, dp)) \
             / n_mb

@@ -1,12 +1,13 @@
-"""One training step of a whole model, timed: `simulate_step`.
+"""The GEMMs and collectives of one training step of a whole model, timed: `simulate_step`
+(the lower layer of the step model; `commfuse.sim.step.train` adds the rest of the step).
 
-    from commfuse import sim
     from commfuse.parallel.config import ParallelDims
-    r = sim.simulate_step("70b", ParallelDims(tp=8, dp=128, method="commfuse"), "h100-nvlink",
-                          seq=4096, batch=1024, inter_hw="multinode-400g")
+    from commfuse.sim.step import simulate_step
+    r = simulate_step("70b", ParallelDims(tp=8, dp=128, method="commfuse"), "h100-nvlink",
+                      seq=4096, batch=1024, inter_hw="multinode-400g")
     r.step_s, r.mfu, r.exposed_comm_s, r.breakdown
 
-The step's ops (`commfuse.sim.model_ops`) are timed one by one and summed along the step.
+The step's ops (`commfuse.sim.step.ops`) are timed one by one and summed along the step.
 The approximation, stated: each fused op is simulated alone on its own group (tp, up or dp
 ranks) as if nothing else ran, and ops follow each other with no overlap between them (the
 engine would let a rank start op i+1 while its peers finish op i: a little more overlap than
@@ -17,7 +18,7 @@ they run one after the other, as they do in the plans. A group within one node
 ``inter_hw``'s links. Plain collectives take the ring model's time (`Hardware.collective_time`,
 all-reduce = reduce-scatter + all-gather), local GEMMs `Hardware.gemm_time`.
 
-The step is `commfuse.sim.model_ops.StepModel` (default: the current one; ``previous()`` the
+The step is `commfuse.sim.step.ops.StepModel` (default: the current one; ``previous()`` the
 step before issue #12). With ``grad_sync="bucketed"`` the gradient all-reduces run during the
 backward: exposed is the larger of the last bucket's time and the all-reduces' total less the
 backward's time (one micro-batch's; the links are not shared with the backward's own
@@ -41,12 +42,12 @@ from commfuse.sim.attention import attention_s
 from commfuse.sim.costs import OpSpec
 from commfuse.sim.hardware import Hardware
 from commfuse.sim.hardware import resolve as resolve_hw
-from commfuse.sim.arch import check_layout, expert_groups, is_hybrid, model_flops_per_token
-from commfuse.sim.layers import hybrid_grad_sync_ops, layer_groups, layer_order
-from commfuse.sim.model_ops import (CURRENT, FUSED, StepModel, StepOp, embed_ops,
+from commfuse.sim.step.arch import check_layout, expert_groups, is_hybrid, model_flops_per_token
+from commfuse.sim.step.layers import hybrid_grad_sync_ops, layer_groups, layer_order
+from commfuse.sim.step.ops import (CURRENT, FUSED, StepModel, StepOp, embed_ops,
                                     grad_sync_ops, head_ops, local_attention_ops, model_config,
                                     tp_attention_ops, wire_bytes)
-from commfuse.sim.ops import simulate_ops
+from commfuse.sim.simulate import simulate_ops
 from commfuse.trace import Span, write_trace
 
 
@@ -105,7 +106,7 @@ def query_split_wins(cfg, tp: int, seq: int, mb: int, method: str, opts: dict, h
                      timer: OpTimer, backward: bool = True) -> bool:
     """Whether query-split TP attention is predicted faster than row-parallel attention +
     out-projection for ``mb`` sequences of ``seq`` tokens on ``tp`` ranks: their forward and
-    backward (`commfuse.sim.model_ops.tp_attention_ops`) and q|k|v's re-gather after them,
+    backward (`commfuse.sim.step.ops.tp_attention_ops`) and q|k|v's re-gather after them,
     which the backward before it posts ahead (`prefetch_credit`), as the step does by
     default; ``backward=False``: their forward alone (a prefill)."""
     n, qkv = mb * seq, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
@@ -170,7 +171,7 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
                   timer: OpTimer | None = None, step_model: StepModel = CURRENT,
                   ep: int | None = None, ep_axis: str = "dp") -> StepResult:
     """Time one training step of ``model`` (a `LlamaConfig`, a
-    `commfuse.sim.arch.HybridConfig` or a name in `MODELS`) under
+    `commfuse.sim.step.arch.HybridConfig` or a name in `MODELS`) under
     ``parallel`` (a `commfuse.parallel.config.ParallelDims`: tp, up, dp, method and its options;
     method "auto" allowed) on ``hw`` (a `Hardware` or a preset name).
 
@@ -179,11 +180,11 @@ def simulate_step(model, parallel, hw="h100-nvlink", *, seq: int, batch: int | N
     that span nodes of ``node_size`` ranks (None: ``hw``'s everywhere). ``backward=False``:
     forward only. ``step_model``: which step (`StepModel`; default the current one).
     ``ep``: expert-parallel ranks of an MoE model, taken from the DP ranks (default
-    ``parallel.ep`` where it has one, else 1; `commfuse.sim.layers`); ``ep_axis="tp"``: the
-    TP group is the expert-parallel group (ep = tp, `commfuse.sim.arch.expert_groups`).
+    ``parallel.ep`` where it has one, else 1; `commfuse.sim.step.layers`); ``ep_axis="tp"``: the
+    TP group is the expert-parallel group (ep = tp, `commfuse.sim.step.arch.expert_groups`).
     MFU = flops_per_token * tokens / step_s / (ranks * hw.gemm_flops), with
     `commfuse.models.llama.flops_per_token` (6N + 12*L*H*Q*T, PaLM appendix B, as
-    ``commfuse train`` reports it; `commfuse.sim.arch.flops_per_token` for MoE and Mamba
+    ``commfuse train`` reports it; `commfuse.sim.step.arch.flops_per_token` for MoE and Mamba
     layers: the active weights, and the scan), the preset's dense peak in the denominator.
     """
     cfg, hw = model_config(model), resolve_hw(hw)
@@ -311,7 +312,7 @@ def bucketed_exposed(buckets: list[list[float]], backward_s: float) -> float:
 
 def _timeline(layers, hf, hb, sync, times, sync_exposed=None) -> tuple:
     """Rank 0's predicted micro-batch (every layer forward, head, every layer backward; each of
-    ``layers`` a `commfuse.sim.layers.LayerGroup`) and the gradient sync: each op as a span on
+    ``layers`` a `commfuse.sim.step.layers.LayerGroup`) and the gradient sync: each op as a span on
     its group's lane, its exposed part on "exposed". A bucketed sync (``sync_exposed`` given)
     is drawn on its own lane, ending ``sync_exposed`` after the backward, its exposed part on
     "exposed"."""

@@ -1,14 +1,14 @@
 """A transformers ``config.json`` as a planner config: ``commfuse plan --hf-config``.
 
-    from commfuse.sim.hf_config import from_hf
+    from commfuse.sim.plan.hf_config import from_hf
     cfg = from_hf("mixtral-tiny")     # commfuse/data/hf/mixtral-tiny.json, as `commfuse train`
     cfg = from_hf("path/to/config.json")   # or a model directory holding one
 
 Read as JSON (no transformers, no torch). Model types: llama, mistral, qwen2, qwen3 (a
 `LlamaConfig`); mixtral, qwen3_moe (its ``mlp_only_layers`` and ``decoder_sparse_step``
-give dense layers), bamba, mamba2 and nemotron_h (a `commfuse.sim.arch.HybridConfig`).
+give dense layers), bamba, mamba2 and nemotron_h (a `commfuse.sim.step.arch.HybridConfig`).
 Nemotron-H's squared-ReLU MLP of width F is planned as a SwiGLU of 2F/3 (the same weights
-and FLOPs, `commfuse.sim.arch`), rounded up to a multiple of 8 so that TP splits it (for
+and FLOPs, `commfuse.sim.step.arch`), rounded up to a multiple of 8 so that TP splits it (for
 F = 344, 232 in place of 229.3: 1.2 % more MLP weights); its MoE layers are not planned. A pure Mamba-2 model has no attention or MLP: its unused attention fields are its
 SSM heads and its MLP width d_inner, so that the layout checks divide as its heads do.
 """
@@ -19,9 +19,9 @@ import json
 from pathlib import Path
 
 from commfuse.models.config import LlamaConfig
-from commfuse.sim.arch import HybridConfig, MambaSpec, MoESpec
+from commfuse.sim.step.arch import HybridConfig, MambaSpec, MoESpec
 
-SHIPPED = Path(__file__).resolve().parents[1] / "data" / "hf"
+SHIPPED = Path(__file__).resolve().parents[2] / "data" / "hf"
 LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 NEMOTRON_KINDS = {"linear_attention": "M", "mamba": "M", "full_attention": "*",
                   "attention": "*", "mlp": "-", "moe": "E"}

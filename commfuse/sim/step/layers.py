@@ -1,12 +1,12 @@
 """The ops of a step's layers, grouped by kind: Llama blocks, or the attention, MLP, MoE and
-Mamba-2 sub-layers of a `commfuse.sim.arch.HybridConfig`, as data (`LayerGroup`).
+Mamba-2 sub-layers of a `commfuse.sim.step.arch.HybridConfig`, as data (`LayerGroup`).
 
-    from commfuse.sim.layers import layer_groups
+    from commfuse.sim.step.layers import layer_groups
     for g in layer_groups(cfg, tp=1, up=1, dp=8, ep=8, seq=4096, mb=1):
         g.kind, g.count, g.fwd, g.bwd   # every layer of a group runs the same ops
 
-A Llama model is one group of ``n_layers`` blocks (`commfuse.sim.model_ops.block_ops`). A
-hybrid model has one group per layer kind present (module doc of `commfuse.sim.arch`):
+A Llama model is one group of ``n_layers`` blocks (`commfuse.sim.step.ops.block_ops`). A
+hybrid model has one group per layer kind present (module doc of `commfuse.sim.step.arch`):
 
 - ``*`` attention and ``-`` MLP: the attention and MLP halves of `block_ops` (TPSP, Ulysses,
   ZeRO-3 DP as there).
@@ -30,9 +30,9 @@ hybrid model has one group per layer kind present (module doc of `commfuse.sim.a
   (their gradients all-reduced there, `hybrid_grad_sync_ops`). Not modelled: the per-step
   exchange of per-peer counts (a few bytes), routing skew, token dropping.
 - ``M`` Mamba-2 mixer (`commfuse.tp.mamba`): under TPSP in_proj's AG->GEMM (this rank's z,
-  x, B, C, dt rows: `commfuse.sim.arch.MambaSpec.local`) and out_proj's GEMM->RS, backward
+  x, B, C, dt rows: `commfuse.sim.step.arch.MambaSpec.local`) and out_proj's GEMM->RS, backward
   their duals as for q|k|v and down; without TP two Linears (local or ZeRO-3). The conv1d,
-  the scan and the gated norm are local memory-bound work (`commfuse.sim.layer_work`).
+  the scan and the gated norm are local memory-bound work (`commfuse.sim.step.work`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from commfuse.sim.arch import expert_groups, is_hybrid, sublayers
-from commfuse.sim.model_ops import (CURRENT, StepModel, StepOp, _ag_backward, _linear_local,
+from commfuse.sim.step.arch import expert_groups, is_hybrid, sublayers
+from commfuse.sim.step.ops import (CURRENT, StepModel, StepOp, _ag_backward, _linear_local,
                                     _linear_zero3, _rs_backward, block_ops)
 
 MLP_NAMES = ("gate|up", "down", "w_gate", "w_up", "w_down")
@@ -66,7 +66,7 @@ def layer_groups(cfg, tp: int, up: int, dp: int, seq: int, mb: int, ep: int = 1,
                  backward: bool = True, dtype_bytes: float = 2, sm: StepModel = CURRENT,
                  query_split: bool = False, ep_axis: str = "dp") -> list[LayerGroup]:
     """The step's layers as groups (module doc), in the order attention, MLP, MoE, Mamba.
-    ``ep_axis``: the MoE all-to-alls' group (`commfuse.sim.arch.expert_groups`)."""
+    ``ep_axis``: the MoE all-to-alls' group (`commfuse.sim.step.arch.expert_groups`)."""
     args = (tp, up, dp, seq, mb, backward, dtype_bytes, sm)
     if not is_hybrid(cfg):
         f, b = block_ops(cfg, *args, query_split=query_split)
@@ -90,7 +90,7 @@ def layer_groups(cfg, tp: int, up: int, dp: int, seq: int, mb: int, ep: int = 1,
 
 
 def layer_order(cfg, groups: list[LayerGroup]) -> list[LayerGroup]:
-    """Each layer's group in the model's order (`commfuse.sim.arch.sublayers` for hybrids)."""
+    """Each layer's group in the model's order (`commfuse.sim.step.arch.sublayers` for hybrids)."""
     if len(groups) == 1 and groups[0].kind == "block":
         return [groups[0]] * groups[0].count
     by_kind = {g.kind: g for g in groups}
@@ -136,7 +136,7 @@ def moe_ops(cfg, tp: int, up: int, dp: int, ep: int, seq: int, mb: int, backward
 def mamba_ops(cfg, tp: int, up: int, dp: int, seq: int, mb: int, backward: bool = True,
               a: float = 2, sm: StepModel = CURRENT) -> tuple[list, list]:
     """(forward, backward) ops of one Mamba-2 mixer on a rank: its two projections (module
-    doc); the conv1d, scan and gated norm are `commfuse.sim.layer_work`'s."""
+    doc); the conv1d, scan and gated norm are `commfuse.sim.step.work`'s."""
     m, D, n = cfg.mamba, cfg.dim, mb * seq
     if tp == 1:
         lin = _linear_zero3 if dp > 1 else _linear_local
@@ -163,12 +163,12 @@ def mamba_ops(cfg, tp: int, up: int, dp: int, seq: int, mb: int, backward: bool 
 def hybrid_grad_sync_ops(cfg, tp: int, up: int, dp: int, ep: int = 1, dtype_bytes: float = 2,
                          sm: StepModel = CURRENT, ep_axis: str = "dp") -> list:
     """The per-step all-reduces of a hybrid model's replicated gradients, bucketed per group
-    of axes as `commfuse.sim.model_ops.grad_sync_ops` does for Llama: norms, the routers and
+    of axes as `commfuse.sim.step.ops.grad_sync_ops` does for Llama: norms, the routers and
     Mamba's small per-head parameters everywhere replicated; the embedding and head as
     there; attention, MLP, shared-expert and Mamba projections sharded over tp (and dp);
     routed experts sharded over dp (ep x edp) but replicated over tp (all-reduced there), or
     (``ep_axis="tp"``) sharded over tp and dp."""
-    from commfuse.sim.arch import matmul_weights
+    from commfuse.sim.step.arch import matmul_weights
 
     D, V, T = cfg.dim, cfg.vocab_size, tp * up
     s = sublayers(cfg)

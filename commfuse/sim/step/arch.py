@@ -1,7 +1,7 @@
 """Model configs beyond the Llama block, for planning: mixture-of-experts layers and hybrid
 Mamba-2 / attention stacks, as typed data (`HybridConfig`, `MoESpec`, `MambaSpec`) and presets.
 
-    from commfuse.sim.arch import PRESETS, sublayers
+    from commfuse.sim.step.arch import PRESETS, sublayers
     cfg = PRESETS["nemotron-h-8b"]
     sublayers(cfg)  # "M-M-M-M*-M-...": one character per layer
 

@@ -8,15 +8,15 @@ step time of `simulate_step` (equivalently by MFU: the global batch is the same 
 A layout is valid when `ParallelDims` accepts it for the model (tp divides the heads, kv heads
 and FFN; up the heads and kv heads; tp*up the sequence; dp the global batch and the rows of
 every DP-sharded weight) and the batch splits into whole micro-batches. TP and UP are not
-combined (the plans do not support it). A model with MoE layers (`commfuse.sim.arch`) also
+combined (the plans do not support it). A model with MoE layers (`commfuse.sim.step.arch`) also
 takes every expert-parallel size ep that divides dp and its experts (the ep group is made of
-DP ranks, `commfuse.sim.layers`) and, with tp > 1, the experts split over the TP group (ep =
+DP ranks, `commfuse.sim.step.layers`) and, with tp > 1, the experts split over the TP group (ep =
 tp, as ``commfuse train --ep`` runs them; "Ntp" in the tables); Mamba layers need their heads and groups split over tp
 and no Ulysses. All plans share one `OpTimer`, so an op that several plans run is simulated
 once.
 
-With a `commfuse.sim.work.TrainSetup` (``setup``), each plan is the whole training step of
-`commfuse.sim.train_step.simulate_train_step` (memory-bound work, recompute, optimizer, FSDP
+With a `commfuse.sim.step.work.TrainSetup` (``setup``), each plan is the whole training step of
+`commfuse.sim.step.train.simulate_train_step` (memory-bound work, recompute, optimizer, FSDP
 prefetch, peak memory): plans that fit the device come first, each group ranked by tokens
 per second per device (with ``local_batch`` the global batch is dp x local_batch, so it
 differs between layouts). `plan_records` turns plans into JSON-ready dicts.
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commfuse.sim.arch import check_layout, sublayers
-from commfuse.sim.model_ops import CURRENT, StepModel, model_config
-from commfuse.sim.step import OpTimer, StepResult, simulate_step
-from commfuse.sim.work import TrainSetup
+from commfuse.sim.step.arch import check_layout, sublayers
+from commfuse.sim.step.ops import CURRENT, StepModel, model_config
+from commfuse.sim.step.timing import OpTimer, StepResult, simulate_step
+from commfuse.sim.step.work import TrainSetup
 
 METHODS = ("none", "sliced", "decompose", "commfuse")
 
@@ -130,13 +130,13 @@ def plan(model, devices: int, hw="h100-nvlink", *, seq: int, batch: int | None =
     step (default: ``devices``), or ``local_batch`` sequences per DP replica;
     ``micro_batch``: sequences per forward/backward (default 1, or the local batch).
     ``method_opts``: options passed to the methods that take them (`method_options`).
-    ``step_model``: which training step (`commfuse.sim.model_ops.StepModel`). ``setup``: plan
+    ``step_model``: which training step (`commfuse.sim.step.ops.StepModel`). ``setup``: plan
     whole training steps (module doc); None: the GEMMs and collectives only, ranked by step
     time (tokens/s per device, with ``local_batch``). ``only``: a (tp, up, dp) to time
     alone, or (tp, up, dp, ep) for an MoE model (ep "tp": the experts over the TP group).
     ``ep``: plan this expert-parallel size only (MoE models; default: every valid one)."""
     from commfuse.parallel.config import ParallelDims
-    from commfuse.sim.train_step import simulate_train_step
+    from commfuse.sim.step.train import simulate_train_step
 
     if local_batch is not None and batch is not None:
         raise ValueError("give batch or local_batch, not both")
@@ -231,7 +231,7 @@ def table(plans, top: int | None = None) -> str:
 def train_table(plans, top: int | None = None) -> str:
     """A fixed-width table of whole-step ``plans`` (planned with a setup; best first): step
     time, tokens/s per device, MFU, peak memory and whether it fits, then the seconds per
-    step of each part (`commfuse.sim.train_step`): GEMMs and collectives as the ops run them
+    step of each part (`commfuse.sim.step.train`): GEMMs and collectives as the ops run them
     ("ops", FSDP's transfers taken out), fused attention, memory-bound work, recompute, what
     FSDP's prefetch leaves exposed (transfers and the compute they slow)."""
     eps = _ep_column(plans)

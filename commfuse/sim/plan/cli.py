@@ -11,7 +11,7 @@ import time
 
 from commfuse import sim
 from commfuse.schedule import TOPOLOGIES
-from commfuse.sim.model_ops import MODELS
+from commfuse.sim.step.ops import MODELS
 from commfuse.trace import write_gantt
 
 DESCRIPTION = """\
@@ -24,7 +24,7 @@ training step of each under every method, and print them best first: the plans t
 the device's memory first, by tokens/s per device. Writes the best plan's predicted timeline
 of its GEMMs and collectives as a Chrome trace (open in ui.perfetto.dev) and a PNG Gantt chart.
 
-The GEMMs and collectives of a step (commfuse.sim.simulate_step): for every micro-batch, the
+The GEMMs and collectives of a step (commfuse.sim.step.simulate_step): for every micro-batch, the
 forward and backward of every block and of the output head, with the fused ops the plans use
 (TPSP: AG->GEMM q|k|v and gate|up, GEMM->RS out-proj and down; Ulysses: GEMM->a2a,
 a2a->GEMM; ZeRO-3 DP: parameter all-gather fused with each GEMM, gradient reduce-scatter fused
@@ -34,14 +34,14 @@ dispatch all-to-all fused with the experts' gate|up GEMM and their down GEMM fus
 combine all-to-all on the ep group, with uniform routing's expected bytes (each rank sends
 tokens x top_k x (ep-1)/ep rows); Mamba-2 layers (nemotron-h-8b): in_proj's AG->GEMM and
 out_proj's GEMM->RS under TP, the conv1d and the scan as memory-bound work
-(commfuse/sim/layers.py, layer_work.py). Under TP/UP x DP the plans gather the TP/UP weights with a plain all-gather before
+(commfuse/sim/step/layers.py, work.py). Under TP/UP x DP the plans gather the TP/UP weights with a plain all-gather before
 each op. Each distinct op is simulated once on its own group (tp/up ranks are neighbours, dp
 strides over them; a group wider than --node-size uses --inter-hw's links), and the times are
 summed along the step: no overlap between consecutive ops. GEMM efficiency and, on the Hopper
 presets, fused attention come from published measurements (commfuse/sim/hardware.py);
 compute slows under a preset's power limit.
 
-The whole step (commfuse.sim.simulate_train_step; --ops-only leaves it out) adds: fused
+The whole step (commfuse.sim.step.simulate_train_step; --ops-only leaves it out) adds: fused
 attention; memory-bound work (norms, RoPE, SwiGLU, residuals, the cross-entropy on float32
 logits, the AdamW step with gradient clipping) by bytes over the memory bandwidth;
 activation checkpointing per block (--ac: none, selective = torchtitan's op policy, every
@@ -50,7 +50,7 @@ second matmul and all elementwise work recomputed, full = the block's forward ag
 prefetched behind the neighbouring block's compute, the reduce-scatter in float32 behind the
 backward, every parameter sharded over DP (method none; the fused methods keep their own
 schedules), under --sharding commfuse this repository's ZeRO-3 (no prefetch, norms and
-embedding replicated). Memory per rank (commfuse.sim.memory): float32 parameters, gradients
+embedding replicated). Memory per rank (commfuse.sim.step.memory): float32 parameters, gradients
 and AdamW states, activations under --ac, FSDP's gathered weights (root, current and
 prefetched block), then the larger of the loss (float32 logits; under TP vocabulary-parallel,
 with the head's gathered input) and one block's recompute and backward (under TP with the
@@ -91,12 +91,12 @@ def _parser() -> argparse.ArgumentParser:
       help=f"model preset, one of {', '.join(sorted(MODELS))}: Llama 2 7B/13B, Llama 3 "
            "8B/70B, Llama 3.2 1B, the CPU-sized tiny/small, MoE Mixtral 8x7B, Qwen3-30B-A3B, "
            "DeepSeek-V2-Lite, hybrid Mamba-2 Nemotron-H 8B (default 70b; shapes and sources "
-           "in commfuse/sim/model_ops.py and arch.py)")
+           "in commfuse/sim/step/ops.py and arch.py)")
     a("--hf-config", default=None, metavar="NAME|PATH",
       help="plan a transformers config instead of --model: a shipped name (mixtral-tiny, "
            "qwen3-moe-tiny, bamba-tiny, mamba2-tiny, llama-tiny, ...: commfuse/data/hf, as "
            "commfuse train --hf-config), a config.json or a directory holding one "
-           "(commfuse/sim/hf_config.py)")
+           "(commfuse/sim/plan/hf_config.py)")
     a("--set", action="append", default=[], metavar="FIELD=VALUE",
       help="override a field of the model preset (a LlamaConfig field, e.g. vocab_size=131072 "
            "or n_layers=40); repeatable")
@@ -160,10 +160,10 @@ def main_plan(argv=None) -> int:
     import json
 
     from commfuse.parallel.config import ParallelDims
-    from commfuse.sim.model_ops import StepModel, model_config
-    from commfuse.sim.plan import method_options, plan, plan_records, table, train_table
-    from commfuse.sim.step import OpTimer, simulate_step
-    from commfuse.sim.work import TrainSetup
+    from commfuse.sim.step.ops import StepModel, model_config
+    from commfuse.sim.plan.ranking import method_options, plan, plan_records, table, train_table
+    from commfuse.sim.step.timing import OpTimer, simulate_step
+    from commfuse.sim.step.work import TrainSetup
 
     if a.local_batch is not None and a.batch is not None:
         raise SystemExit("commfuse plan: give --batch or --local-batch, not both")
@@ -175,7 +175,7 @@ def main_plan(argv=None) -> int:
         except (ValueError, AssertionError):
             raise SystemExit(f"commfuse plan: --layout wants TP,UP,DP[,EP], got {a.layout!r}")
     if a.hf_config:
-        from commfuse.sim.hf_config import from_hf
+        from commfuse.sim.plan.hf_config import from_hf
 
         try:
             base = from_hf(a.hf_config)
@@ -253,7 +253,7 @@ def _lay(lay) -> str:
 
 def _layers(cfg) -> str:
     """The MoE and Mamba layers of a hybrid config, for the header."""
-    from commfuse.sim.arch import is_hybrid, sublayers
+    from commfuse.sim.step.arch import is_hybrid, sublayers
 
     if not is_hybrid(cfg):
         return ""

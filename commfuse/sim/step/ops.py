@@ -25,7 +25,7 @@ micro-batch of ``mb`` sequences of ``S`` tokens on one DP replica (``n = mb * S`
 one (`StepModel.previous()`), so both can be predicted. What the current step changes:
 
 - ``grad_sync="bucketed"``: the all-reduces run as buckets of ``bucket_mb`` posted during the
-  backward (DDP style); `commfuse.sim.step` counts exposed only the last bucket, or what does
+  backward (DDP style); `commfuse.sim.step.timing` counts exposed only the last bucket, or what does
   not fit behind the backward compute. ("end": all of them after the backward, exposed.)
 - ``vocab_parallel``: with tp or up > 1 the head's rows are sharded over that group (T ranks):
   the final hidden all-gathered fused with the head GEMM, [n/T, D] -> logits [n, V/T]; the
@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from commfuse.models.config import PRESETS as LLAMA_PRESETS, LlamaConfig
-from commfuse.sim.arch import PRESET_FIELDS as HYBRID_PRESETS, HybridConfig
+from commfuse.sim.step.arch import PRESET_FIELDS as HYBRID_PRESETS, HybridConfig
 
 FUSED = ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -61,7 +61,7 @@ MODELS: dict[str, dict] = {
     **LLAMA_PRESETS,
     "13b": dict(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, ffn_hidden=13824,
                 max_seq_len=4096),
-    **HYBRID_PRESETS,  # MoE and Mamba-2 hybrids (`commfuse.sim.arch`): Mixtral, Nemotron-H...
+    **HYBRID_PRESETS,  # MoE and Mamba-2 hybrids (`commfuse.sim.step.arch`): Mixtral, Nemotron-H...
 }
 
 
@@ -94,7 +94,7 @@ class StepModel:
     regather_prefetch: bool = True
     """TP, "regather": each AG->GEMM's re-gather is posted ahead by the backward of the
     GEMM->RS after it (`commfuse.ops.prefetch`), so its transfers overlap the local compute
-    between the two (`commfuse.sim.step.prefetch_credit`); it runs before its dx RS."""
+    between the two (`commfuse.sim.step.timing.prefetch_credit`); it runs before its dx RS."""
 
     def __post_init__(self):
         for name, allowed in (("grad_sync", ("bucketed", "end")),

@@ -1,4 +1,4 @@
-"""The work of a training step besides the GEMMs and collectives of `commfuse.sim.model_ops`:
+"""The work of a training step besides the GEMMs and collectives of `commfuse.sim.step.ops`:
 memory-bound kernels, fused attention, activation recompute and the optimizer, as data.
 
 Pure (no torch). Counts are per rank and per micro-batch of ``mb`` sequences of ``S`` tokens,
@@ -33,11 +33,36 @@ recomputes QK^T, 5 GEMMs to the forward's 2), at `Hardware.attention_efficiency`
 
 **Optimizer**: AdamW as torch's foreach implementation runs it on float32 states, plus gradient
 norm clipping: `OPTIMIZER_BYTES` per parameter on the rank.
+
+**Layers of other kinds** (a `commfuse.sim.step.arch.HybridConfig`): `elementwise_bytes`,
+`scan_time`, `saved_bytes`, `recomputed_gemms` and `rank_weights` give one layer of each kind
+(the "block" kind is exactly the Llama block's numbers above), per token on a rank between
+layers; under TP a sub-layer's tensors are sharded over the T = tp * up ranks (sequence or
+channels), so a rank moves ``nl`` tokens' worth, as there.
+
+- Attention (``*``) and MLP (``-``) sub-layers: the two halves of the Llama block's count,
+  each with one pre-norm and one residual add.
+- MoE (``E``): the router's float32 softmax and top-k over E, then as
+  `commfuse.sim.moe.layer_ops` counts the expert-parallel layer kernel by kernel, in bytes
+  per element of the ``top_k`` rows: the rows' gather (2 per element of D), the experts'
+  SwiGLU (5 per element of F_e), the weighted sum (6.5 per element of D); backward the
+  weighted sum's (9) and the scatter-add of the rows (3) over D, the SwiGLU's (13) over
+  F_e; the shared experts' SwiGLU as the MLP's.
+- Mamba-2 (``M``): the conv1d (fused with its silu: x | B | C read and written once), dt's
+  softplus, the gated group RMSNorm (y and z in, float32 statistics, out); its backward
+  twice the forward's bytes. The **scan** is timed separately (`scan_time`): the larger of
+  its bytes over the memory bandwidth (x, B, C, dt in, y out, the float32 chunk states
+  written and read) and its FLOPs (`commfuse.sim.step.arch.scan_flops`, the SSD count) at
+  `VECTOR_SHARE` of the GEMM peak. That rate is the H100 SXM datasheet's FP32 non-tensor
+  67 TFLOP/s over its 989 TFLOP/s dense BF16, applied to every preset: the SSD kernel runs
+  its chunk products on tensor cores, so this is an upper bound on the scan's time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+
+from commfuse.sim.step.arch import matmul_weights, scan_flops
 
 F32 = 4
 ATTN_BWD_FLOPS = 2.5
@@ -52,12 +77,13 @@ OPTIMIZER_BYTES = 8 + 12 + 8 + 16 + 8 + 8 + 8 + 16 + 4 + 8
 # 16), cast back (4+2).
 LOSS_BYTES_PER_LOGIT = 6 + 12 + 4 + 16 + 6
 AC_MODES = ("none", "selective", "full")
+VECTOR_SHARE = 67 / 989  # the scan's FLOP rate over the GEMM peak (module doc)
 
 
 @dataclass(frozen=True)
 class TrainSetup:
     """How the training step runs, beyond the layout: what `simulate_train_step` and
-    `commfuse.sim.memory` assume. Defaults: torchtitan's Llama 3 recipe (bf16 mixed precision
+    `commfuse.sim.step.memory` assume. Defaults: torchtitan's Llama 3 recipe (bf16 mixed precision
     with float32 master weights, AdamW, FSDP2)."""
 
     ac: str = "selective"
@@ -179,3 +205,105 @@ def local_gemm(name: str, i: int, o: int, n: int, tp: int, up: int) -> tuple:
     if tp > 1:
         return (n, i // tp, o) if name in ("wo", "w_down") else (n, i, o // tp)
     return (n // up, i, o)
+
+
+def _norm_add(cfg, a: float, backward: bool) -> float:
+    """One RMSNorm and one residual add per token: half of the block's width bytes."""
+    return block_width_bytes(cfg, a, backward) / 2
+
+
+def elementwise_bytes(cfg, kind: str, a: float = 2, backward: bool = False) -> float:
+    """Bytes the memory-bound kernels of one layer of ``kind`` move per token (module doc);
+    the scan is `scan_time`'s."""
+    if kind == "block":
+        return block_elementwise_bytes(cfg, a, backward)
+    D = cfg.dim
+    G, Hd, F = cfg.n_kv_heads * cfg.head_dim, cfg.n_heads * cfg.head_dim, cfg.ffn_hidden
+    swiglu = 9 * a if backward else 5 * a
+    if kind == "*":
+        rope = (a + F32) + 2 * F32 + (F32 + a)
+        repeat = 2 * a * (G + Hd) if G < Hd else 0
+        return _norm_add(cfg, a, backward) + rope * (Hd + G) + repeat + 2 * a * Hd
+    if kind == "-":
+        return _norm_add(cfg, a, backward) + swiglu * F
+    if kind == "E":  # as commfuse.sim.moe.layer_ops counts the EP layer's elementwise work
+        m = cfg.moe
+        k, E, kF = m.top_k, m.experts, m.top_k * m.expert_ffn
+        moe = 3 * F32 * E + (12 * k * D + 13 * kF if backward else 8.5 * k * D + 5 * kF) * a
+        return _norm_add(cfg, a, backward) + moe + swiglu * m.shared_ffn
+    m = cfg.mamba  # "M"
+    fwd = 2 * m.conv_dim * a + 2 * m.heads * F32 + 3 * m.d_inner * a + 2 * m.d_inner * F32
+    return _norm_add(cfg, a, backward) + fwd * (2 if backward else 1)
+
+
+def scan_time(hw, cfg, seq: int, tokens: float, T: int, a: float = 2,
+              backward: bool = False) -> float:
+    """Seconds of one Mamba layer's scan over ``tokens`` tokens of ``seq``-long sequences on
+    a rank whose heads are 1/T of them (module doc); backward: twice the forward."""
+    m = cfg.mamba
+    per_token = (2 * m.d_inner + 2 * m.n_groups * m.d_state) * a + m.heads * F32 \
+        + 2 * m.heads * m.head_dim * m.d_state * F32 / min(m.chunk, seq)
+    rate = hw.gemm_flops * hw.clock_factor() * VECTOR_SHARE
+    t = max(mem_time(hw, per_token * tokens / T), scan_flops(m, seq) * tokens / T / rate)
+    return 2 * t if backward else t
+
+
+def saved_bytes(cfg, kind: str, ac: str, a: float = 2) -> float:
+    """Bytes one layer of ``kind`` keeps for its backward per token under ``ac``."""
+    if kind == "block":
+        return block_saved_bytes(cfg, ac, a)
+    D = cfg.dim
+    G, Hd, F = cfg.n_kv_heads * cfg.head_dim, cfg.n_heads * cfg.head_dim, cfg.ffn_hidden
+    if ac == "full":
+        return a * D  # the layer's input
+    if kind == "*":
+        lse = F32 * cfg.n_heads
+        if ac == "selective":  # input, q, v, attention's output and lse
+            return a * D + 2 * a * Hd + a * G + lse
+        return (F32 + a) * D + F32 * (Hd + G) + 5 * a * Hd + lse
+    if kind == "-":
+        return a * D + a * F if ac == "selective" else (F32 + a) * D + 4 * a * F
+    if kind == "E":
+        m = cfg.moe
+        k = m.top_k
+        if ac == "selective":  # input, router logits, gate outputs, down's output
+            return a * D + F32 * m.experts + a * k * m.expert_ffn + a * k * D + a * m.shared_ffn
+        return ((F32 + a) * D + F32 * m.experts + 2 * k * D * a + 4 * a * k * m.expert_ffn
+                + 4 * a * m.shared_ffn)
+    m = cfg.mamba  # "M"
+    if ac == "selective":  # input, in_proj's output, y into out_proj
+        return a * D + a * m.in_proj_out + a * m.d_inner
+    return (F32 + a) * D + a * m.in_proj_out + a * m.conv_dim + 3 * a * m.d_inner
+
+
+def recomputed_gemms(cfg, kind: str, tp: int, up: int, ep: int, n: int) -> list[tuple]:
+    """(m, k, n) of the GEMMs one layer of ``kind`` runs again under selective AC (every
+    second matmul in forward order, torchtitan's policy) for ``n`` tokens per micro-batch."""
+    if kind == "block":
+        return [local_gemm(nm, i, o, n, tp, up)
+                for nm, i, o in recomputed_linears(cfg, "selective")]
+    lin = block_linears(cfg)
+    if kind == "*":
+        return [local_gemm(nm, i, o, n, tp, up) for nm, i, o in lin[:4][1::2]]
+    if kind == "-":
+        return [local_gemm(nm, i, o, n, tp, up) for nm, i, o in lin[4:][1::2]]
+    nl = n // (tp * up)
+    if kind == "E":  # router, experts' gate, up, down: the gate... every second: up and down
+        m = cfg.moe
+        return [(nl * m.top_k, cfg.dim, m.expert_ffn), (nl * m.top_k, m.expert_ffn, cfg.dim)]
+    m = cfg.mamba  # in_proj, out_proj: out_proj
+    if tp > 1:
+        return [(n, m.d_inner // tp, cfg.dim)]
+    return [(nl, m.d_inner, cfg.dim)]
+
+
+def rank_weights(cfg, kind: str, tp: int, ep: int) -> tuple[float, float]:
+    """(dense, expert) matmul weights of one layer of ``kind`` on a rank before DP sharding:
+    dense ones over tp (the router is replicated), routed experts E/ep of them."""
+    if kind == "block":
+        return sum(i * o for _, i, o in block_linears(cfg)) / tp, 0.0
+    dense, expert = matmul_weights(cfg, kind)
+    if kind == "E":
+        router = cfg.dim * cfg.moe.experts
+        return (dense - router) / tp + router, expert / ep
+    return dense / tp, 0.0

@@ -1,7 +1,7 @@
 """Published training runs that `commfuse plan` is checked against, as data (docs/planning.md
 holds the table, tests/test_plan_2d.py the bounds, scripts/plan_validation.py prints them).
 
-    from commfuse.sim.published import RUNS
+    from commfuse.sim.plan.published import RUNS
     for run in RUNS:
         print(run.command(), run.tps_per_gpu, run.memory_gib)
 

@@ -1,6 +1,6 @@
 """Peak device memory of one rank in a training step: `step_memory`.
 
-    from commfuse.sim.memory import step_memory
+    from commfuse.sim.step.memory import step_memory
     m = step_memory("8b", tp=1, up=1, dp=8, seq=8192, mb=2)
     m.peak_gib, m.parts  # GiB; bytes per part
 
@@ -15,7 +15,7 @@ T = tp * up):
   are counted although the step frees them before its forward (``zero_grad``): the caching
   allocator keeps their blocks, which are smaller than the activations that follow and so
   are not reused.
-- **activations** kept for the backward by every block (`commfuse.sim.work.block_saved_bytes`
+- **activations** kept for the backward by every block (`commfuse.sim.step.work.block_saved_bytes`
   under the AC mode) on the rank's ``nl`` tokens, plus the final norm's (float32 input and
   normed output).
 - **gathered weights** (FSDP, `fsdp_gathered_bytes`): the root's (embedding and head, kept
@@ -57,9 +57,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commfuse.sim import layer_work, work
-from commfuse.sim.arch import expert_groups, is_hybrid, sublayers
-from commfuse.sim.model_ops import CURRENT, StepModel, model_config
+from commfuse.sim.step import work
+from commfuse.sim.step.arch import expert_groups, is_hybrid, sublayers
+from commfuse.sim.step.ops import CURRENT, StepModel, model_config
 
 GIB = 2 ** 30
 # Bytes per logit the cross-entropy holds at its peak (module doc): plain (log_softmax then
@@ -111,7 +111,7 @@ def rank_params(cfg, tp: int, up: int, dp: int, setup: work.TrainSetup,
     norms = (sublayer_norms(cfg) + 1) * D / (dp if setup.fsdp else 1)
     layers = 0.0
     for g, count in _kinds(cfg):
-        dense, expert = layer_work.rank_weights(cfg, g, tp, ep)
+        dense, expert = work.rank_weights(cfg, g, tp, ep)
         layers += count * (dense / dp + expert / edp)
     return layers + emb + head + norms
 
@@ -157,7 +157,7 @@ def fsdp_gathered_bytes(cfg, tp: int, up: int, a: float = 2,
     experts E/ep). The peak holds the root and two blocks."""
     vocab_t = tp * up if sm.vocab_parallel and tp * up > 1 else 1
     root = cfg.vocab_size * cfg.dim / vocab_t * (1 if cfg.tie_embeddings else 2)
-    block = max(sum(layer_work.rank_weights(cfg, k, tp, ep)) for k, _ in _kinds(cfg))
+    block = max(sum(work.rank_weights(cfg, k, tp, ep)) for k, _ in _kinds(cfg))
     return root * a, block * a
 
 
@@ -175,8 +175,8 @@ def block_backward_bytes(cfg, tp: int, up: int, dp: int, n: int, setup: work.Tra
     """What one block's (one layer of ``kind``'s) recompute and backward hold on a rank for
     ``n`` tokens, besides the running op's buffer (module doc)."""
     nl, D = n / (tp * up), cfg.dim
-    block_w = sum(layer_work.rank_weights(cfg, kind, tp, ep))
-    held = layer_work.saved_bytes(cfg, kind, "none", a) * nl if setup.ac != "none" else 0.0
+    block_w = sum(work.rank_weights(cfg, kind, tp, ep))
+    held = work.saved_bytes(cfg, kind, "none", a) * nl if setup.ac != "none" else 0.0
     gathered = {"block": 2, "*": 1, "-": 1, "M": 1}.get(kind, 0)
     if kind == "E" and cfg.moe.shared_ffn:
         gathered = 1
@@ -195,9 +195,9 @@ def step_memory(model, tp: int, up: int, dp: int, seq: int, mb: int, method: str
     """Peak memory of one rank training ``model`` under (tp, up, dp) with micro-batches of
     ``mb`` sequences of ``seq`` tokens (module doc). ``method``: the fused ops' method (their
     buffers); ``capacity_gib``: the device's memory, for `MemoryEstimate.fits`; ``ep``:
-    expert-parallel ranks (MoE; `commfuse.sim.layers`), ``ep_axis`` their group
-    (`commfuse.sim.arch.expert_groups`)."""
-    from commfuse.sim.layers import layer_groups
+    expert-parallel ranks (MoE; `commfuse.sim.step.layers`), ``ep_axis`` their group
+    (`commfuse.sim.step.arch.expert_groups`)."""
+    from commfuse.sim.step.layers import layer_groups
 
     cfg, a = model_config(model), dtype_bytes
     T, n = tp * up, mb * seq
@@ -205,7 +205,7 @@ def step_memory(model, tp: int, up: int, dp: int, seq: int, mb: int, method: str
     p = rank_params(cfg, tp, up, dp, setup, sm, ep, ep_axis)
     parts = {"params": p * setup.param_bytes, "grads": p * setup.grad_bytes,
              "optimizer": p * setup.optimizer_bytes}
-    parts["activations"] = (sum(c * layer_work.saved_bytes(cfg, k, setup.ac, a)
+    parts["activations"] = (sum(c * work.saved_bytes(cfg, k, setup.ac, a)
                                 for k, c in _kinds(cfg)) + (work.F32 + a) * cfg.dim) * nl
     gathered = 0.0
     if dp > 1 and setup.fsdp and (method in ("none", "auto") or T > 1):  # FSDP's gathers
