@@ -1,5 +1,4 @@
-"""A hardware model's compute (`commfuse.sim.Hardware`) fitted, at start, to the device the
-ranks run on.
+"""A hardware model's compute (`commfuse.sim.Hardware`) fitted, at start, to this device.
 
 A preset's compute figures are one machine's fit, and a VM does not keep one speed (the CPU
 testbed's GEMM rate has moved by 2x between VMs of one kind, its attention and elementwise
