@@ -301,33 +301,25 @@ def test_checkpoint_of_dtensor_params_loads_unsharded():
 
 # --- no processes: what parallelize refuses ------------------------------------------------
 
-def test_unknown_architecture_names_what_is_missing():
-    import transformers
-    from commfuse.tp.hf import check
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2,
-                                                                vocab_size=10))
-    with pytest.raises(ValueError, match=r"does not know GPT2LMHeadModel.*missing: "
-                                         r"model\.embed_tokens, model\.layers, model\.norm"):
-        check(gpt2, 2)
-
-
 @pytest.mark.parametrize("arch,cfg,T,match", [
     ("llama", {"num_attention_heads": 4}, 3, r"num_attention_heads \(4\) must be divisible"),
     ("llama", {"num_attention_heads": 12, "num_key_value_heads": 3, "hidden_size": 48}, 4,
      r"num_key_value_heads \(3\) and the TP size \(4\)"),
-    ("llama", {"tie_word_embeddings": True}, 2, "tied input/output embeddings"),
+    ("llama", {"vocab_size": 3}, 4, r"vocab size \(3\) is below the TP size"),
 ])
-def test_check_rejects(arch, cfg, T, match):
+def test_plan_rejects(arch, cfg, T, match):
     import transformers
-    from commfuse.tp.hf import check
+    from commfuse.tp.plan import derive_plan
     c = transformers.LlamaConfig(**{**CFG, **cfg})
     with pytest.raises(ValueError, match=match):
-        check(transformers.LlamaForCausalLM(c), T)
+        derive_plan(transformers.LlamaForCausalLM(c), T)
 
 
-def test_check_returns_kv_replication():
-    from commfuse.tp.hf import check
-    assert check(build("llama"), 2) == 1 and check(build("llama"), 4) == 2
+def test_plan_replicates_kv_heads_when_fewer_than_ranks():
+    from commfuse.tp.plan import derive_plan
+    for T, k in ((2, 1), (4, 2)):
+        styles = derive_plan(build("llama"), T).styles
+        assert styles["model.layers.0.self_attn.k_proj"].replicas == k
 
 
 @pytest.mark.parametrize("kw,err,match", [

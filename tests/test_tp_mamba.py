@@ -29,7 +29,8 @@ from test_tp import outputs_match
 CFG = dict(vocab_size=63, hidden_size=16, expand=2, num_heads=8, head_dim=4, state_size=8,
            chunk_size=4, num_hidden_layers=2, conv_kernel=4, tie_word_embeddings=False)
 LAYOUTS = {"g2": {"n_groups": 2}, "g1": {"n_groups": 1},
-           "g4-bias": {"n_groups": 4, "use_bias": True}}
+           "g4-bias": {"n_groups": 4, "use_bias": True},
+           "g2-tied": {"n_groups": 2, "tie_word_embeddings": True}}
 # the hybrid: layer 0 Mamba-2 (2 groups), layer 1 attention (4 heads, 2 kv heads), SwiGLU MLPs
 BAMBA = dict(vocab_size=63, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
              attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
@@ -59,6 +60,7 @@ TOL = {"": 1e-5, "mask": 1e-5, "bf16": 8e-2, "lp": 1e-5}
 # (vocabulary-sharded logits and loss; also a loss_function call with num_items_in_batch)
 EXACT = ([("g2", m, "") for m in METHODS] + [("g1", m, "") for m in ("none", "commfuse", "auto")]
          + [("g4-bias", "commfuse", ""), ("g4-bias", "auto", ""), ("g2", "commfuse", "mask"),
+            ("g2-tied", "commfuse", ""),
             ("g1", "commfuse", "bf16"), ("g1", "auto", "lp")]
          + [("bamba", m, "") for m in ("none", "commfuse", "auto")]
          + [("nemotron-h", m, "") for m in ("none", "commfuse", "auto")]
@@ -276,7 +278,6 @@ def test_layout_rows_are_each_ranks_heads_and_groups():
      r"mixer: num_heads \(6\) must be divisible by the TP size \(4\)"),
     ({"num_heads": 6, "head_dim": 4, "hidden_size": 12, "n_groups": 3}, 2,
      r"n_groups \(3\) and the TP size \(2\) must divide one another"),
-    ({"tie_word_embeddings": True}, 2, "tied input/output embeddings"),
 ])
 def test_check_rejects(over, T, match):
     from commfuse.tp.hf_mamba import check

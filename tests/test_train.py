@@ -164,7 +164,7 @@ def test_link_flag_chooses_where_local_ranks_run(monkeypatch):
     import argparse
 
     from commfuse.testbed import net
-    from commfuse.train.loop import on_emulated_cluster
+    from commfuse.train.command import on_emulated_cluster
 
     p = argparse.ArgumentParser()
     train.add_arguments(p)

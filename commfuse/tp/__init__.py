@@ -5,16 +5,19 @@ all-gather / reduce-scatter fused with its GEMM by commfuse.
     style.py       ParallelStyles for torch's parallelize_module: FusedColwiseParallel,
                    FusedRowwiseParallel, FusedProjections, SequenceParallelNorm,
                    ReplicateParallel, ShardSequence, and the shared SeqSplit
-    hf.py          parallelize(model, mesh): the plan for transformers' Llama/Mistral/Qwen2/Qwen3
-    mesh.py        tp_mesh: the "tp" dim of a user's mesh
+    plan.py        parallelize(model, mesh): the plan derived from a transformers causal LM's
+                   base_model_tp_plan and module types (derive_plan), refusing what it
+                   does not cover
     plan_styles.py the styles every whole-model plan shares (plan_styles)
+    mesh.py        tp_mesh: the "tp" dim of a user's mesh
+    attention.py   this rank's heads: local_heads, packed q|k|v and gate|up rows
+    norms.py       SplitDimNorm: an RMSNorm over a TP-split dim (OLMo 2's q/k norm)
+    embedding.py   VocabParallelEmbedding: a tied embedding sharing the head's vocabulary rows
     loss.py        loss_parallel=True: vocabulary-sharded logits and their cross-entropy
+    experts.py     ExpertParallel: a sparse MoE block's experts split over the mesh
     mamba.py       MambaMixerParallel: a Mamba-2 mixer's TPSP (MixerLayout: its rows per rank)
     hf_mamba.py    parallelize_mamba: the plans for transformers' Mamba2ForCausalLM,
                    BambaForCausalLM and NemotronHForCausalLM (parallelize dispatches to it)
-    experts.py     ExpertParallel: a sparse MoE block's experts split over the mesh
-    hf_moe.py      parallelize_moe: MixtralForCausalLM and Qwen3MoeForCausalLM, experts split
-                   over the TP ranks (parallelize dispatches to it)
 
 Exports resolve lazily (PEP 562).
 """
@@ -27,10 +30,11 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "commfuse.tp.style": ("FusedColwiseParallel", "FusedRowwiseParallel", "FusedProjections",
                           "SequenceParallelNorm", "ReplicateParallel", "ShardSequence",
                           "SeqSplit"),
-    "commfuse.tp.hf": ("parallelize",),
+    "commfuse.tp.plan": ("parallelize", "derive_plan"),
     "commfuse.tp.mesh": ("tp_mesh",),
     "commfuse.tp.mamba": ("MambaMixerParallel", "MixerLayout"),
     "commfuse.tp.hf_mamba": ("parallelize_mamba",),
-    "commfuse.tp.hf_moe": ("parallelize_moe",),
+    "commfuse.tp.embedding": ("VocabParallelEmbedding",),
+    "commfuse.tp.norms": ("SplitDimNorm",),
     "commfuse.tp.experts": ("ExpertParallel",),
 })

@@ -5,6 +5,8 @@ Each is a Megatron-style conjugate pair (forward / backward) over one ProcessGro
     shard_seq     slice this rank's sequence shard     all-gather the shards' gradients
     gather_cols   all-gather the column shards         keep this rank's columns of the gradient
     sum_grad      identity                             all-reduce (sum) the gradient
+    scatter_sum   reduce-scatter partial sums          all-gather the shards' gradients
+    all_sum       all-reduce (sum)                     all-reduce (sum) the gradient
 
 ``sum_grad`` is how a replicated parameter that sees only part of the work on each rank (a
 norm on a sequence shard, a bias added to a shard, q_norm/k_norm on a head group) gets the
@@ -76,10 +78,7 @@ class _SumGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        buf = g.new_zeros((ctx.slots, *g.shape))
-        buf[ctx.slot].copy_(g)
-        dist.all_reduce(buf, group=ctx.group)
-        return buf[ctx.slot], None, None, None
+        return _slot_sum(g, ctx.group, ctx.slot, ctx.slots), None, None, None
 
 
 def shard_seq(x_S: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
@@ -99,3 +98,59 @@ def sum_grad(p: torch.Tensor, group, slot: int = 0, slots: int = 1) -> torch.Ten
     """``p`` unchanged; its gradient summed over the ranks of ``group`` that pass the same
     ``slot`` (of ``slots``; default: every rank)."""
     return _SumGrad.apply(p, group, slot, slots)
+
+
+class _ScatterSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_S, dim, sizes, group):
+        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
+        longest, parts = max(sizes), []
+        for p in x_S.split(list(sizes), dim):
+            if p.shape[dim] < longest:
+                shape = list(p.shape)
+                shape[dim] = longest - p.shape[dim]
+                p = torch.cat([p, p.new_zeros(shape)], dim)
+            parts.append(p.contiguous())
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=group)
+        return out.narrow(dim, 0, sizes[group.rank()]).contiguous()
+
+    @staticmethod
+    def backward(ctx, g_s):
+        return all_gather_dim(g_s, ctx.dim, ctx.sizes, ctx.group), None, None, None
+
+
+class _AllSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, slot, slots):
+        ctx.args = group, slot, slots
+        return _slot_sum(x, group, slot, slots)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _slot_sum(g, *ctx.args), None, None, None
+
+
+def _slot_sum(x: torch.Tensor, group, slot: int, slots: int) -> torch.Tensor:
+    if slots == 1:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+    buf = x.new_zeros((slots, *x.shape))
+    buf[slot].copy_(x)
+    dist.all_reduce(buf, group=group)
+    return buf[slot]
+
+
+def scatter_sum(x_S: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
+    """This rank's part of ``dim`` of the sum of every rank's ``x_S`` (a reduce-scatter;
+    rank p's part is ``sizes[p]`` long); the backward all-gathers the parts' gradients, so
+    each rank's ``x_S`` gets the whole gradient (it entered the sum once)."""
+    return _ScatterSum.apply(x_S, dim, tuple(sizes), group)
+
+
+def all_sum(x: torch.Tensor, group, slot: int = 0, slots: int = 1) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of ``group`` that pass the same ``slot`` (of ``slots``;
+    default: every rank), an all-reduce; its gradient is summed the same way (each rank's
+    output read every such rank's ``x``)."""
+    return _AllSum.apply(x, group, slot, slots)

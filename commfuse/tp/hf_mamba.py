@@ -41,11 +41,13 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.mamba import MambaMixerParallel, MixerLayout, mixer_layout
+from commfuse.tp.attention import attention_plan
+from commfuse.tp.embedding import Partial, VocabParallelEmbedding, tie
 from commfuse.tp.experts import ExpertParallel, expert_weights, is_sparse
 from commfuse.tp.loss import head_style, install_loss_parallel
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.plan_styles import plan_styles
-from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, ReplicateParallel,
+from commfuse.tp.style import (FusedProjections, ReplicateParallel,
                                ShardSequence)
 
 # class name -> (embedding, layers, final norm): the module names its plan uses
@@ -120,10 +122,6 @@ def check(model: nn.Module, T: int) -> dict[str, MixerLayout]:
     if missing:
         raise ValueError(f"commfuse.tp.parallelize does not know {name} as a Mamba-2 model "
                          f"({', '.join(KNOWN)}); missing: {', '.join(missing)}")
-    emb, _, _ = KNOWN[name]
-    if model.lm_head.weight is model.get_submodule(emb).weight:
-        raise ValueError("tied input/output embeddings are not supported by commfuse.tp "
-                         "(the head is vocab-sharded, the embedding replicated): untie them")
     if model.lm_head.out_features < T:
         raise ValueError(f"vocab size ({model.lm_head.out_features}) is below the TP size ({T})")
     roles = _roles(model)
@@ -163,7 +161,10 @@ def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto
     moe = ExpertParallel(split=split, method=method,
                          replicate=("fc1_latent_proj", "fc2_latent_proj"), **opts)
     emb, layers, final = KNOWN[type(model).__name__]
-    plan = {emb: ReplicateParallel(), f"{layers}.0": ShardSequence(split, prefetch=chain),
+    tied = model.lm_head.weight is model.get_submodule(emb).weight
+    partial = Partial() if tied else None  # tied: the head's vocabulary rows, summed at layer 0
+    plan = {emb: VocabParallelEmbedding(partial) if tied else ReplicateParallel(),
+            f"{layers}.0": ShardSequence(split, prefetch=chain, partial=partial),
             final: norm, "lm_head": head_style(model, loss_parallel, ag)}
     for mod, role in _roles(model).items():
         if role == "norm":
@@ -174,12 +175,14 @@ def parallelize_mamba(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto
             plan[mod] = moe
             plan.update(_mlp(mod + ".shared_experts", "mlp", chain, ag, col, row))
         elif role == "attention":
-            plan.update(_attention(model.get_submodule(mod), mod, model.config, T, chain, ag,
+            plan.update(attention_plan(model.get_submodule(mod), mod, model.config, T, chain, ag,
                                    col, row))
         else:
             plan.update(_mlp(mod, role, chain, ag, col, row))
     model.config.use_cache = False
     parallelize_module(model, mesh, plan)
+    if tied:
+        tie(model.get_submodule(emb), model.lm_head)
     if loss_parallel:
         install_loss_parallel(model, mesh.get_group())
     return model
@@ -191,14 +194,3 @@ def _mlp(name: str, role: str, chain, ag, col, row) -> dict:
     ups = LINEARS[role][:-1]
     return {name: FusedProjections(ups, prefetch=chain, **ag),
             **{f"{name}.{n}": col for n in ups}, name + ".down_proj": row}
-
-
-def _attention(attn: nn.Module, name: str, cfg, T: int, chain, ag, col, row) -> dict:
-    """The Llama-style attention plan (as `commfuse.tp.hf`): one fused q|k|v AG->GEMM, kv
-    heads replicated when fewer than ranks, o_proj GEMM->RS; sets the local head counts."""
-    H, G = cfg.num_attention_heads, cfg.num_key_value_heads
-    kv = FusedColwiseParallel(replicas=T // G if G < T else 1, **ag)
-    attn.num_key_value_groups = (H // T) // max(G // T, 1)
-    return {name: FusedProjections(("q_proj", "k_proj", "v_proj"), prefetch=chain, **ag),
-            name + ".q_proj": col, name + ".k_proj": kv, name + ".v_proj": kv,
-            name + ".o_proj": row}

@@ -38,13 +38,12 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from commfuse.ops.fused import fused_all_gather_matmul
-from commfuse.tp.functional import sum_grad
+from commfuse.tp.functional import all_sum, sum_grad
 from commfuse.tp.style import _Fused, _mesh_group, _param
 
 MIXER = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias")
@@ -131,26 +130,6 @@ def mixer_layout(mixer: nn.Module, T: int, where: str = "mixer") -> MixerLayout:
         raise ValueError(f"{where}: the gated norm's group_size ({mixer.norm.group_size}) must "
                          f"be intermediate_size / n_groups ({mixer.intermediate_size} / {G})")
     return MixerLayout(H, mixer.head_dim, G, mixer.ssm_state_size, T)
-
-
-class _SlotSum(torch.autograd.Function):
-    """Sum over the ranks of ``group`` that pass the same ``slot``; backward the same."""
-
-    @staticmethod
-    def forward(ctx, x, group, slot, slots):
-        ctx.args = group, slot, slots
-        return _slot_sum(x, group, slot, slots)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _slot_sum(g, *ctx.args), None, None, None
-
-
-def _slot_sum(x, group, slot, slots):
-    buf = x.new_zeros((slots, *x.shape))
-    buf[slot].copy_(x)
-    dist.all_reduce(buf, group=group)
-    return buf[slot]
 
 
 class MambaMixerParallel(_Fused):
@@ -243,7 +222,7 @@ class MambaMixerParallel(_Fused):
         yg = y.unflatten(-1, (parts, -1))
         ss = yg.pow(2).sum(-1, keepdim=True)
         if lay.replicas > 1:
-            ss = _SlotSum.apply(ss, group, group.rank() // lay.replicas,
+            ss = all_sum(ss, group, group.rank() // lay.replicas,
                                 group.size() // lay.replicas)
         var = ss / norm.group_size
         y = (yg * torch.rsqrt(var + norm.variance_epsilon)).flatten(-2)

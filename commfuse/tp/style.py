@@ -98,16 +98,22 @@ class FusedColwiseParallel(_Fused):
     columns are T/k blocks (kv head groups) each held by k consecutive ranks (GQA with fewer
     kv heads than ranks); the parameter is the block-repeated weight ``[k * out, K]`` and the
     gradients of one block's copies are summed, so the copies stay equal under any optimizer.
+    ``rows``: a packed projection (Phi-3's q|k|v, gate|up) whose rank-r rows are not one
+    contiguous block of the weight: the model rows every rank holds, in rank order (T equal
+    blocks); the parameter is ``Shard(0)`` of ``W[rows]`` (`commfuse.tp.attention.unpack_rows` maps it back).
     ``save_gathered=True`` keeps the gathered input for backward, as DTensor's styles do
     (`commfuse.fused_all_gather_matmul`): more memory, one gather fewer in backward.
     """
 
     def __init__(self, *, gather_output: bool = False, replicas: int = 1,
-                 save_gathered: bool = False, **kw):
+                 rows: torch.Tensor | None = None, save_gathered: bool = False, **kw):
         super().__init__(**kw)
         if not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be a positive int, got {replicas!r}")
+        if rows is not None and replicas > 1:
+            raise ValueError("rows and replicas > 1 do not combine")
         self.gather_output, self.replicas = gather_output, replicas
+        self.rows = None if rows is None else torch.as_tensor(rows, dtype=torch.long)
         self.op_kwargs["save_gathered"] = save_gathered
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -120,10 +126,14 @@ class FusedColwiseParallel(_Fused):
         if k > 1 and module.out_features % (T // k):
             raise ValueError(f"out_features ({module.out_features}) must be divisible by "
                              f"mesh size / replicas ({T // k}) to replicate its blocks")
+        if self.rows is not None and len(self.rows) % T:
+            raise ValueError(f"rows ({len(self.rows)}) must split into {T} equal blocks")
         for name in ("weight", "bias"):
             p = getattr(module, name)
             if p is not None:
                 t = p.detach()
+                if self.rows is not None:
+                    t = t[self.rows]
                 if k > 1:  # blocks b0 b1 .. -> b0 b0 b1 b1 .. (k copies each)
                     t = t.reshape(T // k, -1, *t.shape[1:]).repeat_interleave(k, 0).flatten(0, 1)
                 module.register_parameter(name, _param(t, device_mesh, Shard(0), p.requires_grad))
@@ -305,12 +315,17 @@ class ShardSequence(ParallelStyle):
     length along ``sequence_dim`` (any length: 10 over 4 ranks is 3, 3, 2, 2), recorded in
     ``split``. The backward all-gathers the shards' gradients (the module before it ran the
     same on every rank). With ``prefetch`` (the fused styles' `Prefetcher`), a gather posted
-    ahead in a backward that did not use it is waited out here, as the model's forward begins."""
+    ahead in a backward that did not use it is waited out here, as the model's forward begins.
+    With ``partial`` (a `commfuse.tp.embedding.Partial`: tied embeddings), an input derived
+    from the vocabulary-parallel embedding's partial output is reduce-scattered instead
+    (summed over the ranks onto the sequence shards)."""
 
     def __init__(self, split: SeqSplit | None = None, *, sequence_dim: int = 1,
-                 input_kwarg: str = "hidden_states", prefetch: Prefetcher | None = None):
+                 input_kwarg: str = "hidden_states", prefetch: Prefetcher | None = None,
+                 partial=None):
         self.split = SeqSplit() if split is None else split
         self.dim, self.input_kwarg, self.prefetch = sequence_dim, input_kwarg, prefetch
+        self.partial = partial
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = _mesh_group(device_mesh)
@@ -321,8 +336,10 @@ class ShardSequence(ParallelStyle):
                 raise ValueError(f"ShardSequence: {type(mod).__name__} got no tensor input")
             if self.prefetch is not None:
                 self.prefetch.drain()
-            self.split.sizes = even_sizes(x.shape[self.dim], group.size())
-            x = shard_seq(x, self.dim, self.split.sizes, group)
+            self.split.sizes = sizes = even_sizes(x.shape[self.dim], group.size())
+            summed = None if self.partial is None else self.partial.shard(
+                x, self.dim, sizes, group, type(mod).__name__)
+            x = shard_seq(x, self.dim, sizes, group) if summed is None else summed
             return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, self.input_kwarg: x})
 
         module.register_forward_pre_hook(pre, with_kwargs=True)

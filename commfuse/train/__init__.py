@@ -30,6 +30,7 @@ from commfuse import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "commfuse.train.config": ("TrainConfig", "DTYPES", "add_arguments", "config_from_args"),
-    "commfuse.train.loop": ("run", "launch", "train_rank", "lr_at", "seq_len_at"),
+    "commfuse.train.command": ("run",),
+    "commfuse.train.loop": ("launch", "train_rank", "lr_at", "seq_len_at"),
     "commfuse.train.__main__": ("main",),
 })

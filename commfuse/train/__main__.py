@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import commfuse.train
 from commfuse.train.config import add_arguments
-from commfuse.train.loop import run
+from commfuse.train.command import run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -162,25 +162,29 @@ def save_hf_checkpoint(model, root: str, step: int, rank: int, tp: int) -> str:
     renamed when complete), then named by ``root/latest`` (replaced atomically). k/v
     projections that `commfuse.tp` replicated over ranks (fewer kv heads than ranks) are
     saved once; Mamba-2 mixers' assembled in_proj / conv1d rows are saved in the model's
-    layout. Returns the directory."""
+    layout, packed projections (Phi-3's q|k|v) in the model's row order, a tied embedding
+    once. Returns the directory."""
     import os
     import shutil
     from pathlib import Path
 
     from torch.distributed.tensor import DTensor
 
+    from commfuse.tp.attention import unpack_rows
+
     state = {}
     # Mamba-2 mixers: in_proj / conv1d hold every rank's rows assembled (`commfuse.tp.mamba`)
     layouts = {n: m._commfuse_layout for n, m in model.named_modules()
                if hasattr(m, "_commfuse_layout")}
     for mod_name, mod in model.named_modules():
-        k = getattr(getattr(mod, "_commfuse_colwise", None), "replicas", 1)
+        # replicated kv blocks, packed projections and their split norms: the model's rows
+        style = getattr(mod, "_commfuse_colwise", getattr(mod, "_commfuse_split_norm", None))
         parent, _, leaf = mod_name.rpartition(".")
         lay = layouts.get(parent) if leaf in ("in_proj", "conv1d") else None
         for name, p in mod.named_parameters(recurse=False):
             t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-            if k > 1:  # blocks b0 b0 b1 b1 .. (k copies each): one of each
-                t = t.reshape(tp, -1, *t.shape[1:])[::k].flatten(0, 1)
+            if style is not None:
+                t = unpack_rows(style, t, tp)
             if lay is not None:  # back to the model's row order
                 t = lay.to_model(t, lay.in_rows() if leaf == "in_proj" else lay.conv_rows())
             state[f"{mod_name}.{name}".lstrip(".")] = t.contiguous().cpu()

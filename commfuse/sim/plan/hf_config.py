@@ -23,6 +23,7 @@ from commfuse.sim.step.arch import HybridConfig, MambaSpec, MoESpec
 
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "hf"
 LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+PLANNED_TYPES = LLAMA_TYPES + ("mixtral", "qwen3_moe", "bamba", "mamba2", "nemotron_h")
 NEMOTRON_KINDS = {"linear_attention": "M", "mamba": "M", "full_attention": "*",
                   "attention": "*", "mlp": "-", "moe": "E"}
 
@@ -92,4 +93,4 @@ def from_hf(name_or_path) -> LlamaConfig:
                           hf["n_groups"], hf.get("conv_kernel", 4), hf.get("chunk_size", 256))
         return HybridConfig(pattern=pattern, mamba=mamba, **{**common, "ffn_hidden": F})
     raise ValueError(f"model_type {kind!r} is not planned; use one of "
-                     f"{', '.join(LLAMA_TYPES + ('mixtral', 'qwen3_moe', 'bamba', 'mamba2', 'nemotron_h'))}")
+                     f"{', '.join(PLANNED_TYPES)}")

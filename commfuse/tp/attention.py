@@ -1,0 +1,116 @@
+"""Attention under TPSP: each rank runs the whole sequence of its heads.
+
+On T ranks with H query heads and G kv heads, rank r holds query heads
+``[r H/T, (r+1) H/T)`` and kv heads ``[r G/T, (r+1) G/T)``, or, when G < T, the one kv head
+its query heads read, replicated on the T/G ranks that share it (`FusedColwiseParallel`
+``replicas``). `local_heads` tells the attention module these counts (its head attributes,
+and a `LocalHeads` view of its config for code that reads the config's head counts, such as
+Phi-3's split of its packed q|k|v). Packed projections hold whole heads per rank:
+`packed_qkv_rows` (q|k|v) and `halves_rows` (gate|up) give the rows each rank owns;
+`unpack_rows` puts a full parameter back in the model's layout (checkpoints, tests).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from commfuse.tp.style import FusedColwiseParallel, FusedProjections
+
+QKV = ("q_proj", "k_proj", "v_proj")
+KV = ("k_proj", "v_proj")
+
+
+class LocalHeads:
+    """A model config as one rank's attention sees it: ``num_attention_heads`` and
+    ``num_key_value_heads`` this rank's; every other attribute read from (and written to)
+    the model's config."""
+
+    def __init__(self, config, heads: int, kv_heads: int):
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "num_attention_heads", heads)
+        object.__setattr__(self, "num_key_value_heads", kv_heads)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_config":  # copy / pickle probe the bare object
+            raise AttributeError(name)
+        return getattr(self._config, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._config, name, value)
+
+
+def head_counts(cfg) -> tuple[int, int]:
+    """(H, G): query and kv heads of the model config ``cfg``."""
+    H = cfg.num_attention_heads
+    return H, getattr(cfg, "num_key_value_heads", None) or H
+
+
+def head_problems(cfg, T: int) -> list[str]:
+    """Why the config's heads cannot be split over ``T`` ranks (empty when they can)."""
+    H, G = head_counts(cfg)
+    problems = []
+    if H % T:
+        problems.append(f"num_attention_heads ({H}) must be divisible by the TP size ({T})")
+    if G % T and T % G:
+        problems.append(f"num_key_value_heads ({G}) and the TP size ({T}) must divide one "
+                        f"another (kv heads are split, or replicated when fewer than ranks)")
+    return problems
+
+
+def kv_replicas(cfg, T: int) -> int:
+    """Ranks that hold each kv head (1 when G >= T)."""
+    _, G = head_counts(cfg)
+    return T // G if G < T else 1
+
+
+def local_heads(attn: nn.Module, cfg, T: int) -> None:
+    """Set ``attn``'s head counts to this rank's (H/T query heads over max(G/T, 1) kv heads):
+    the integer attributes it has, and its config as a `LocalHeads` view."""
+    H, G = head_counts(cfg)
+    h, g = H // T, max(G // T, 1)
+    for name, n in (("num_heads", h), ("num_attention_heads", h), ("num_key_value_heads", g),
+                    ("num_key_value_groups", h // g)):
+        if isinstance(getattr(attn, name, None), int):
+            setattr(attn, name, n)
+    if getattr(attn, "config", None) is not None and not isinstance(attn.config, LocalHeads):
+        attn.config = LocalHeads(attn.config, h, g)
+
+
+def packed_qkv_rows(cfg, head_dim: int, T: int) -> torch.Tensor:
+    """The rows of a packed ``[q | k | v]`` projection each rank owns, in rank order: its
+    query heads' rows, then its kv heads' (G divisible by T)."""
+    H, G = head_counts(cfg)
+    q, kv = H // T * head_dim, G // T * head_dim
+    return torch.cat([torch.cat([torch.arange(r * q, (r + 1) * q),
+                                 H * head_dim + torch.arange(r * kv, (r + 1) * kv),
+                                 (H + G) * head_dim + torch.arange(r * kv, (r + 1) * kv)])
+                      for r in range(T)])
+
+
+def halves_rows(n: int, T: int) -> torch.Tensor:
+    """The rows of a packed ``[gate | up]`` projection (``n`` rows, two equal halves) each
+    rank owns, in rank order: its gate rows, then the matching up rows."""
+    f = n // 2 // T
+    return torch.cat([torch.cat([torch.arange(r * f, (r + 1) * f),
+                                 n // 2 + torch.arange(r * f, (r + 1) * f)]) for r in range(T)])
+
+
+def unpack_rows(style, t: torch.Tensor, world: int) -> torch.Tensor:
+    """A full parameter of a linear sharded by ``style`` (``t``: its ``full_tensor()``) in the
+    model's row order: one copy of each replicated block, packed rows put back."""
+    if style.replicas > 1:  # blocks b0 b0 b1 b1 .. (k copies each): one of each
+        t = t.reshape(world, -1, *t.shape[1:])[::style.replicas].flatten(0, 1)
+    if style.rows is not None:
+        t = t.new_empty(t.shape).index_copy_(0, style.rows, t)
+    return t
+
+
+def attention_plan(attn: nn.Module, name: str, cfg, T: int, chain, ag, col, row) -> dict:
+    """A Llama-style attention's plan: one fused q|k|v AG->GEMM (kv heads replicated when
+    fewer than ranks), o_proj GEMM->RS; sets the local head counts (`local_heads`)."""
+    kv = FusedColwiseParallel(replicas=kv_replicas(cfg, T), **ag)
+    local_heads(attn, cfg, T)
+    return {name: FusedProjections(QKV, prefetch=chain, **ag),
+            name + ".q_proj": col, name + ".k_proj": kv, name + ".v_proj": kv,
+            name + ".o_proj": row}

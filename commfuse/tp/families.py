@@ -1,0 +1,135 @@
+"""The transformers families `commfuse.tp.parallelize` is tested on, and the support matrix
+of docs/support.md generated from this registry and the others the code keeps.
+
+``FAMILIES``: name -> `Family` (its config and model classes, a tiny config that the tests
+build on 2 and 4 ranks, the plan mechanisms it exercises). ``COMPILED`` and ``FSDP2``: the
+families the torch.compile and FSDP2 tests run (they import these tuples). `support_matrix`
+reads the rest from where the code decides it: the shipped ``--hf-config`` files, the model
+types `commfuse generate` loads, the model types `commfuse plan` prices.
+``python -m commfuse.tp.families`` prints the matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# a tiny decoder: vocab 63 and 2 layers, 4 heads of 8 over 2 kv heads (uneven vocab shards)
+TINY = dict(vocab_size=63, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            pad_token_id=0)
+WINDOWS = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+
+
+@dataclass(frozen=True)
+class Family:
+    """A transformers causal-LM family: ``config`` / ``model`` class names, its
+    ``model_type``, the ``tiny`` config (over `TINY`) the tests build, and the plan
+    mechanisms it exercises; ``test``: the test file that checks it against one process."""
+
+    config: str
+    model: str
+    model_type: str
+    tiny: dict = field(default_factory=dict)
+    mechanisms: tuple[str, ...] = ()
+    test: str = "tests/test_tp_families.py"
+
+
+FAMILIES = {
+    "llama": Family("LlamaConfig", "LlamaForCausalLM", "llama", test="tests/test_tp.py"),
+    "mistral": Family("MistralConfig", "MistralForCausalLM", "mistral",
+                      {"sliding_window": 4}, ("sliding window",)),
+    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", "qwen2", mechanisms=("q/k/v biases",),
+                    test="tests/test_tp.py"),
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {"head_dim": 8},
+                    ("per-head norms",), test="tests/test_tp.py"),
+    "llama-tied": Family("LlamaConfig", "LlamaForCausalLM", "llama",
+                         {"tie_word_embeddings": True}, ("tied embeddings",)),
+    "qwen3-tied": Family("Qwen3Config", "Qwen3ForCausalLM", "qwen3",
+                         {"head_dim": 8, "tie_word_embeddings": True},
+                         ("tied embeddings", "per-head norms")),
+    "gemma2": Family("Gemma2Config", "Gemma2ForCausalLM", "gemma2",
+                     {"head_dim": 8, "sliding_window": 4, "query_pre_attn_scalar": 16,
+                      "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+                     ("tied embeddings", "soft-capping", "sandwich norms", "scaled embedding")),
+    "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3_text",
+                     {"head_dim": 8, "final_logit_softcapping": 30.0, **WINDOWS},
+                     ("tied embeddings", "soft-capping", "sandwich norms", "per-head norms",
+                      "sliding window")),
+    "phi3": Family("Phi3Config", "Phi3ForCausalLM", "phi3", {"num_key_value_heads": 4},
+                   ("packed q|k|v", "packed gate|up")),
+    "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM", "olmo2", {},
+                    ("split-dim norms", "post norms")),
+    "olmo3": Family("Olmo3Config", "Olmo3ForCausalLM", "olmo3", {"sliding_window": 4},
+                    ("split-dim norms", "post norms", "sliding window")),
+    "glm4": Family("Glm4Config", "Glm4ForCausalLM", "glm4", {"head_dim": 8},
+                   ("packed gate|up", "sandwich norms", "partial rotary")),
+    "cohere2": Family("Cohere2Config", "Cohere2ForCausalLM", "cohere2", WINDOWS,
+                      ("tied embeddings", "parallel attention + MLP", "logit scale")),
+    "exaone4": Family("Exaone4Config", "Exaone4ForCausalLM", "exaone4", WINDOWS,
+                      ("per-head norms", "post norms")),
+    "granite": Family("GraniteConfig", "GraniteForCausalLM", "granite", {},
+                      ("multipliers",)),
+    "apertus": Family("ApertusConfig", "ApertusForCausalLM", "apertus", {"head_dim": 8},
+                      ("activation parameters", "per-head norms")),
+}
+# families under their own plans, with their own tests
+OTHERS = {"mixtral": ("mixtral", "tests/test_moe_hf.py"),
+          "qwen3-moe": ("qwen3_moe", "tests/test_moe_hf.py"),
+          "mamba2": ("mamba2", "tests/test_tp_mamba.py"),
+          "bamba": ("bamba", "tests/test_tp_mamba.py"),
+          "nemotron-h": ("nemotron_h", "tests/test_tp_mamba.py")}
+COMPILED = ("llama", "qwen2")  # tests/test_tp_compile.py
+FSDP2 = ("llama", "mixtral")  # tests/test_tp.py, tests/test_moe_hf.py
+
+
+def tiny_config(name: str, **over):
+    """The transformers config of family ``name``'s tiny model."""
+    import transformers
+    fam = FAMILIES[name]
+    return getattr(transformers, fam.config)(**{**TINY, **fam.tiny, **over})
+
+
+def build(name: str, seed: int = 0, **over):
+    """Family ``name``'s tiny model, float32, its weights drawn from ``seed``."""
+    import torch
+    import transformers
+    cfg = tiny_config(name, **over)
+    torch.manual_seed(seed)
+    return getattr(transformers, FAMILIES[name].model)(cfg).float()
+
+
+def _shipped() -> dict[tuple[str, bool], list[str]]:
+    """(model_type, tied embeddings) -> the shipped ``--hf-config`` names."""
+    from transformers import AutoConfig
+
+    from commfuse.data import DATA_DIR
+    names: dict[tuple[str, bool], list[str]] = {}
+    for path in sorted((DATA_DIR / "hf").glob("*.json")):
+        cfg = AutoConfig.from_pretrained(str(path))
+        names.setdefault((cfg.model_type, bool(cfg.tie_word_embeddings)), []).append(path.stem)
+    return names
+
+
+def support_matrix() -> str:
+    """docs/support.md's table: each family against what takes it."""
+    from commfuse.models.llama import HF_TYPES
+    from commfuse.sim.plan.hf_config import PLANNED_TYPES
+    shipped = _shipped()
+    rows = [(n, f.model_type, f.test, bool(tiny_config(n).tie_word_embeddings))
+            for n, f in FAMILIES.items()]
+    rows += [(n, t, test, None) for n, (t, test) in OTHERS.items()]
+    yes = lambda ok: "yes" if ok else "-"  # noqa: E731
+    lines = ["| family | model_type | `parallelize` | `train --hf-config` | `generate` | `plan` "
+             "| `torch.compile` | FSDP2 |", "|---|---|---|---|---|---|---|---|"]
+    for name, kind, test, tied in rows:
+        cfgs = [c for (k, t), cs in shipped.items() if k == kind and tied in (None, t)
+                for c in cs]
+        cfgs = ", ".join(f"`{c}`" for c in cfgs) or "a config.json of it"
+        lines.append(f"| {name} | `{kind}` | yes ({test}) | {cfgs} | {yes(kind in HF_TYPES)} "
+                     f"| {yes(kind in PLANNED_TYPES)} | {yes(name in COMPILED)} "
+                     f"| {yes(name in FSDP2)} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(support_matrix(), end="")

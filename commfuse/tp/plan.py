@@ -1,0 +1,341 @@
+"""`parallelize`: commfuse TPSP on a transformers causal LM, the plan derived from the model.
+
+The plan comes from the model's own description of how it splits, its config's
+``base_model_tp_plan`` (``"layers.*.self_attn.q_proj": "colwise"``, ``"rowwise"``, ...),
+completed from its module types where that table is partial or absent, and every module
+with parameters must be covered, or `parallelize` refuses the model before a weight moves.
+Every rank passes the same full ``input_ids``; between the layers the hidden states are
+sequence-sharded (``[B, s, D]``). What each module becomes, on T ranks:
+
+    colwise nn.Linear       FusedColwiseParallel: AG->GEMM; those with one parent (q|k|v,
+                            gate|up) share one fused all-gather (FusedProjections on the
+                            parent); k/v with replicas=T/G when G < T; packed q|k|v and
+                            gate|up (`PACKED`) hold whole heads / matching gate and up rows
+    rowwise nn.Linear       FusedRowwiseParallel: GEMM->RS, its bias added once
+    a norm on the residual  SequenceParallelNorm (a direct child of a layer or of the base
+                            model: sandwich, post- and final norms alike)
+    a per-head norm         SequenceParallelNorm on this rank's heads (width head_dim)
+    scalar parameters       SequenceParallelNorm (an activation's: per element)
+    a norm over a split dim SplitDimNorm (width of its projection: OLMo 2's q/k norm)
+    a sparse MoE block      ExpertParallel: its experts split over the same ranks
+    the embedding           ReplicateParallel; tied to the head: VocabParallelEmbedding
+    lm_head                 FusedColwiseParallel over the vocabulary (gathered, or kept
+                            sharded with ``loss_parallel``)
+    layers.0                ShardSequence: its input sliced (tied: reduce-scattered)
+
+Attention modules learn their local head counts (`commfuse.tp.attention.local_heads`).
+Mamba-2 models (``MAMBA``) go to `commfuse.tp.hf_mamba.parallelize_mamba`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from commfuse.runtime.gloo import duplex
+from commfuse.tp.attention import (KV, halves_rows, head_counts, head_problems, kv_replicas,
+                                   local_heads, packed_qkv_rows)
+from commfuse.tp.embedding import Partial, VocabParallelEmbedding, tie
+from commfuse.tp.experts import ExpertParallel, expert_weights, is_sparse
+from commfuse.tp.hf_mamba import KNOWN as MAMBA, parallelize_mamba
+from commfuse.tp.loss import head_style, install_loss_parallel
+from commfuse.tp.mesh import tp_mesh
+from commfuse.tp.norms import SplitDimNorm, rms_norm_like
+from commfuse.tp.plan_styles import PlanStyles, plan_styles
+from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, ReplicateParallel,
+                               ShardSequence)
+
+# base_model_tp_plan's styles -> the role commfuse gives the module
+STYLES = {"colwise": "col", "colwise_gather_output": "col", "packed_colwise": "col",
+          "rowwise": "row", "rowwise_split_input": "row", "packed_rowwise": "row",
+          "replicated_with_grad_allreduce": "norm"}
+# a linear the config's plan does not name, by its own name
+BY_NAME = {**dict.fromkeys(("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj",
+                            "gate_up_proj", "fc1", "c_fc"), "col"),
+           **dict.fromkeys(("o_proj", "down_proj", "dense", "fc2", "c_proj"), "row")}
+PACKED = {"qkv_proj": "q|k|v", "gate_up_proj": "gate|up"}  # packed colwise projections
+ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")  # a parent with these is an attention
+ROUTER_EXTRAS = ("router_jitter_noise",)  # MoE config fields with no plan here when set
+
+
+@dataclass
+class Plan:
+    """A model's derived plan: module name -> style, the attention modules whose head
+    counts become this rank's, and whether the embedding is tied to the head."""
+
+    styles: dict = field(default_factory=dict)
+    attention: list = field(default_factory=list)
+    tied: bool = False
+    experts: bool = False
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(recurse=False), None) is not None
+
+
+def _config_roles(cfg) -> dict[str, str]:
+    """``base_model_tp_plan`` as layer-relative name -> role (entries outside the layers,
+    or with a style commfuse does not know, are left to the module types)."""
+    roles = {}
+    for pattern, style in (getattr(cfg, "base_model_tp_plan", None) or {}).items():
+        if pattern.startswith("layers.*.") and style in STYLES:
+            roles[pattern.removeprefix("layers.*.")] = STYLES[style]
+    return roles
+
+
+class _Deriver:
+    """Walks one model and builds its `Plan`, collecting every problem on the way."""
+
+    def __init__(self, model: nn.Module, T: int, ps: PlanStyles, loss_parallel: bool, moe):
+        self.model, self.T, self.ps, self.moe = model, T, ps, moe
+        self.cfg = model.config
+        self.loss_parallel = loss_parallel
+        self.problems: list[str] = []
+        self.plan = Plan()
+        self.roles = _config_roles(self.cfg)
+        H, _ = head_counts(self.cfg) if hasattr(self.cfg, "num_attention_heads") else (0, 0)
+        self.head_dim = getattr(self.cfg, "head_dim", None) or (
+            self.cfg.hidden_size // H if H else None)
+
+    def derive(self) -> Plan:
+        model, base = self.model, self.model.base_model
+        prefix = model.base_model_prefix
+        layers = getattr(base, "layers", None)
+        if base is model or not isinstance(layers, nn.ModuleList) or not len(layers):
+            raise ValueError(f"commfuse.tp.parallelize does not know {type(model).__name__}: "
+                             f"it takes a causal LM whose base model ({prefix!r}) has a "
+                             f"non-empty ModuleList 'layers'")
+        if hasattr(self.cfg, "num_attention_heads"):
+            self.problems += head_problems(self.cfg, self.T)
+        self._ends(prefix, base, layers)
+        for i, layer in enumerate(layers):
+            self._layer(f"{prefix}.layers.{i}", layer)
+        if self.problems:
+            raise ValueError(f"commfuse.tp.parallelize cannot shard {type(model).__name__} on "
+                             f"{self.T} ranks: " + "; ".join(dict.fromkeys(self.problems)))
+        return self.plan
+
+    def _ends(self, prefix: str, base: nn.Module, layers: nn.ModuleList) -> None:
+        """The embedding, the head, the first layer's shard and the base model's norms."""
+        model, ps, styles = self.model, self.ps, self.plan.styles
+        embed, head = model.get_input_embeddings(), getattr(model, "lm_head", None)
+        names = {id(m): n for n, m in model.named_modules()}
+        if not isinstance(head, nn.Linear):
+            self.problems.append("lm_head: missing or not an nn.Linear")
+            return
+        if not isinstance(embed, nn.Embedding):
+            self.problems.append(f"the input embedding is {type(embed).__name__}, not an "
+                                 f"nn.Embedding")
+            return
+        if head.out_features < self.T:
+            self.problems.append(f"vocab size ({head.out_features}) is below the TP size "
+                                 f"({self.T})")
+        self.plan.tied = head.weight is embed.weight
+        partial = Partial() if self.plan.tied else None
+        styles[names[id(embed)]] = (VocabParallelEmbedding(partial) if self.plan.tied
+                                    else ReplicateParallel())
+        styles["lm_head"] = head_style(model, self.loss_parallel, ps.ag)
+        styles[f"{prefix}.layers.0"] = ShardSequence(ps.split, prefetch=ps.chain,
+                                                     partial=partial)
+        for child, mod in base.named_children():
+            if mod is embed or mod is layers:
+                continue
+            for n, sub in mod.named_modules(prefix=f"{prefix}.{child}"):
+                if not _has_params(sub):
+                    continue
+                if _is_norm(sub) and sub.weight.shape[-1] == self.cfg.hidden_size:
+                    styles[n] = ps.norm  # the final norm, on the sequence shard
+                else:
+                    self.problems.append(f"{n} ({type(sub).__name__}) has parameters that no "
+                                         f"style covers (not a norm over the hidden size)")
+        for n, mod in model.named_modules():
+            if _has_params(mod) and n not in ("lm_head", names[id(embed)]) and not (
+                    n == prefix or n.startswith(prefix + ".")):
+                self.problems.append(f"{n} ({type(mod).__name__}) has parameters outside the "
+                                     f"base model that no style covers")
+        if _has_params(base):
+            self.problems.append(f"{prefix} has parameters of its own that no style covers")
+
+    def _layer(self, p: str, layer: nn.Module) -> None:
+        cols: dict[str, list[str]] = {}  # parent -> its column-parallel children (leaf names)
+        norms, sparse = [], []
+        for name, mod in layer.named_modules():
+            if any(name.startswith(s + ".") for s in sparse):
+                continue
+            where = f"{p}.{name}" if name else p
+            if is_sparse(mod):
+                sparse.append(name)
+                self._sparse(where, mod)
+            elif isinstance(mod, nn.Linear):
+                role = self.roles.get(name) or BY_NAME.get(name.rpartition(".")[2])
+                if role == "col":
+                    parent, _, leaf = name.rpartition(".")
+                    cols.setdefault(parent, []).append(leaf)
+                elif role == "row":
+                    self.plan.styles[where] = self.ps.row
+                else:
+                    self.problems.append(f"{where}: an nn.Linear that neither the config's "
+                                         f"base_model_tp_plan nor its name "
+                                         f"({', '.join(BY_NAME)}) marks column- or row-parallel")
+            elif _has_params(mod):
+                if _is_norm(mod):
+                    norms.append((name, mod))
+                elif all(t.numel() == 1 for t in mod.parameters(recurse=False)):
+                    # scalars (an activation's, Apertus' xIELU): per element wherever it
+                    # runs, so replicated with its gradient summed over TP
+                    self.plan.styles[where] = self.ps.norm
+                else:
+                    self.problems.append(f"{where} ({type(mod).__name__}) has parameters "
+                                         f"{sorted(n for n, _ in mod.named_parameters(recurse=False))} "
+                                         f"that no style covers and is not known to be per token")
+        for parent, leaves in cols.items():
+            if not parent:
+                self.problems.append(f"{p}: column-parallel linears {leaves} directly on the "
+                                     f"layer (the plan fuses those of one attention or MLP)")
+                continue
+            self._projections(p, layer, parent, leaves)
+        for name, mod in norms:
+            self._norm(p, layer, name, mod, cols)
+
+    def _projections(self, p: str, layer: nn.Module, parent: str, leaves: list[str]) -> None:
+        """One fused all-gather for the column-parallel children of ``parent``."""
+        ps, styles, T = self.ps, self.plan.styles, self.T
+        owner = layer.get_submodule(parent) if parent else layer
+        where = f"{p}.{parent}" if parent else p
+        is_attention = any(leaf in ATTENTION for leaf in leaves)
+        if not is_attention and "Attention" in type(owner).__name__:
+            self.problems.append(f"{where} ({type(owner).__name__}): an attention whose "
+                                 f"projections {leaves} are not {'/'.join(ATTENTION)}, so the "
+                                 f"plan cannot tell how they hold its heads")
+            return
+        if is_attention:
+            self.plan.attention.append(owner)
+        for leaf in leaves:
+            lin = owner.get_submodule(leaf)
+            if leaf in KV and is_attention:
+                style = FusedColwiseParallel(replicas=kv_replicas(self.cfg, T), **ps.ag)
+            elif PACKED.get(leaf) == "q|k|v":
+                _, G = head_counts(self.cfg)
+                if G % T:
+                    self.problems.append(f"{where}.{leaf}: a packed q|k|v with "
+                                         f"{G} kv heads cannot be split over {T} ranks (kv "
+                                         f"heads replicated inside a packed projection are "
+                                         f"not built)")
+                    continue
+                style = FusedColwiseParallel(rows=packed_qkv_rows(self.cfg, self.head_dim, T),
+                                             **ps.ag)
+            elif PACKED.get(leaf) == "gate|up":
+                if lin.out_features % (2 * T):
+                    self.problems.append(f"{where}.{leaf}: a packed gate|up of "
+                                         f"{lin.out_features} rows cannot be split into equal "
+                                         f"halves over {T} ranks")
+                    continue
+                style = FusedColwiseParallel(rows=halves_rows(lin.out_features, T), **ps.ag)
+            else:
+                style = ps.col
+            styles[f"{where}.{leaf}"] = style
+        styles[where] = FusedProjections(tuple(leaves), prefetch=ps.chain, **ps.ag)
+
+    def _norm(self, p: str, layer: nn.Module, name: str, mod: nn.Module, cols) -> None:
+        parent, _, leaf = name.rpartition(".")
+        where, width = f"{p}.{name}", mod.weight.shape[-1]
+        if not parent:  # on the residual stream: per token, on the sequence shard
+            if width == self.cfg.hidden_size:
+                self.plan.styles[where] = self.ps.norm
+            else:
+                self.problems.append(f"{where}: a norm of width {width} on the residual "
+                                     f"stream (hidden size {self.cfg.hidden_size})")
+            return
+        siblings = cols.get(parent, [])
+        owner = layer.get_submodule(parent)
+        if width == self.head_dim and any(s in ATTENTION for s in siblings):
+            self.plan.styles[where] = self.ps.norm  # per head, on this rank's heads
+            return
+        widths = {s: owner.get_submodule(s).out_features for s in siblings}
+        proj = leaf.replace("_norm", "_proj").replace("_layernorm", "_proj")
+        match = proj if widths.get(proj) == width else next(
+            iter([s for s, w in widths.items() if w == width]), None)
+        if match is not None and match not in PACKED and rms_norm_like(mod):
+            k = kv_replicas(self.cfg, self.T) if match in KV else 1
+            self.plan.styles[where] = SplitDimNorm(replicas=k)
+            return
+        self.problems.append(f"{where} ({type(mod).__name__}, width {width}): a norm inside "
+                             f"{parent} that is neither per head (head_dim {self.head_dim}) nor "
+                             f"an RMSNorm over a column-parallel projection's output")
+
+    def _sparse(self, where: str, block: nn.Module) -> None:
+        names = expert_weights(block)
+        extra = sorted(set(n for n, _ in block.named_parameters())
+                       - {"gate.weight", *(f"experts.{n}" for n in names)})
+        if extra:
+            self.problems.append(f"{where}: a sparse MoE block with parameters {extra} (shared "
+                                 f"experts, router or expert biases have no plan here)")
+        E = getattr(block.experts, names[0]).shape[0]
+        if E % self.T:
+            self.problems.append(f"{where}: {E} experts cannot be split over {self.T} ranks "
+                                 f"(expert parallelism needs the experts divisible by the TP "
+                                 f"size)")
+        for knob in ROUTER_EXTRAS:
+            if getattr(self.cfg, knob, 0):
+                self.problems.append(f"unsupported config: {knob}={getattr(self.cfg, knob)}")
+        self.plan.styles[where] = self.moe
+        self.plan.experts = True
+
+
+def derive_plan(model: nn.Module, T: int, ps: PlanStyles | None = None,
+                loss_parallel: bool = False, moe=None) -> Plan:
+    """The `Plan` of ``model`` on ``T`` ranks (``ps``: the styles, default ``method="none"``);
+    a ValueError naming every module it cannot cover. Changes nothing."""
+    ps = ps or plan_styles("none", False, False, {})
+    moe = moe or ExpertParallel(split=ps.split, method="none")
+    return _Deriver(model, T, ps, loss_parallel, moe).derive()
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
+                save_gathered: bool = False, prefetch: bool = True, loss_parallel: bool = False,
+                **opts) -> nn.Module:
+    """Shard ``model`` (a transformers causal LM, the same on every rank) for commfuse TPSP
+    over ``mesh`` (1-D, or the "tp" dim of a larger one), in place; returns it.
+
+    ``method`` and ``opts`` go to every fused op (`commfuse.fused_all_gather_matmul`, and the
+    MoE ops of sparse blocks). After it, ``model(input_ids, labels=...)`` gives every rank
+    the unsharded model's logits and loss, and each parameter's ``.grad`` is its shard of
+    the unsharded gradient (replicated ones summed over TP during the backward), so any
+    optimizer steps it. Parameters are DTensors. Training/scoring forward only: no
+    KV-cache generation, no ``logits_to_keep`` (``config.use_cache`` is set False).
+    ``save_gathered=True``: the column-parallel projections keep their gathered input for
+    backward, as DTensor's tensor parallelism does (more activation memory, one all-gather per
+    projection fewer in backward); by default they keep only the sequence shard.
+    ``prefetch``: each row-parallel backward posts the re-gather of the fused projections
+    before it ahead, so it moves during the attention / MLP backward (`commfuse.ops.prefetch`).
+    ``loss_parallel=True``: the output head keeps this rank's vocabulary columns (``logits``
+    is ``[B, S, V/T]``) and ``model.loss_function`` becomes the vocabulary-parallel
+    cross-entropy (`commfuse.tp.loss`), so ``model(..., labels=...).loss`` is the unsharded
+    loss without the ``[B, S, V]`` logits moving.
+    A model the plan does not cover is refused (ValueError) before any weight moves.
+    """
+    if type(model).__name__ in MAMBA:
+        return parallelize_mamba(model, mesh, method=method, save_gathered=save_gathered,
+                                 prefetch=prefetch, loss_parallel=loss_parallel, **opts)
+    mesh = tp_mesh(mesh)
+    T = mesh.size()
+    ps = plan_styles(method, save_gathered, prefetch, opts)
+    moe = ExpertParallel(split=ps.split, method=method, **opts)
+    plan = derive_plan(model, T, ps, loss_parallel, moe)
+    duplex(mesh.get_group())
+    for attn in plan.attention:
+        local_heads(attn, model.config, T)
+    model.config.use_cache = False
+    parallelize_module(model, mesh, plan.styles)
+    if plan.tied:
+        tie(model.get_input_embeddings(), model.lm_head)
+    if loss_parallel:
+        install_loss_parallel(model, mesh.get_group())
+    return model
