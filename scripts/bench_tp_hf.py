@@ -1,4 +1,4 @@
-"""One transformers model (a Llama, or a hybrid Mamba-2 model: Nemotron-H, Bamba), several
+"""One transformers model (a Llama, a Gemma 3, or a hybrid Mamba-2 model: Nemotron-H, Bamba), several
 tensor-parallel plans, one run: commfuse TP under several methods, DTensor's own TP (Llama),
 and commfuse's styles with method="none" (the collective, then the GEMM).
 
@@ -42,6 +42,8 @@ import torch.distributed as dist
 
 
 def build(a):
+    if a.model == "gemma3":
+        return build_gemma3(a)
     if a.model != "llama":
         return build_hybrid(a)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -51,6 +53,21 @@ def build(a):
                       tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(a.seed)
     return LlamaForCausalLM(cfg)
+
+
+def build_gemma3(a):
+    """Gemma 3 (text) of ``a``'s sizes: tied embeddings, ``--window`` sliding-window layers with
+    every sixth global, as Gemma 3 lays them out."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    kinds = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+             for i in range(a.layers)]
+    cfg = Gemma3TextConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
+                           num_hidden_layers=a.layers, num_attention_heads=a.heads,
+                           num_key_value_heads=a.kv_heads, head_dim=a.hidden // a.heads,
+                           max_position_embeddings=max(a.seq, 64), sliding_window=a.window,
+                           layer_types=kinds, tie_word_embeddings=True, use_cache=False)
+    torch.manual_seed(a.seed)
+    return Gemma3ForCausalLM._from_config(cfg, attn_implementation="sdpa")
 
 
 def build_hybrid(a):
@@ -195,6 +212,9 @@ def describe(a) -> str:
     attn = f"{a.heads}/{a.kv_heads} heads, ffn {a.ffn}, vocab {a.vocab}"
     if a.model == "llama":
         return f"Llama hidden {a.hidden}, {a.layers} layers, {attn}"
+    if a.model == "gemma3":
+        return (f"Gemma 3 hidden {a.hidden}, {a.layers} layers (5 of 6 with a window of "
+                f"{a.window}), {attn}, tied embeddings")
     return (f"{a.model} hidden {a.hidden}, layers {a.pattern}, Mamba-2 {a.mamba_heads} heads x "
             f"{a.mamba_head_dim}, {a.mamba_groups} groups x state {a.state}, chunk {a.chunk}; "
             f"attention {attn}")
@@ -204,7 +224,8 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
-    add("--model", default="llama", choices=("llama", "nemotron-h", "bamba"))
+    add("--model", default="llama", choices=("llama", "gemma3", "nemotron-h", "bamba"))
+    add("--window", type=int, default=512, help="gemma3: the sliding window of its local layers")
     add("--pattern", default=None,
         help="hybrid layers: M Mamba-2, - MLP, E MoE (nemotron-h), * attention (default: M-M-M*-M- "
              "for nemotron-h, Nemotron-H's mix of 4 Mamba-2, 4 MLP, 1 attention; MMM* for bamba)")
@@ -250,14 +271,14 @@ def parse(argv=None):
         p.error("--loss-parallel is not built for the dtensor variant (torch's loss_parallel "
                 "needs DTensor logits): leave dtensor out or drop --loss-parallel")
     if a.model != "llama" and "dtensor" in a.variants:
-        p.error(f"no dtensor variant for {a.model}: transformers' tp_plan does not cover its "
-                f"Mamba-2 mixers")
+        p.error(f"no dtensor variant for {a.model}: the dtensor plan here is Llama's (and "
+                f"transformers' tp_plans do not cover Mamba-2 mixers)")
     allowed = "M-*E" if a.model == "nemotron-h" else "M*"
     a.pattern = a.pattern or ("M-M-M*-M-" if a.model == "nemotron-h" else "MMM*")
     if a.model == "bamba" and a.mamba_heads * a.mamba_head_dim % a.hidden:
         p.error("bamba: --mamba-heads x --mamba-head-dim must be a multiple of --hidden "
                 "(its mixer's width is an integer expand x hidden)")
-    if a.model != "llama" and (not a.pattern or set(a.pattern) - set(allowed)):
+    if a.model in ("nemotron-h", "bamba") and (not a.pattern or set(a.pattern) - set(allowed)):
         p.error(f"--pattern for {a.model} takes the characters {allowed!r}, got {a.pattern!r}")
     return a
 

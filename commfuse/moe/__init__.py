@@ -4,7 +4,7 @@
     layer.py      the reference layer: top-k router, SwiGLU experts, weighted sum
     parallel.py   ExpertParallelMoE: experts sharded over a process group, tokens moved by
                   the fused dispatch/combine ops (`commfuse.ops.moe`); expert_ffn, its
-                  routed-token core, which `commfuse.tp.hf_moe` runs in transformers' MoE blocks
+                  routed-token core, which `commfuse.tp.experts` runs in transformers' MoE blocks
 
 Exports resolve lazily (PEP 562): `commfuse.moe.config` imports without torch.
 """

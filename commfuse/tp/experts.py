@@ -1,6 +1,6 @@
 """`ExpertParallel`: a transformers sparse MoE block's experts split over the ranks of a mesh,
 the dispatch and combine all-to-alls fused with the expert GEMMs (`commfuse.moe.parallel`).
-The whole-model plans that use it: `commfuse.tp.hf_moe` (Mixtral, Qwen3-MoE) and
+The whole-model plans that use it: `commfuse.tp.plan` (Mixtral, Qwen3-MoE) and
 `commfuse.tp.hf_mamba` (Nemotron-H's MoE layers)."""
 
 from __future__ import annotations

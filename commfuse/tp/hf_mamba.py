@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.mamba import MambaMixerParallel, MixerLayout, mixer_layout
-from commfuse.tp.attention import attention_plan
+from commfuse.tp.attention import attention_plan, head_problems
 from commfuse.tp.embedding import Partial, VocabParallelEmbedding, tie
 from commfuse.tp.experts import ExpertParallel, expert_weights, is_sparse
 from commfuse.tp.loss import head_style, install_loss_parallel
@@ -126,12 +126,9 @@ def check(model: nn.Module, T: int) -> dict[str, MixerLayout]:
         raise ValueError(f"vocab size ({model.lm_head.out_features}) is below the TP size ({T})")
     roles = _roles(model)
     if "attention" in roles.values():
-        H, G = model.config.num_attention_heads, model.config.num_key_value_heads
-        if H % T:
-            raise ValueError(f"num_attention_heads ({H}) must be divisible by the TP size ({T})")
-        if G % T and T % G:
-            raise ValueError(f"num_key_value_heads ({G}) and the TP size ({T}) must divide one "
-                             f"another (kv heads are split, or replicated when fewer than ranks)")
+        problems = head_problems(model.config, T)
+        if problems:
+            raise ValueError("; ".join(problems))
     for n, role in roles.items():
         if role == "moe":
             block = model.get_submodule(n)

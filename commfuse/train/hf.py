@@ -33,7 +33,7 @@ from commfuse.train.report import finish, measure_matmul_flops, progress
 
 SHIPPED = DATA_DIR / "hf"
 ATTENTION_FREE = ("mamba2",)  # model types whose class takes no attn_implementation
-MOE = ("mixtral", "qwen3_moe")  # model types whose experts --ep splits (`commfuse.tp.hf_moe`)
+MOE = ("mixtral", "qwen3_moe")  # model types whose experts --ep splits (`commfuse.tp.experts`)
 
 
 def has_experts(hf) -> bool:
@@ -73,7 +73,10 @@ def build(cfg: TrainConfig, world: int):
     _check(cfg, hf)
     torch.manual_seed(cfg.seed)
     attn = {} if hf.model_type in ATTENTION_FREE else {"attn_implementation": "sdpa"}
-    model = AutoModelForCausalLM.from_config(hf, **attn)
+    try:
+        model = AutoModelForCausalLM.from_config(hf, **attn)
+    except ValueError:  # a family without sdpa (Gemma 2's soft-capping): its own default
+        model = AutoModelForCausalLM.from_config(hf)
     model = model.to(DTYPES[cfg.dtype])
     if world == 1:
         return model, None
