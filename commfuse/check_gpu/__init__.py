@@ -6,10 +6,11 @@
 Checks (each prints PASS/FAIL and its time; the JSON report goes to DIR/check_gpu.json):
 
 - ``loopback``: W = 2, 3, 4 virtual ranks in one process on one GPU (NCCL refuses two ranks
-  on one GPU), each a thread with its own compute stream, running every op's decompose and
-  commfuse schedules (ring, direct, splits 1 and 2) through `CudaTransport` (comm stream,
-  events, held buffers) with a loopback backend that copies each send into its receive on a
-  side stream, after both batches' streams; results against the unsharded GEMMs. Under
+  on one GPU), each a daemon thread with its own compute stream, running every op under every
+  named method through `CudaTransport` (comm stream, events, held buffers), its batches and
+  collectives matched as NCCL matches them (`commfuse.runtime.nccl_model`: issue order per
+  rank and per pair, tags ignored) and copied on a side stream after both sides' streams;
+  results equal to the unsharded GEMMs'; a deadlock is reported, not hung. Under
   ``TORCH_CUDA_SANITIZER=1`` PyTorch's CUDA sanitizer reports any unsynchronised access.
 - ``single_rank``: every op and method through the public API on a 1-rank NCCL group
   (outputs and gradients, the CUDA autograd path) and query-split attention.

@@ -1,166 +1,129 @@
-"""The loopback check: W virtual ranks in one process on one GPU, each a thread with its own
-compute stream, running every op's P2P schedules through `CudaTransport` with a backend that
-copies each send into its receive on a side stream (NCCL refuses two ranks on one GPU)."""
+"""The loopback check: W virtual ranks in one process (NCCL refuses two ranks on one GPU), each
+a daemon thread, running every op under every method through `CudaTransport`, its batches and
+collectives matched as NCCL matches them (`commfuse.runtime.nccl_model`: one stream per rank,
+pairs in issue order, tags ignored). On a GPU each rank computes on its own stream and every
+copy runs on a side stream after both sides' streams (`SideStreamMover`); on CPU
+(``tests/test_nccl_order.py``) the same cases run with host copies. Inputs are small integers,
+so every result is exact: it must equal the unsharded GEMM's bit for bit."""
 
 from __future__ import annotations
 
-import threading
-import traceback
-
 import torch
 
+from commfuse.runtime import virtual_ranks
+
 DEVICE = "cuda"
+# every named variant but auto (a choice among them), and decompose over the direct topology
+VARIANT_LABELS = ("none", "none-torch", "sliced", "decompose", "decompose-direct", "commfuse",
+                  "commfuse-m1", "commfuse-m2", "commfuse-m4", "commfuse-m8", "commfuse-direct")
 
 
-class _Hub:
-    """Matches sends with receives by (src, dst, tag) across the virtual ranks."""
+class SideStreamMover:
+    """`commfuse.runtime.nccl_model`'s data movement on one GPU: a batch waits for the stream
+    current at its issue (NCCL's rule), each copy runs on a side stream after both sides'."""
 
     def __init__(self):
-        self.cv, self.waiting = threading.Condition(), {}
+        self.side = torch.cuda.Stream()
 
+    def mark(self):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
 
-class _Work:
-    """A batch: done when every transfer's copy is (NCCL: one work per batch)."""
+    def run(self, fn, readies, tensors):
+        for e in readies:
+            self.side.wait_event(e)
+        with torch.cuda.stream(self.side):
+            fn()
+        for t in tensors:
+            t.record_stream(self.side)
+        done = torch.cuda.Event()
+        done.record(self.side)
+        return done
 
-    def __init__(self, hub, n):
-        self.hub, self.n, self.events = hub, n, []
+    def query(self, done) -> bool:
+        return done.query()
 
-    def _matched(self):
-        with self.hub.cv:
-            self.hub.cv.wait_for(lambda: len(self.events) == self.n, timeout=60)
-            if len(self.events) != self.n:
-                raise TimeoutError("loopback: the peer never posted the matching transfer")
-
-    def is_completed(self):
-        return len(self.events) == self.n and all(e.query() for e in self.events)
-
-    def wait(self, timeout=None):
-        self._matched()
-        for e in self.events:
+    def after(self, dones) -> None:
+        for e in dones:
             torch.cuda.current_stream().wait_event(e)
-        return True
 
 
-def _loopback_backend(hub, rank):
-    from commfuse.runtime.cuda import Backend
+def spec_of(label: str):
+    from commfuse.ops.methods import method_spec
+    from commfuse.schedule import VARIANTS
 
-    class Loopback(Backend):
-        """NCCL's semantics on one GPU: a batch waits for the stream current at issue; each
-        transfer is a copy on a side stream once both sides are issued."""
-
-        def __init__(self):
-            super().__init__()
-            self.side = torch.cuda.Stream()
-
-        def issue(self, group, transfers):
-            ready = self.record_event(torch.cuda.current_stream())
-            work = _Work(hub, len(transfers))
-            with hub.cv:
-                for t, buf in transfers:
-                    key = (rank, t.peer, t.tag) if t.kind == "send" else (t.peer, rank, t.tag)
-                    other = hub.waiting.pop(key, None)
-                    if other is None:
-                        hub.waiting[key] = (t.kind, buf, ready, work)
-                        continue
-                    kind, obuf, oready, owork = other
-                    src, dst = (buf, obuf) if t.kind == "send" else (obuf, buf)
-                    self.side.wait_event(ready)
-                    self.side.wait_event(oready)
-                    with torch.cuda.stream(self.side):
-                        dst.copy_(src)
-                        src.record_stream(self.side)
-                        dst.record_stream(self.side)
-                    done = self.record_event(self.side)
-                    work.events.append(done)
-                    owork.events.append(done)
-                hub.cv.notify_all()
-            return work
-
-    return Loopback()
+    if label == "decompose-direct":
+        return method_spec("decompose", {"topology": "direct"})
+    return method_spec(*VARIANTS[label])
 
 
-class _Group:
-    """What the ops' inner functions read of a group, carrying the loopback backend."""
-
-    def __init__(self, world, rank, backend):
-        self.w, self.r, self.commfuse_backend = world, rank, backend
-
-    def size(self):
-        return self.w
-
-    def rank(self):
-        return self.r
-
-
-def _loopback_case(op, world, spec, dtype=torch.float32):
+def case(op: str, world: int, spec, device: str = DEVICE, timeout_s: float = 60.0):
+    """Run ``op`` under ``spec`` on ``world`` virtual ranks; None, or what differs."""
     from commfuse.ops import ag_matmul, all_to_all, matmul_rs
 
-    s, K, N = 96, 64, 48 * world
-    g = torch.Generator(device=DEVICE).manual_seed(world)
-    rnd = lambda *shape: torch.randn(*shape, generator=g, device=DEVICE, dtype=dtype)
-    hub, sizes = _Hub(), tuple(s + 8 * (p % 2) for p in range(world))  # uneven slices
-    S = sum(sizes)
-    offs = [sum(sizes[:p]) for p in range(world)]
+    s, K, N = 24, 12 * world, 6 * world
+    g = torch.Generator().manual_seed(world)
+    rnd = lambda *shape: torch.randint(-3, 4, shape, generator=g).float().to(device)  # noqa: E731
+    sizes = tuple(s + 5 * (p % 2) for p in range(world))  # uneven slices
+    S, offs = sum(sizes), [sum(sizes[:p]) for p in range(world)]
     if op == "ag_matmul":
-        a = [rnd(n, K) for n in sizes]
-        b = [rnd(K, N) for _ in range(world)]
-        full = torch.cat(a)
-        ref = [full @ b[r] for r in range(world)]
-        call = lambda r, grp: ag_matmul.ag_matmul(a[r], [b[r]], sizes, grp, spec)[1][0]
+        a, b = [rnd(n, K) for n in sizes], [rnd(K, N) for _ in range(world)]
+        ref = [torch.cat(a) @ b[r] for r in range(world)]
+        call = lambda r, grp: ag_matmul.ag_matmul(a[r], [b[r]], sizes, grp, spec)[1][0]  # noqa: E731
     elif op == "matmul_rs":
-        x = [rnd(S, K) for _ in range(world)]
-        b = [rnd(K, N) for _ in range(world)]
+        x, b = [rnd(S, K) for _ in range(world)], [rnd(K, N) for _ in range(world)]
         tot = sum(x[r] @ b[r] for r in range(world))
         ref = [tot[offs[r]:offs[r] + sizes[r]] for r in range(world)]
-        call = lambda r, grp: matmul_rs.matmul_rs([(x[r], b[r])], None, sizes, grp, spec)
+        call = lambda r, grp: matmul_rs.matmul_rs([(x[r], b[r])], None, sizes, grp, spec)  # noqa: E731
     elif op == "matmul_a2a":
         a, B, n = [rnd(n, K) for n in sizes], rnd(K, N), N // world
         y = torch.cat(a) @ B
         ref = [y[:, r * n:(r + 1) * n] for r in range(world)]
-        call = lambda r, grp: all_to_all.matmul_a2a(a[r], B, sizes, grp, spec)
+        call = lambda r, grp: all_to_all.matmul_a2a(a[r], B, sizes, grp, spec)  # noqa: E731
     else:
         k = K // world
         a, B = [rnd(S, k) for _ in range(world)], rnd(world * k, N)
         x = torch.cat(a, -1) @ B
         ref = [x[offs[r]:offs[r] + sizes[r]] for r in range(world)]
-        call = lambda r, grp: all_to_all.a2a_matmul(a[r], B, sizes, grp, spec)[0]
+        call = lambda r, grp: all_to_all.a2a_matmul(a[r], B, sizes, grp, spec)[0]  # noqa: E731
+    return compare(run(call, world, device, timeout_s), ref)
+
+
+def run(call, world: int, device: str = DEVICE, timeout_s: float = 60.0) -> list:
+    """``[call(rank, group)]`` on ``world`` virtual ranks; on a GPU each rank on its own
+    compute stream, synchronised before it returns."""
+    if device == "cpu":
+        return virtual_ranks.run_ranks(world, lambda grp: call(grp.rank(), grp), timeout_s)
     torch.cuda.synchronize()
-    outs, errors = [None] * world, []
 
-    def rank_main(r):
-        try:
-            with torch.cuda.stream(torch.cuda.Stream()):  # this virtual rank's compute stream
-                outs[r] = call(r, _Group(world, r, _loopback_backend(hub, r)))
-                torch.cuda.current_stream().synchronize()
-        except Exception:
-            errors.append(traceback.format_exc())
+    def rank_main(grp):
+        with torch.cuda.stream(torch.cuda.Stream()):  # this virtual rank's compute stream
+            out = call(grp.rank(), grp)
+            torch.cuda.current_stream().synchronize()
+        return out
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        return errors[0][-800:]
-    bad = [r for r in range(world)
-           if not torch.allclose(outs[r], ref[r], rtol=1e-4, atol=1e-4 * ref[r].abs().max().item())]
-    return f"ranks {bad} differ" if bad else None
+    return virtual_ranks.run_ranks(world, rank_main, timeout_s, device, SideStreamMover())
+
+
+def compare(outs, ref) -> str | None:
+    bad = [r for r in range(len(ref)) if not torch.equal(outs[r], ref[r])]
+    return f"ranks {bad} differ from the unsharded result" if bad else None
 
 
 def check_loopback(report):
-    from commfuse.ops.methods import MethodSpec
     from commfuse.schedule import OPS
 
     torch.backends.cuda.matmul.allow_tf32 = False
     failed = {}
     for world in (2, 3, 4):
         for op in OPS:
-            for method in ("decompose", "commfuse"):
-                for topo in ("ring", "direct"):
-                    for m in (1, 2):
-                        spec = MethodSpec(method, topology=topo, splits=m)
-                        err = _loopback_case(op, world, spec)
-                        if err:
-                            failed[f"W={world} {op} {method} {topo} m={m}"] = err
+            for label in VARIANT_LABELS:
+                try:
+                    err = case(op, world, spec_of(label))
+                except Exception as e:  # a deadlock, a mismatch, a timeout: named, not hung
+                    err = f"{type(e).__name__}: {str(e)[-800:]}"
+                if err:
+                    failed[f"W={world} {op} {label}"] = err
     report["loopback_failures"] = failed
     return f"{len(failed)} failed: {next(iter(failed.items()))}" if failed else None

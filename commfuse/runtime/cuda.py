@@ -27,8 +27,10 @@ NCCL stream, which first waits for the stream that is *current* when the batch i
 - One NCCL stream per group: the batches of one call run one after another, in post order,
   even `direct`'s up-front ones; the simulator models that (``Hardware.serial_p2p``).
 
-The CUDA calls go through a `Backend` so that a recording fake can check the ordering on CPU
-(``tests/test_cuda_order.py``).
+The CUDA and NCCL calls go through a `Backend`, so that a recording fake can check the
+stream ordering on CPU (``tests/test_cuda_order.py``) and `commfuse.runtime.nccl_model` can
+match the batches and collectives of virtual ranks in NCCL's order (``tests/test_nccl_order.py``,
+check-gpu's loopback).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commfuse.runtime import collectives
 from commfuse.runtime.transport import Transport
 
 POLL_S = 50e-6  # host poll interval while a deadline is set
@@ -81,6 +84,11 @@ class Backend:
                for t, buf in transfers]
         works = dist.batch_isend_irecv(ops)  # NCCL (torch >= 2.1): one work for the batch
         return works[0] if len(works) == 1 else _AllOf(works)
+
+    def launch(self, group: dist.ProcessGroup, kind: str, out, inp, tag: int, policy: str,
+               **parts) -> Any:
+        """Start collective ``kind`` (`commfuse.runtime.collectives.launch`)."""
+        return collectives.launch(kind, out, inp, group, tag, policy, **parts)
 
 
 class _AllOf:
@@ -150,7 +158,7 @@ class CudaTransport(Transport):
 
     def launch(self, kind, out, inp, tag, **parts) -> Any:
         # the collective's NCCL stream waits for the compute stream (NCCL's own rule)
-        work = super().launch(kind, out, inp, tag, **parts)
+        work = self.cuda.launch(self.group, kind, out, inp, tag, self.collective, **parts)
         self.held[id(work)] = (work, [out, inp])
         return work
 

@@ -51,7 +51,7 @@ def make_transport(group: dist.ProcessGroup, device: torch.device, timeout_s: fl
     """The transport of one op call: the mode's (`commfuse.runtime.modes`), else CUDA's or
     gloo's; ``timeout_s`` None means the group's own timeout (on CUDA: NCCL's watchdog, no
     host-side deadline)."""
-    return modes.transport_class(device)(group, device, timeout_s, collective)
+    return modes.transport_class(device, group)(group, device, timeout_s, collective)
 
 
 def run(schedule: Schedule, binding: Binding, transport: Transport, after_posts=None) -> None:

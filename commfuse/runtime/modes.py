@@ -90,13 +90,15 @@ class RecordingTransport(Transport):
         return super().launch(kind, out, inp, tag, **parts)
 
 
-def transport_class(device: torch.device) -> type[Transport]:
-    """The transport this mode and ``device`` call for (CUDA's is imported only on a GPU)."""
+def transport_class(device: torch.device, group=None) -> type[Transport]:
+    """The transport this mode and ``device`` call for (CUDA's is imported only on a GPU, or
+    for a ``group`` that carries its own CUDA backend: `commfuse.runtime.nccl_model`'s
+    virtual ranks, on any device)."""
     if _state["mode"] == "compute_only":
         return NullTransport
     if _state["mode"] == "record":
         return RecordingTransport
-    if device.type == "cuda":
+    if device.type == "cuda" or getattr(group, "commfuse_backend", None) is not None:
         from commfuse.runtime.cuda import CudaTransport  # CUDA-only code, imported lazily
 
         return CudaTransport
