@@ -153,19 +153,20 @@ class WaitStreamDesign(CudaTransport):
         return [work] * len(transfers)
 
 
-def run(op, topology, world, rank, cls=CudaTransport, timeout_s=None, rows=lambda s: 2, m=1):
+def run(op, topology, world, rank, cls=CudaTransport, timeout_s=None, rows=lambda s: 2, m=1,
+        method="commfuse"):
     cuda = FakeCuda()
     binding = FakeBinding(cuda, op, rows)
     transport = cls(None, torch.device("cpu"), timeout_s, backend=cuda)
-    sched = S.build(op, "commfuse", world, rank, topology=topology, splits=m)
+    sched = S.build(op, method, world, rank, topology=topology, splits=m)
     executor.run(sched, binding, transport)
     return cuda, binding, transport, sched
 
 
-def check_order(op, topology, world, rank, cls=CudaTransport, m=1):
+def check_order(op, topology, world, rank, cls=CudaTransport, m=1, method="commfuse"):
     """Every batch waits for the data it sends and for nothing the compute stream queued
     after that data; every GEMM/add waits for the receive it consumes and no later one."""
-    cuda, binding, transport, sched = run(op, topology, world, rank, cls, m=m)
+    cuda, binding, transport, sched = run(op, topology, world, rank, cls, m=m, method=method)
     kernels = binding.kernels
     order = [s.slot for s in sched.steps if isinstance(s, S.Compute)]
     recv_batch = {t.slot: b for b in cuda.batches for t in b.transfers if t.kind == "recv"}
@@ -203,6 +204,16 @@ CASES = [(op, topo, w, r) for op in S.OPS for topo in S.TOPOLOGIES for w in (2, 
 @pytest.mark.parametrize("op,topology,world,rank", CASES)
 def test_each_batch_waits_for_its_own_data_only(op, topology, world, rank):
     check_order(op, topology, world, rank)
+
+
+@pytest.mark.parametrize("op", S.OPS)
+def test_decompose_batches_wait_for_their_own_data_only(op):
+    """decompose posts after computes: a gather-side send (input data, its slot numbered
+    otherwise than the computes' in a2a_matmul and direct ag_matmul) waits for no GEMM."""
+    for topology in S.TOPOLOGIES:
+        for world in (2, 3, 4):
+            for rank in range(world):
+                check_order(op, topology, world, rank, method="decompose")
 
 
 @pytest.mark.parametrize("m", [2, 3])
@@ -297,3 +308,29 @@ def test_steps_with_nothing_to_move_on_gloo():
     for rank, (res, empty) in enumerate(run_local(_sparse_on_gloo, 4, timeout=120)):
         assert not {k: v for k, v in res.items() if v}, (rank, res)
         assert empty == 0, f"rank {rank} posted {empty} empty batches"
+
+
+def test_gradient_reduce_scatter_sends_its_finished_partials(monkeypatch):
+    """`GradReduce` (ZeRO-3 prefetch) computes the peers' partials, then posts them: on CUDA
+    the batch must wait for those GEMMs (its transport is made after them)."""
+    from types import SimpleNamespace
+
+    from commfuse.parallel.prefetch import GradReduce
+    from commfuse.runtime import modes
+
+    cuda, gemm, count = FakeCuda(), modes.gemm, [0]
+
+    def traced_gemm(a, b, out=None):  # each GEMM a kernel on the compute stream
+        cuda.kernel(f"gemm {count[0]}")
+        count[0] += 1
+        return gemm(a, b, out)
+
+    monkeypatch.setattr(modes, "gemm", traced_gemm)
+    group = SimpleNamespace(size=lambda: 3, rank=lambda: 1, commfuse_backend=cuda)
+    mod = SimpleNamespace(group=group, weight=torch.nn.Parameter(torch.zeros(2, 4)), what="w")
+    GradReduce(mod, torch.ones(6, 5), torch.ones(5, 4), None)
+    (batch,) = cuda.batches
+    anc = {n.label for n in batch.ancestors()}
+    assert {"gemm 0", "gemm 1"} <= anc, f"the batch does not wait for the partials: {anc}"
+    assert "gemm 2" not in anc  # the own partial, computed after the post, is not sent
+

@@ -124,7 +124,6 @@ class GradReduce:
         group, w = mod.group, mod.weight
         world, rank, o = group.size(), group.rank(), w.shape[0]
         self.mod, self.rank = mod, rank
-        self.transport = executor.make_transport(group, w.device, timeout_s)
         self.parts: dict[int, torch.Tensor] = {}
         posts = []
         for k in range(1, world):  # the peers' partials first: they travel while we compute
@@ -133,6 +132,9 @@ class GradReduce:
             part = modes.gemm(g_OX[dst * o:(dst + 1) * o], x_XI)
             posts += [(Transfer("recv", src, src, TAG + 1), self.parts[src]),
                       (Transfer("send", dst, dst, TAG + 1), part)]
+        # made after the partials' GEMMs: its transfers come after what it was made after
+        # (on CUDA: the compute stream's point), so the sends read the finished partials
+        self.transport = executor.make_transport(group, w.device, timeout_s)
         works = self.transport.post(posts) if posts else []
         self.works = {(t.kind, t.peer): wk for (t, _), wk in zip(posts, works)}
         self.sent = [b for t, b in posts if t.kind == "send"]  # alive until their sends end

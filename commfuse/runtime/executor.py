@@ -12,7 +12,8 @@ object that knows which buffer a slot is and how to compute it:
 A *transport* (`commfuse.runtime.transport`) posts the transfers. On CPU (gloo) ``isend`` /
 ``irecv`` run on the backend's own threads while this thread runs the GEMMs. On CUDA
 (`commfuse.runtime.cuda`) they are issued from a communication stream that waits only for
-each batch's own data (``transport.produced(slot)`` after each Compute/Reduce records it), so
+each batch's own data (``transport.produced(slot)`` after each Compute/Reduce records it,
+where the op's sends carry what its computes wrote: not `SENDS_INPUT`'s), so
 GEMMs on the compute stream overlap them. Every wait has a deadline (on CUDA when a timeout
 is given; else NCCL's watchdog): a dead or stalled peer raises `CommFuseError` naming the op,
 step and peer instead of hanging. The measurement modes
@@ -32,8 +33,8 @@ import torch.distributed as dist
 from commfuse.errors import CommFuseError
 from commfuse.runtime import modes
 from commfuse.runtime.transport import Done, Transport, TransferFailed
-from commfuse.schedule import (Collective, Compute, Post, Reduce, Schedule, Transfer, Wait,
-                               WaitCollective)
+from commfuse.schedule import (SENDS_INPUT, Collective, Compute, Post, Reduce, Schedule,
+                               Transfer, Wait, WaitCollective)
 from commfuse.schedule.prefetch import last_post
 from commfuse.trace import Tracer
 
@@ -87,12 +88,14 @@ class Execution:
         pending, posted_at = self.pending, self.posted_at
         tracer = modes.tracer()
         op = schedule.op
+        produces = op not in SENDS_INPUT  # whether a send waits for its slot's Compute
         for index in indices:
             step = schedule.steps[index]
             t0 = time.perf_counter()
             if isinstance(step, Compute):
                 binding.compute(step.slot)
-                transport.produced(step.slot)
+                if produces:
+                    transport.produced(step.slot)
             elif isinstance(step, Post):
                 try:
                     with transport.allocating():

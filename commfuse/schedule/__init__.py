@@ -54,6 +54,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 GATHER_SIDE = ("ag_matmul", "a2a_matmul")  # the collective feeds the GEMM
 REDUCE_SIDE = ("matmul_rs", "matmul_a2a")  # the GEMM feeds the collective
+# ops whose sends carry only their input or what they received, never what a Compute wrote
+# (a send's slot may even number other data than a Compute's: a2a_matmul, direct ag_matmul)
+SENDS_INPUT = (*GATHER_SIDE, "moe_dispatch")
 
 
 @dataclass(frozen=True)
