@@ -27,7 +27,7 @@ def pytest_addoption(parser):
 # two workers in collection order, a next file to whichever finishes first: started first,
 # the long files run beside the many short ones instead of leaving one worker alone with a
 # long file at the end. A file not listed keeps its place after them.
-LONGEST_FIRST = ("test_moe_hf.py", "test_tp_families.py", "test_ops_dist.py", "test_parallel.py", "test_tp_mamba.py",
+LONGEST_FIRST = ("test_moe_hf.py", "test_tp_families.py", "test_tp_generate.py", "test_ops_dist.py", "test_parallel.py", "test_tp_mamba.py",
                  "test_doc_commands.py", "test_llama.py", "test_probe.py", "test_cluster.py",
                  "test_faults.py", "test_examples.py", "test_compile.py", "test_bench_train.py",
                  "test_memory.py", "test_train_cli.py", "test_infer.py", "test_tp.py",

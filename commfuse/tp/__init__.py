@@ -3,8 +3,9 @@ all-gather / reduce-scatter fused with its GEMM by commfuse.
 
     functional.py  the autograd pieces: shard_seq, gather_cols, sum_grad
     style.py       ParallelStyles for torch's parallelize_module: FusedColwiseParallel,
-                   FusedRowwiseParallel, FusedProjections, SequenceParallelNorm,
-                   ReplicateParallel, ShardSequence, and the shared SeqSplit
+                   FusedRowwiseParallel, FusedProjections
+    sequence.py    the styles without a GEMM: SequenceParallelNorm, ReplicateParallel,
+                   ShardSequence, and the shared SeqSplit
     plan.py        parallelize(model, mesh): the plan derived from a transformers causal LM's
                    base_model_tp_plan and module types (derive_plan), refusing what it
                    does not cover
@@ -27,9 +28,9 @@ from __future__ import annotations
 from commfuse import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "commfuse.tp.style": ("FusedColwiseParallel", "FusedRowwiseParallel", "FusedProjections",
-                          "SequenceParallelNorm", "ReplicateParallel", "ShardSequence",
-                          "SeqSplit"),
+    "commfuse.tp.style": ("FusedColwiseParallel", "FusedRowwiseParallel", "FusedProjections"),
+    "commfuse.tp.sequence": ("SequenceParallelNorm", "ReplicateParallel", "ShardSequence",
+                             "SeqSplit"),
     "commfuse.tp.plan": ("parallelize", "derive_plan"),
     "commfuse.tp.mesh": ("tp_mesh",),
     "commfuse.tp.mamba": ("MambaMixerParallel", "MixerLayout"),

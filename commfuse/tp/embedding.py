@@ -24,7 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from commfuse.tp.functional import chunk_sizes, scatter_sum
+from commfuse.tp.functional import all_sum, chunk_sizes, scatter_sum
+from commfuse.tp.sequence import _mesh_group, _param
 
 
 class Partial:
@@ -37,7 +38,8 @@ class Partial:
 
     def shard(self, x: torch.Tensor, dim: int, sizes, group, where: str) -> torch.Tensor | None:
         """This rank's sequence shard of the sum of every rank's ``x`` when ``x`` is (derived
-        per token from) the partial embedding; None when no partial embedding is pending."""
+        per token from) the partial embedding (``sizes`` None: the whole sum, all-reduced);
+        None when no partial embedding is pending."""
         if self.out is None:
             return None
         owned, self.out, self.owned = self.owned, None, None
@@ -47,7 +49,7 @@ class Partial:
                 f"vocabulary rows; zeros elsewhere) reached this layer changed by more than a "
                 f"per-token op f with f(0) = 0 (an added position embedding, a norm with a "
                 f"bias?): commfuse.tp cannot tie this model's embeddings; untie them")
-        return scatter_sum(x, dim, sizes, group)
+        return all_sum(x, group) if sizes is None else scatter_sum(x, dim, sizes, group)
 
 
 class VocabParallelEmbedding(ParallelStyle):
@@ -61,7 +63,6 @@ class VocabParallelEmbedding(ParallelStyle):
         self.partial = partial
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from commfuse.tp.style import _mesh_group, _param
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"VocabParallelEmbedding applies to nn.Embedding, got "
                             f"{type(module).__name__}")

@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from commfuse.moe.parallel import expert_ffn
 from commfuse.ops.methods import method_spec
 from commfuse.tp.functional import gather_cols
-from commfuse.tp.style import SeqSplit, SequenceParallelNorm
+from commfuse.tp.sequence import SeqSplit, SequenceParallelNorm
 
 
 def expert_weights(block: nn.Module) -> tuple[str, str] | None:

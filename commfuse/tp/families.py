@@ -2,8 +2,8 @@
 of docs/support.md generated from this registry and the others the code keeps.
 
 ``FAMILIES``: name -> `Family` (its config and model classes, a tiny config that the tests
-build on 2 and 4 ranks, the plan mechanisms it exercises). ``COMPILED`` and ``FSDP2``: the
-families the torch.compile and FSDP2 tests run (they import these tuples). `support_matrix`
+build on 2 and 4 ranks, the plan mechanisms it exercises). ``COMPILED``, ``FSDP2`` and
+``GENERATE``: the families the torch.compile, FSDP2 and ``model.generate`` tests run. `support_matrix`
 reads the rest from where the code decides it: the shipped ``--hf-config`` files, the model
 types `commfuse generate` loads, the model types `commfuse plan` prices.
 ``python -m commfuse.tp.families`` prints the matrix.
@@ -79,6 +79,7 @@ OTHERS = {"mixtral": ("mixtral", "tests/test_moe_hf.py"),
           "bamba": ("bamba", "tests/test_tp_mamba.py"),
           "nemotron-h": ("nemotron_h", "tests/test_tp_mamba.py")}
 COMPILED = ("llama", "qwen2")  # tests/test_tp_compile.py
+GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral")  # tests/test_tp_generate.py
 FSDP2 = ("llama", "mixtral")  # tests/test_tp.py, tests/test_moe_hf.py
 
 
@@ -119,13 +120,15 @@ def support_matrix() -> str:
             for n, f in FAMILIES.items()]
     rows += [(n, t, test, None) for n, (t, test) in OTHERS.items()]
     yes = lambda ok: "yes" if ok else "-"  # noqa: E731
-    lines = ["| family | model_type | `parallelize` | `train --hf-config` | `generate` | `plan` "
+    lines = ["| family | model_type | `parallelize` | `train --hf-config` | generate | `plan` "
              "| `torch.compile` | FSDP2 |", "|---|---|---|---|---|---|---|---|"]
     for name, kind, test, tied in rows:
         cfgs = [c for (k, t), cs in shipped.items() if k == kind and tied in (None, t)
                 for c in cs]
         cfgs = ", ".join(f"`{c}`" for c in cfgs) or "a config.json of it"
-        lines.append(f"| {name} | `{kind}` | yes ({test}) | {cfgs} | {yes(kind in HF_TYPES)} "
+        gen = [w for w, ok in (("`commfuse generate`", kind in HF_TYPES),
+                                ("`model.generate`", name in GENERATE)) if ok]
+        lines.append(f"| {name} | `{kind}` | yes ({test}) | {cfgs} | {', '.join(gen) or '-'} "
                      f"| {yes(kind in PLANNED_TYPES)} | {yes(name in COMPILED)} "
                      f"| {yes(name in FSDP2)} |")
     return "\n".join(lines) + "\n"

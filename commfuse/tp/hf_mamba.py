@@ -47,8 +47,8 @@ from commfuse.tp.experts import ExpertParallel, expert_weights, is_sparse
 from commfuse.tp.loss import head_style, install_loss_parallel
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.plan_styles import plan_styles
-from commfuse.tp.style import (FusedProjections, ReplicateParallel,
-                               ShardSequence)
+from commfuse.tp.sequence import ReplicateParallel, ShardSequence
+from commfuse.tp.style import FusedProjections
 
 # class name -> (embedding, layers, final norm): the module names its plan uses
 KNOWN = {"Mamba2ForCausalLM": ("backbone.embeddings", "backbone.layers", "backbone.norm_f"),

@@ -46,7 +46,8 @@ def vocab_start(head: nn.Module, group) -> int:
 
 def install_loss_parallel(model: nn.Module, group) -> None:
     """Make ``model.loss_function`` the vocabulary-parallel causal-LM loss over ``group``,
-    with the call signature of transformers' ``ForCausalLMLoss``."""
+    with the call signature of transformers' ``ForCausalLMLoss``; ``model.generate`` then
+    gathers the head's columns while it runs (it samples from whole logits)."""
     start = vocab_start(model.lm_head, group)
 
     def loss_function(logits: torch.Tensor, labels: torch.Tensor | None = None,
@@ -66,3 +67,13 @@ def install_loss_parallel(model: nn.Module, group) -> None:
         return per_token.sum() / num_items_in_batch
 
     model.loss_function = loss_function
+    head, generate = model.lm_head._commfuse_colwise, model.generate
+
+    def generate_whole(*args, **kwargs):  # sampling reads every column of the logits
+        head.gather_output = True
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            head.gather_output = False
+
+    model.generate = generate_whole

@@ -44,7 +44,8 @@ from torch.distributed.tensor import Shard
 
 from commfuse.ops.fused import fused_all_gather_matmul
 from commfuse.tp.functional import all_sum, sum_grad
-from commfuse.tp.style import _Fused, _mesh_group, _param
+from commfuse.tp.sequence import _mesh_group, _param
+from commfuse.tp.style import _Fused
 
 MIXER = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias")
 

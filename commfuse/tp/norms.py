@@ -20,6 +20,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from commfuse.tp.functional import all_sum, sum_grad
+from commfuse.tp.sequence import _mesh_group, _param
 
 EPS = ("variance_epsilon", "eps")
 
@@ -61,7 +62,6 @@ class SplitDimNorm(ParallelStyle):
         self.replicas = replicas
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from commfuse.tp.style import _mesh_group, _param
         group = _mesh_group(device_mesh)
         T, k, w = device_mesh.size(), self.replicas, module.weight
         t = w.detach()

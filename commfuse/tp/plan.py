@@ -45,8 +45,8 @@ from commfuse.tp.loss import head_style, install_loss_parallel
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.norms import SplitDimNorm, rms_norm_like
 from commfuse.tp.plan_styles import PlanStyles, plan_styles
-from commfuse.tp.style import (FusedColwiseParallel, FusedProjections, ReplicateParallel,
-                               ShardSequence)
+from commfuse.tp.sequence import ReplicateParallel, ShardSequence, gather_final
+from commfuse.tp.style import FusedColwiseParallel, FusedProjections
 
 # base_model_tp_plan's styles -> the role commfuse gives the module
 STYLES = {"colwise": "col", "colwise_gather_output": "col", "packed_colwise": "col",
@@ -143,7 +143,7 @@ class _Deriver:
                                     else ReplicateParallel())
         styles["lm_head"] = head_style(model, self.loss_parallel, ps.ag)
         styles[f"{prefix}.layers.0"] = ShardSequence(ps.split, prefetch=ps.chain,
-                                                     partial=partial)
+                                                     partial=partial, decode=True)
         for child, mod in base.named_children():
             if mod is embed or mod is layers:
                 continue
@@ -308,8 +308,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     MoE ops of sparse blocks). After it, ``model(input_ids, labels=...)`` gives every rank
     the unsharded model's logits and loss, and each parameter's ``.grad`` is its shard of
     the unsharded gradient (replicated ones summed over TP during the backward), so any
-    optimizer steps it. Parameters are DTensors. Training/scoring forward only: no
-    KV-cache generation, no ``logits_to_keep`` (``config.use_cache`` is set False).
+    optimizer steps it. Parameters are DTensors. ``config.use_cache`` is set False for
+    training; transformers' ``model.generate`` works (it passes ``use_cache``): prefill on
+    the fused, sequence-sharded path, each decode step (fewer tokens than ranks, no
+    gradients) on a replicated one whose row-parallel linears close with an all-reduce; the
+    caches hold this rank's heads. A forward without gradients gathers the last hidden
+    states over the sequence before the head (`commfuse.tp.sequence.gather_final`), so
+    ``logits_to_keep`` slices whole sequences.
     ``save_gathered=True``: the column-parallel projections keep their gathered input for
     backward, as DTensor's tensor parallelism does (more activation memory, one all-gather per
     projection fewer in backward); by default they keep only the sequence shard.
@@ -334,6 +339,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
         local_heads(attn, model.config, T)
     model.config.use_cache = False
     parallelize_module(model, mesh, plan.styles)
+    gather_final(model.base_model, ps.split, mesh.get_group())
     if plan.tied:
         tie(model.get_input_embeddings(), model.lm_head)
     if loss_parallel:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from commfuse.ops.prefetch import Prefetcher
-from commfuse.tp.style import (FusedColwiseParallel, FusedRowwiseParallel, SeqSplit,
-                               SequenceParallelNorm)
+from commfuse.tp.sequence import SeqSplit, SequenceParallelNorm
+from commfuse.tp.style import FusedColwiseParallel, FusedRowwiseParallel
 
 
 class PlanStyles(NamedTuple):

@@ -8,16 +8,15 @@ commfuse's fused ops (Megatron TPSP: sequence-sharded activations between the TP
     FusedProjections       on the parent of several column-parallel linears that read the same
                            input (q|k|v, gate|up): ONE fused all-gather with all their weights;
                            the parent gets the gathered input, each linear its cached output
-    SequenceParallelNorm   replicated parameters (Replicate) on a shard of the activations
-                           (norms; q_norm/k_norm on a head group): gradients summed over TP
-    ReplicateParallel      replicated parameters, the same work on every rank (the embedding)
-    ShardSequence          slices a module's replicated input to this rank's sequence shard
 
-Parameters are DTensors on the (1-D) TP mesh, so `torch.distributed.checkpoint` and FSDP2
-see their placements; the forward uses their local tensors (``to_local()``) and the mesh's
-ProcessGroup. The styles replace ``module.forward`` (reading the parameters at call time, as
-FSDP2 swaps them) and keep every module's own code otherwise. A ``SeqSplit`` shared by the
-styles carries the current sequence split (set by `ShardSequence`; None: even shards).
+The styles without a GEMM (norms, the embedding, the first layer's shard, the `SeqSplit` they
+share) are in `commfuse.tp.sequence`. Parameters are DTensors on the (1-D) TP mesh, so
+`torch.distributed.checkpoint` and FSDP2 see their placements; the forward uses their local
+tensors (``to_local()``) and the mesh's ProcessGroup. The styles replace ``module.forward``
+(reading the parameters at call time, as FSDP2 swaps them) and keep every module's own code
+otherwise. While the `SeqSplit` is ``replicated`` (a decode step of generation: every rank
+holds every token), a column-parallel linear is a local GEMM and a row-parallel one a local
+GEMM closed by an all-reduce.
 """
 
 from __future__ import annotations
@@ -26,35 +25,14 @@ import functools
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DeviceMesh, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from commfuse.ops.binding import even_sizes
 from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scatter
 from commfuse.ops.methods import method_spec
 from commfuse.ops.prefetch import Prefetcher
-from commfuse.tp.functional import chunk_sizes, gather_cols, shard_seq, sum_grad
-
-
-class SeqSplit:
-    """The split of the current forward's sequence over the TP ranks (``sizes``: rows per rank,
-    `commfuse.even_sizes` of the length), written by `ShardSequence`, read by the fused styles.
-    ``sizes`` None means every rank's shard is as long as this rank's."""
-
-    def __init__(self):
-        self.sizes: tuple[int, ...] | None = None
-
-
-def _mesh_group(mesh: DeviceMesh):
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-        raise ValueError(f"the commfuse.tp styles need a 1-D DeviceMesh (the 'tp' dim of a larger "
-                         f"one: mesh['tp']), got {mesh!r}")
-    return mesh.get_group()
-
-
-def _param(t: torch.Tensor, mesh: DeviceMesh, placement, requires_grad: bool) -> nn.Parameter:
-    # distribute_tensor takes rank 0's values (src_data_rank), so all ranks hold one model
-    return nn.Parameter(distribute_tensor(t.detach(), mesh, [placement]), requires_grad)
+from commfuse.tp.functional import all_sum, chunk_sizes, gather_cols, sum_grad
+from commfuse.tp.sequence import SeqSplit, _mesh_group, _param
 
 
 def _even(module: nn.Module, dim: int, group) -> bool:
@@ -153,7 +131,11 @@ class FusedColwiseParallel(_Fused):
     def _forward(self, module: nn.Module, group, x: torch.Tensor) -> torch.Tensor:
         shared = getattr(module, "_commfuse_shared", None)
         y = shared.take(module, x) if shared is not None else None
-        if y is None:
+        if y is None and self.split is not None and self.split.replicated:
+            w, b = self.local(module, group)  # every token here: a local GEMM
+            y = x @ w if b is None else torch.addmm(b, x.flatten(0, -2), w).view(
+                *x.shape[:-1], -1)
+        elif y is None:
             w, b = self.local(module, group)
             _, (y,) = fused_all_gather_matmul(x, [w], self.dim, group, return_A=False,
                                               sizes=self.sizes, uniform_b=_even(module, 0, group),
@@ -210,6 +192,8 @@ class FusedProjections(_Fused):
         uniform = all(_even(c, 0, group) for _, c in children)
 
         def pre(mod, args, kwargs):
+            if self.split is not None and self.split.replicated:
+                return None  # every token here: each projection's local GEMM
             if args:
                 x = args[0]
             elif self.input_kwarg in kwargs:
@@ -260,91 +244,11 @@ class FusedRowwiseParallel(_Fused):
 
     def _forward(self, module: nn.Module, group, x: torch.Tensor) -> torch.Tensor:
         w = module.weight.to_local()
+        if self.split is not None and self.split.replicated:  # every token here: all-reduce
+            y = all_sum(x @ w.t(), group)
+            return y if module.bias is None else y + module.bias.to_local()
         # backward: posts the re-gather of the projections before it (prefetch) ahead
         y = fused_matmul_reduce_scatter(x, w.t(), "sum", self.dim, group, sizes=self.sizes,
                                         uniform_b=_even(module, 1, group),
                                         prefetch=self.prefetch, **self.op_kwargs)
         return y if module.bias is None else y + sum_grad(module.bias.to_local(), group)
-
-
-class ReplicateParallel(ParallelStyle):
-    """Every parameter ``Replicate``d on the mesh; the module's own forward runs on their local
-    tensors. ``sum_grads=False`` (this class): every rank does the same work, so the gradients
-    are already whole (the embedding, ahead of `ShardSequence`)."""
-
-    sum_grads = False
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _mesh_group(device_mesh)
-        for name, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, _param(p, device_mesh, Replicate(), p.requires_grad))
-        forward = module.forward  # the module's own (bound) forward, run with local parameters
-        group, sum_grads = device_mesh.get_group(), self.sum_grads
-
-        def local_forward(*args, **kwargs):
-            params = module._parameters
-            saved = dict(params)
-            try:
-                for name, p in saved.items():
-                    if p is not None:
-                        t = p.to_local()
-                        params[name] = sum_grad(t, group) if sum_grads else t
-                return forward(*args, **kwargs)
-            finally:
-                params.update(saved)
-
-        module.forward = local_forward
-        return module
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-
-class SequenceParallelNorm(ReplicateParallel):
-    """A norm (or any module with replicated parameters) on a shard of the activations: its
-    sequence shard (Megatron's sequence-parallel LayerNorm/RMSNorm), or the head group of
-    q_norm/k_norm. Parameters ``Replicate``; each rank's gradient covers its shard only, so
-    it is summed over TP in the backward (one all-reduce per parameter)."""
-
-    sum_grads = True
-
-
-class ShardSequence(ParallelStyle):
-    """Slice the module's input (first positional argument, else keyword ``input_kwarg``),
-    replicated on every rank, to this rank's sequence shard: `commfuse.even_sizes` of its
-    length along ``sequence_dim`` (any length: 10 over 4 ranks is 3, 3, 2, 2), recorded in
-    ``split``. The backward all-gathers the shards' gradients (the module before it ran the
-    same on every rank). With ``prefetch`` (the fused styles' `Prefetcher`), a gather posted
-    ahead in a backward that did not use it is waited out here, as the model's forward begins.
-    With ``partial`` (a `commfuse.tp.embedding.Partial`: tied embeddings), an input derived
-    from the vocabulary-parallel embedding's partial output is reduce-scattered instead
-    (summed over the ranks onto the sequence shards)."""
-
-    def __init__(self, split: SeqSplit | None = None, *, sequence_dim: int = 1,
-                 input_kwarg: str = "hidden_states", prefetch: Prefetcher | None = None,
-                 partial=None):
-        self.split = SeqSplit() if split is None else split
-        self.dim, self.input_kwarg, self.prefetch = sequence_dim, input_kwarg, prefetch
-        self.partial = partial
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        group = _mesh_group(device_mesh)
-
-        def pre(mod, args, kwargs):
-            x = args[0] if args else kwargs.get(self.input_kwarg)
-            if not isinstance(x, torch.Tensor):
-                raise ValueError(f"ShardSequence: {type(mod).__name__} got no tensor input")
-            if self.prefetch is not None:
-                self.prefetch.drain()
-            self.split.sizes = sizes = even_sizes(x.shape[self.dim], group.size())
-            summed = None if self.partial is None else self.partial.shard(
-                x, self.dim, sizes, group, type(mod).__name__)
-            x = shard_seq(x, self.dim, sizes, group) if summed is None else summed
-            return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, self.input_kwarg: x})
-
-        module.register_forward_pre_hook(pre, with_kwargs=True)
-        return module
-
-    def __repr__(self) -> str:
-        return f"ShardSequence(sequence_dim={self.dim})"
-
