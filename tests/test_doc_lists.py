@@ -30,6 +30,7 @@ def test_inference_names_the_shipped_configs_that_generate():
              for p in (DATA_DIR / "hf").glob("*.json")}
     text = _paragraph("docs/inference.md", "`generate` takes the transformers families")
     takes, refuses = text.split("train but do not generate")[0].split("The MoE configs")
+    assert "do not generate" in text
     named = lambda part: set(re.findall(r"`([\w-]+-tiny)`", part))
     why = ("docs/inference.md, 'Architectures': name each shipped config (commfuse/data/hf), "
            "those whose model_type is in HF_TYPES before 'The MoE configs', the others after")

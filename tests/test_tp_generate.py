@@ -81,3 +81,33 @@ CASES = [(w, f"{k}-{f}") for w in (2, 4) for f in FAMILIES for k in ("greedy", "
 def test_generate_matches_unsharded_model(world, case):
     problems = {r: res[case] for r, res in enumerate(results(world)) if res[case]}
     assert not problems, problems
+
+
+def test_cli_generates_other_families_through_transformers(tmp_path, command):
+    """``commfuse generate --hf-model`` on a family its own Llama does not model (Gemma 3:
+    tied embeddings, windows) runs transformers' generate on the sharded model: the same text
+    on 1 and 2 ranks (a batch of two prompts); a Mamba-2 model and the built-in path's flags
+    are refused before any rank starts."""
+    from commfuse.tp.families import tiny_config
+    import transformers
+    cfg = tiny_config("gemma3", vocab_size=4096, max_position_embeddings=128)
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(cfg).save_pretrained(tmp_path / "g")
+    texts = []
+    for tp in ("1", "2"):
+        p = command("generate", "--hf-model", str(tmp_path / "g"), "--prompt", "ROMEO: what",
+                    "--prompt", "To be", "--max-new-tokens", "6", "--tp", tp, "--link",
+                    "loopback")
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert p.stdout.startswith("[0] ROMEO: what|") and "[1] To be|" in p.stdout
+        texts.append(p.stdout)
+    assert texts[0] == texts[1]
+    p = command("generate", "--hf-model", str(tmp_path / "g"), "--prompt", "a", "--bench",
+                "--tp", "2", "--link", "loopback")
+    assert p.returncode == 2 and "--bench: for the built-in Llama path only" in p.stderr
+    transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+        vocab_size=4096, hidden_size=16, num_heads=8, head_dim=4, num_hidden_layers=1,
+        n_groups=1, state_size=8)).save_pretrained(tmp_path / "m")
+    p = command("generate", "--hf-model", str(tmp_path / "m"), "--prompt", "a", "--tp", "2",
+                "--link", "loopback")
+    assert p.returncode == 2 and "do not generate yet" in p.stderr

@@ -4,7 +4,9 @@ The model comes from a checkpoint of ``commfuse train --checkpoint-dir DIR`` (an
 layout: it is read back whole and cut again for --tp; of an ``--hf-config`` run, the
 transformers model it saved), from a transformers Llama, Mistral (sliding window too), Qwen2
 or Qwen3 saved with ``save_pretrained`` (--hf-model DIR), or is a fresh one (--random-init,
---preset, --seed).
+--preset, --seed). Another transformers family that `commfuse.tp.parallelize` takes (Gemma,
+Phi-3, OLMo, Mixtral, ...) generates through transformers' own ``generate`` on the sharded
+model instead (`commfuse.infer.hf_generate`).
 The prompt is prefilled sequence-parallel (each rank embeds and keeps its slice of the
 prompt; the fused all-gather -> GEMM and GEMM -> reduce-scatter run every block), or
 interleaved in chunks (--prefill-chunks), then one token per step is decoded with the same
@@ -76,9 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="A commfuse train --checkpoint-dir (its latest) or step directory; "
                           "of an --hf-config run too (a transformers model directory)")
     src.add_argument("--hf-model", metavar="DIR",
-                     help="A transformers Llama, Mistral (sliding window too), Qwen2 or Qwen3 "
-                          "saved with save_pretrained (its tokenizer if DIR has one, else "
-                          "commfuse's; needs transformers)")
+                     help="A transformers model saved with save_pretrained (its tokenizer if "
+                          "DIR has one, else commfuse's; needs transformers): Llama, Mistral, "
+                          "Qwen2, Qwen3 through commfuse's own inference model, the other "
+                          "families commfuse.tp.parallelize takes through transformers' "
+                          "generate on the sharded model")
     src.add_argument("--random-init", action="store_true",
                      help="A freshly initialised model of --preset (seeded by --seed)")
     p.add_argument("--preset", default="tiny", help="With --random-init: the model (default: "
@@ -118,14 +122,19 @@ def run(args) -> int:
         print("commfuse generate: give --prompt TEXT or --prompt-tokens N (one of them)",
               file=sys.stderr)
         return 2
+    from commfuse.infer import hf_generate
+    rank_fn = rank_main
     try:
         Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         _lengths(args)
         from commfuse.infer.load import check_hf, checkpoint_path, is_hf_checkpoint
 
-        if args.checkpoint and is_hf_checkpoint(args.checkpoint):
+        if hf_generate.needs_transformers_path(args):  # another family: transformers' generate
+            hf_generate.check_args(args)
+            rank_fn = hf_generate.rank_main
+        elif args.checkpoint and is_hf_checkpoint(args.checkpoint):
             check_hf(checkpoint_path(args.checkpoint), tokenize=True)
-        if args.hf_model:
+        elif args.hf_model:
             check_hf(args.hf_model, tokenize=True)
     except (ValueError, FileNotFoundError) as e:
         print(f"commfuse generate: {e}", file=sys.stderr)
@@ -136,11 +145,11 @@ def run(args) -> int:
 
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
             duplex()
-        rc = rank_main(dist.get_rank(), dist.get_world_size(), args)
+        rc = rank_fn(dist.get_rank(), dist.get_world_size(), args)
         dist.destroy_process_group()
         return rc
     if args.tp == 1:
-        return rank_main(0, 1, args)
+        return rank_fn(0, 1, args)
     relaunched = _on_emulated_cluster(args)
     if relaunched is not None:
         return relaunched
@@ -148,7 +157,7 @@ def run(args) -> int:
 
     threads = max(1, (os.cpu_count() or 1) // args.tp)
     try:
-        return run_local(rank_main, args.tp, args, threads=threads, timeout=24 * 3600,
+        return run_local(rank_fn, args.tp, args, threads=threads, timeout=24 * 3600,
                          pg_timeout_s=args.timeout)[0]
     except (RankFailed, TimeoutError) as e:
         print(f"commfuse generate: failed: {e}", file=sys.stderr)

@@ -113,6 +113,7 @@ def _shipped() -> dict[tuple[str, bool], list[str]]:
 
 def support_matrix() -> str:
     """docs/support.md's table: each family against what takes it."""
+    from commfuse.infer.hf_generate import NO_GENERATE
     from commfuse.models.llama import HF_TYPES
     from commfuse.sim.plan.hf_config import PLANNED_TYPES
     shipped = _shipped()
@@ -126,8 +127,9 @@ def support_matrix() -> str:
         cfgs = [c for (k, t), cs in shipped.items() if k == kind and tied in (None, t)
                 for c in cs]
         cfgs = ", ".join(f"`{c}`" for c in cfgs) or "a config.json of it"
-        gen = [w for w, ok in (("`commfuse generate`", kind in HF_TYPES),
-                                ("`model.generate`", name in GENERATE)) if ok]
+        gen = [w for w, ok in (("`commfuse generate`" + (" (own Llama)" if kind in HF_TYPES
+                                                          else ""), kind not in NO_GENERATE),
+                                ("`model.generate` tested", name in GENERATE)) if ok]
         lines.append(f"| {name} | `{kind}` | yes ({test}) | {cfgs} | {', '.join(gen) or '-'} "
                      f"| {yes(kind in PLANNED_TYPES)} | {yes(name in COMPILED)} "
                      f"| {yes(name in FSDP2)} |")
