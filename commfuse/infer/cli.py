@@ -129,8 +129,8 @@ def run(args) -> int:
         _lengths(args)
         from commfuse.infer.load import check_hf, checkpoint_path, is_hf_checkpoint
 
-        if hf_generate.needs_transformers_path(args):  # another family: transformers' generate
-            hf_generate.check_args(args)
+        if (kind := hf_generate.transformers_family(args)) is not None:  # transformers' generate
+            hf_generate.check_args(args, kind)
             rank_fn = hf_generate.rank_main
         elif args.checkpoint and is_hf_checkpoint(args.checkpoint):
             check_hf(checkpoint_path(args.checkpoint), tokenize=True)

@@ -3,7 +3,7 @@ Phi-3, OLMo, Mixtral, ... : `commfuse.tp.families`): the saved model sharded by
 `commfuse.tp.parallelize` and run by transformers' own ``model.generate`` (prefill on the
 fused sequence-sharded path, decode steps replicated, caches of this rank's heads).
 
-`needs_transformers_path` tells `commfuse.infer.cli` which models go here; `check_args`
+`transformers_family` tells `commfuse.infer.cli` which models go here; `check_args`
 refuses the flags of the built-in path (--bench, --query-split, --prefill-chunks,
 --decode-method); `rank_main` is one rank: load, shard, generate; rank 0 prints the text.
 A batch of prompts is left-padded. Mamba-2 models and the hybrids do not generate yet.
@@ -31,22 +31,21 @@ def model_dir(args) -> Path | None:
     return None
 
 
-def needs_transformers_path(args) -> bool:
-    """Whether the model is a transformers model of a type `commfuse.models.llama` does not
-    model (read from its config.json alone)."""
+def transformers_family(args) -> str | None:
+    """The model type of a transformers model that `commfuse.models.llama` does not model
+    (read from its config.json alone); None for every other model."""
     import json
 
     from commfuse.models.llama import HF_TYPES
     path = model_dir(args)
     if path is None or not (path / "config.json").is_file():
-        return False
-    return json.loads((path / "config.json").read_text()).get("model_type") not in HF_TYPES
+        return None
+    kind = json.loads((path / "config.json").read_text()).get("model_type")
+    return None if kind in HF_TYPES else kind
 
 
-def check_args(args) -> None:
-    """ValueError for what this path does not take."""
-    import json
-    kind = json.loads((model_dir(args) / "config.json").read_text()).get("model_type")
+def check_args(args, kind: str) -> None:
+    """ValueError for what this path does not take, for a model of type ``kind``."""
     if kind in NO_GENERATE:
         raise ValueError(f"{model_dir(args)}: {kind} models do not generate yet (their conv and "
                          f"SSM caches are not split over the ranks)")
@@ -67,9 +66,10 @@ def rank_main(rank: int, world: int, args) -> int:
 
     from commfuse.data import load_tokenizer
     from commfuse.infer.load import hf_tokenizer
+    from commfuse.train.config import DTYPES
     path = model_dir(args)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype or "")
-    model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype else {}))
+    dtype = {"dtype": DTYPES[args.dtype]} if args.dtype else {}
+    model = AutoModelForCausalLM.from_pretrained(path, **dtype)
     model.eval()
     if world > 1:
         import commfuse.tp

@@ -69,7 +69,6 @@ class Plan:
     styles: dict = field(default_factory=dict)
     attention: list = field(default_factory=list)
     tied: bool = False
-    experts: bool = False
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -207,8 +206,7 @@ class _Deriver:
     def _projections(self, p: str, layer: nn.Module, parent: str, leaves: list[str]) -> None:
         """One fused all-gather for the column-parallel children of ``parent``."""
         ps, styles, T = self.ps, self.plan.styles, self.T
-        owner = layer.get_submodule(parent) if parent else layer
-        where = f"{p}.{parent}" if parent else p
+        owner, where = layer.get_submodule(parent), f"{p}.{parent}"
         is_attention = any(leaf in ATTENTION for leaf in leaves)
         if not is_attention and "Attention" in type(owner).__name__:
             self.problems.append(f"{where} ({type(owner).__name__}): an attention whose "
@@ -286,7 +284,6 @@ class _Deriver:
             if getattr(self.cfg, knob, 0):
                 self.problems.append(f"unsupported config: {knob}={getattr(self.cfg, knob)}")
         self.plan.styles[where] = self.moe
-        self.plan.experts = True
 
 
 def derive_plan(model: nn.Module, T: int, ps: PlanStyles | None = None,

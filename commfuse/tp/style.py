@@ -131,15 +131,15 @@ class FusedColwiseParallel(_Fused):
     def _forward(self, module: nn.Module, group, x: torch.Tensor) -> torch.Tensor:
         shared = getattr(module, "_commfuse_shared", None)
         y = shared.take(module, x) if shared is not None else None
-        if y is None and self.split is not None and self.split.replicated:
-            w, b = self.local(module, group)  # every token here: a local GEMM
-            y = x @ w if b is None else torch.addmm(b, x.flatten(0, -2), w).view(
-                *x.shape[:-1], -1)
-        elif y is None:
+        if y is None:
             w, b = self.local(module, group)
-            _, (y,) = fused_all_gather_matmul(x, [w], self.dim, group, return_A=False,
-                                              sizes=self.sizes, uniform_b=_even(module, 0, group),
-                                              **self.op_kwargs)
+            if self.split is not None and self.split.replicated:
+                y = x @ w  # every token here: a local GEMM
+            else:
+                _, (y,) = fused_all_gather_matmul(x, [w], self.dim, group, return_A=False,
+                                                  sizes=self.sizes,
+                                                  uniform_b=_even(module, 0, group),
+                                                  **self.op_kwargs)
             y = y if b is None else y + b
         if not self.gather_output:
             return y
