@@ -59,6 +59,8 @@ BY_NAME = {**dict.fromkeys(("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj
 PACKED = {"qkv_proj": "q|k|v", "gate_up_proj": "gate|up"}  # packed colwise projections
 ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")  # a parent with these is an attention
 ROUTER_EXTRAS = ("router_jitter_noise",)  # MoE config fields with no plan here when set
+# modules planned as a whole: (test, the _Deriver method that plans it and its submodules)
+WHOLE = ((is_sparse, "_sparse"),)
 
 
 @dataclass
@@ -164,14 +166,15 @@ class _Deriver:
 
     def _layer(self, p: str, layer: nn.Module) -> None:
         cols: dict[str, list[str]] = {}  # parent -> its column-parallel children (leaf names)
-        norms, sparse = [], []
+        norms, whole = [], []  # whole: modules whose handler covered their submodules too
         for name, mod in layer.named_modules():
-            if any(name.startswith(s + ".") for s in sparse):
+            if any(name.startswith(s + ".") for s in whole):
                 continue
             where = f"{p}.{name}" if name else p
-            if is_sparse(mod):
-                sparse.append(name)
-                self._sparse(where, mod)
+            handler = next((getattr(self, h) for test, h in WHOLE if test(mod)), None)
+            if handler is not None:
+                whole.append(name)
+                handler(where, mod)
             elif isinstance(mod, nn.Linear):
                 role = self.roles.get(name) or BY_NAME.get(name.rpartition(".")[2])
                 if role == "col":
