@@ -248,7 +248,7 @@ def test_matches_unsharded_model(world, case):
 
 
 def test_unknown_moe_layout_is_refused_by_name():
-    """No processes: a block with expert biases has no plan, and says so."""
+    """No processes: expert parameters the layout does not name are refused by name."""
     from commfuse.tp.plan import derive_plan
     model = build("mixtral", 2)
     model.model.layers[1].mlp.experts.register_parameter(

@@ -1,11 +1,23 @@
 """`ExpertParallel`: a transformers sparse MoE block's experts split over the ranks of a mesh,
 the dispatch and combine all-to-alls fused with the expert GEMMs (`commfuse.moe.parallel`).
-The whole-model plans that use it: `commfuse.tp.plan` (Mixtral, Qwen3-MoE) and
-`commfuse.tp.hf_mamba` (Nemotron-H's MoE layers)."""
+The whole-model plans that use it: `commfuse.tp.plan` and `commfuse.tp.hf_mamba`
+(Nemotron-H's MoE layers).
+
+A block is described by transformers' experts interface (`use_experts_implementation`): an
+``experts`` module with 3-D ``gate_up_proj`` (or ``up_proj``) and ``down_proj`` [E, ...],
+optional ``*_bias`` [E, ...], the flags ``is_transposed`` / ``has_gate`` / ``has_bias`` and
+the gated activation ``_apply_gate``, called as ``experts(x [N, D], top_k_index [N, k],
+top_k_weights [N, k])``; beside it a router (``gate`` or ``router``) whose ``weight`` is
+[E, D]. The block's own forward runs unchanged: its router (group-limited routing, score
+corrections, routed scaling: the model's code) on this rank's tokens, its shared experts and
+gates as the model's plan splits them; only the experts' forward is replaced.
+"""
 
 from __future__ import annotations
 
 import functools
+import inspect
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,31 +30,92 @@ from commfuse.ops.methods import method_spec
 from commfuse.tp.functional import gather_cols
 from commfuse.tp.sequence import SeqSplit, SequenceParallelNorm
 
+ROUTERS = ("gate", "router")  # the names a block's router goes by
 
-def expert_weights(block: nn.Module) -> tuple[str, str] | None:
-    """The names of a transformers sparse MoE block's expert weights, or None when ``block``
-    is not one: a ``gate`` router with a ``weight`` [E, D] and ``experts`` with a fused
-    ``gate_up_proj`` [E, 2F, D] (SwiGLU experts: Mixtral, Qwen3-MoE) or an ``up_proj``
-    [E, F, D] (non-gated experts: Nemotron-H), and ``down_proj`` [E, D, F]."""
-    experts, gate = getattr(block, "experts", None), getattr(block, "gate", None)
-    if not isinstance(getattr(gate, "weight", None), nn.Parameter):
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """How a sparse block holds its experts: the ``router`` child's name, the first weight
+    (``gate_up_proj``: gated, or ``up_proj``), the expert count, whether weights are stored
+    ``x @ w`` (``transposed``) rather than ``F.linear``'s [E, out, in], whether they carry
+    biases, whether each expert's output is normed (``post_norm``), and whether the experts
+    take routed tokens (``x, top_k_index, top_k_weights``: ``routed``)."""
+
+    router: str
+    first: str
+    experts: int
+    transposed: bool = False
+    bias: bool = False
+    post_norm: bool = False
+    routed: bool = True
+    unknown: tuple[str, ...] = ()  # the experts' parameters this layout does not name
+
+    @property
+    def gated(self) -> bool:
+        return self.first == "gate_up_proj"
+
+
+def _params(experts: nn.Module) -> list[str]:
+    """The experts' forward's argument names after ``self`` (through decorators)."""
+    try:
+        return list(inspect.signature(type(experts).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return []
+
+
+def expert_spec(block: nn.Module) -> ExpertsSpec | None:
+    """The `ExpertsSpec` of a transformers sparse MoE block, or None when ``block`` is not
+    one (no ``experts`` with 3-D expert weights and a router of as many rows beside it)."""
+    experts = getattr(block, "experts", None)
+    if not isinstance(experts, nn.Module):
         return None
-    for first in ("gate_up_proj", "up_proj"):
-        if all(isinstance(getattr(experts, n, None), nn.Parameter) and getattr(experts, n).dim() == 3
-               for n in (first, "down_proj")):
-            return first, "down_proj"
-    return None
+    is3d = lambda n: isinstance(getattr(experts, n, None), nn.Parameter) and getattr(  # noqa: E731
+        experts, n).dim() == 3
+    first = next((n for n in ("gate_up_proj", "up_proj") if is3d(n)), None)
+    if first is None or not is3d("down_proj"):
+        return None
+    E = getattr(experts, first).shape[0]
+    router = next((n for n in ROUTERS if isinstance(getattr(getattr(block, n, None), "weight", None),
+                                                    nn.Parameter)
+                   and getattr(block, n).weight.dim() == 2
+                   and getattr(block, n).weight.shape[0] == E), None)
+    if router is None:
+        return None
+    transposed = getattr(experts, "is_transposed", None)
+    if transposed is None:  # no flag: [E, D, N] when only that reading fits the router's D
+        D, (w, down) = getattr(block, router).weight.shape[1], (getattr(experts, first),
+                                                               experts.down_proj)
+        transposed = w.shape[1] == D and down.shape[2] == D and (w.shape[2], down.shape[1]) != (
+            D, D)
+    bias = bool(getattr(experts, "has_bias", False))
+    known = {first, "down_proj", *((f"{first}_bias", "down_proj_bias") if bias else ())}
+    return ExpertsSpec(router, first, E, transposed=bool(transposed), bias=bias,
+                       post_norm=bool(getattr(experts, "has_post_expert_norm", False)),
+                       routed=len(_params(experts)) >= 3,
+                       unknown=tuple(sorted(n for n, _ in experts.named_parameters()
+                                            if n not in known)))
 
 
 def is_sparse(block: nn.Module) -> bool:
-    """Whether ``block`` is a transformers sparse MoE block (`expert_weights`)."""
-    return expert_weights(block) is not None
+    """Whether ``block`` is a transformers sparse MoE block (`expert_spec`)."""
+    return expert_spec(block) is not None
 
 
-# a sparse block's dense parts, run on this rank's tokens beside the routed experts:
-# Nemotron-H's shared experts and latent projections (replicated by `ExpertParallel` when
-# named in its ``replicate``, else sharded by the model's plan)
-DENSE = ("shared_experts", "fc1_latent_proj", "fc2_latent_proj")
+def spec_problems(spec: ExpertsSpec, T: int) -> list[str]:
+    """Why the experts of ``spec`` cannot be split over ``T`` ranks (empty: they can)."""
+    problems = []
+    if not spec.routed and (spec.bias or not spec.gated):
+        problems.append("experts that take every token scaled by its router score (Llama 4's "
+                        "layout) are built for bias-free gate|up experts only")
+    if spec.unknown:
+        problems.append(f"expert parameters {list(spec.unknown)} that its layout (has_bias="
+                        f"{spec.bias}) does not use")
+    if spec.post_norm:
+        problems.append("a norm after each expert: not built")
+    if spec.experts % T:
+        problems.append(f"{spec.experts} experts cannot be split over {T} ranks (expert "
+                        f"parallelism needs the experts divisible by the TP size)")
+    return problems
 
 
 def _recording_router_logits() -> bool:
@@ -58,90 +131,163 @@ def _recording_router_logits() -> bool:
 
 
 class ExpertParallel(ParallelStyle):
-    """A transformers sparse MoE block (`expert_weights`) with its experts split over the
-    mesh: ``experts.gate_up_proj`` (or ``up_proj``) and ``experts.down_proj`` become
-    ``Shard(0)`` DTensors (E/T experts per rank), the router's ``gate.weight`` a ``Replicate``
-    one whose gradient is summed over the mesh (each rank routes its own tokens; a router's
-    buffers, such as Nemotron-H's score-correction bias, stay as they are), and so do the
-    block's dense parts named in ``replicate`` (default ``DENSE``: Nemotron-H's shared experts
-    and latent projections; a plan that shards the shared experts itself leaves them out).
-    ``forward(hidden_states [B, s, D])`` runs the block's own router on this rank's tokens,
-    then `commfuse.moe.parallel.expert_ffn` with ``method`` and ``opts``
-    (`commfuse.ops.moe.moe_dispatch_matmul`'s) and the experts' activation (gated on
-    gate|up, else ``act_fn``), then the dense parts as the block does; the experts' module
-    keeps the step's `ExpertCounts` as ``last_counts``. ``split``: the `SeqSplit` of the
-    model's plan (the router logits of every rank's shard are gathered in its order).
+    """A transformers sparse MoE block (`expert_spec`) with its experts split over the mesh:
+    every expert parameter (weights and biases) a ``Shard(0)`` DTensor (E/T experts per
+    rank), the router's parameters ``Replicate`` with their gradients summed over the mesh
+    (each rank routes its own tokens; a router's buffers, such as a score-correction bias,
+    stay as they are), and so are the block's children named in ``replicate`` (Nemotron-H's
+    latent projections). The block's forward is its own; ``experts(x, top_k_index,
+    top_k_weights)`` becomes `commfuse.moe.parallel.expert_ffn` with ``method`` and ``opts``
+    (`commfuse.ops.moe.moe_dispatch_matmul`'s) and the experts' activation (``_apply_gate``
+    on gate|up, else ``act_fn``), biases folded into the GEMMs as a row of ones; the
+    experts' module keeps the step's `ExpertCounts` as ``last_counts``. The block's other
+    children (shared experts, their gates), planned by the model's plan, see a token-flat
+    ``[B*s, D]`` input as ``[B, s, D]`` (the fused styles split dim 1). ``split``: the
+    `SeqSplit` of the model's plan (recorded router logits are gathered in its order).
     """
 
     def __init__(self, *, split: SeqSplit | None = None, method: str = "auto",
-                 replicate: tuple[str, ...] = DENSE, **opts):
+                 replicate: tuple[str, ...] = (), logits_index: int = 0, **opts):
         method_spec(method, opts)  # a bad method or option fails here, before any forward
-        unknown = set(replicate) - set(DENSE)
-        if unknown:
-            raise ValueError(f"replicate takes names from {DENSE}, got {sorted(unknown)}")
         self.split, self.method, self.opts = split, method, opts
-        self.replicate = tuple(replicate)
+        self.replicate, self.logits_index = tuple(replicate), logits_index
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        names = expert_weights(module)
-        if names is None:
-            raise TypeError(f"ExpertParallel applies to a sparse MoE block (gate.weight, "
-                            f"experts.gate_up_proj or experts.up_proj, experts.down_proj), got "
-                            f"{type(module).__name__}")
+        spec = expert_spec(module)
+        if spec is None:
+            raise TypeError(f"ExpertParallel applies to a sparse MoE block (experts with 3-D "
+                            f"gate_up_proj or up_proj and down_proj, a router gate or router "
+                            f"with a weight [E, D]), got {type(module).__name__}")
         T, experts = device_mesh.size(), module.experts
-        E = getattr(experts, names[0]).shape[0]
-        if E % T:
-            raise ValueError(f"{E} experts cannot be split over {T} ranks")
-        for name in names:
-            p = getattr(experts, name)
+        problems = spec_problems(spec, T)
+        if problems:
+            raise ValueError(f"{type(module).__name__}: " + "; ".join(problems))
+        for name, p in list(experts.named_parameters(recurse=False)):
+            if p.shape[0] != spec.experts:  # a per-expert layout names none such
+                raise ValueError(f"{type(experts).__name__}.{name} {tuple(p.shape)} is not "
+                                 f"per expert ([{spec.experts}, ...])")
             experts.register_parameter(name, nn.Parameter(
                 distribute_tensor(p.detach(), device_mesh, [Shard(0)]), p.requires_grad))
         experts.last_counts = None
-        parallelize_module(module.gate, device_mesh, SequenceParallelNorm())
+        router = getattr(module, spec.router)
+        parallelize_module(router, device_mesh, SequenceParallelNorm())
         for name in self.replicate:  # each submodule with parameters: replicated, grads summed
             sub = getattr(module, name, None)
-            for part in (sub.modules() if isinstance(sub, nn.Module) else ()):
+            if sub is None:
+                raise ValueError(f"replicate: {type(module).__name__} has no {name!r}")
+            for part in sub.modules():
                 if next(part.parameters(recurse=False), None) is not None:
                     parallelize_module(part, device_mesh, SequenceParallelNorm())
-        group = device_mesh.get_group()
-        module.gate.forward = functools.partial(self._route, module.gate.forward, group)
-        module.forward = functools.partial(self._forward, module, group, E, names[0])
+        group, shape = device_mesh.get_group(), {}
+
+        def remember(_, args, kwargs):  # the block's [B, s, D] input, for its children
+            x = args[0] if args else kwargs.get("hidden_states")
+            shape["tokens"] = None if x is None else tuple(x.shape[:-1])
+
+        module.register_forward_pre_hook(remember, with_kwargs=True)
+        skip = {"experts", spec.router, *self.replicate}
+        for name, child in module.named_children():
+            if name not in skip and next(child.parameters(), None) is not None:
+                _as_sequence(child, shape)
+        router.forward = functools.partial(self._route, router.forward, shape, group)
+        experts.forward = functools.partial(self._experts, experts, spec, group,
+                                            _params(experts))
+        if not spec.routed:
+            module.forward = functools.partial(_scaled_forward, module, spec)
         return module
 
-    def _route(self, route, group, hidden_states: torch.Tensor):
-        """The block's router on ``hidden_states`` [B, s, D] (its weight's gradient summed
-        over the group); its logits gathered over the sequence while they are recorded."""
-        logits, weights, index = route(hidden_states)
-        if _recording_router_logits():
-            (B, s, _), E = hidden_states.shape, logits.shape[-1]
-            sizes = (self.split.sizes if self.split is not None and self.split.sizes
-                     else (s,) * group.size())
-            logits_BEs = logits.reshape(B, s, E).transpose(1, 2)
-            logits = gather_cols(logits_BEs, sizes, group).transpose(1, 2).reshape(-1, E)
-        return logits, weights, index
+    def _route(self, route, shape: dict, group, hidden_states: torch.Tensor, *args, **kwargs):
+        """The block's router on this rank's tokens (its parameters' gradients summed over the
+        group); its logits (first output) gathered over the sequence while recorded."""
+        out = route(hidden_states, *args, **kwargs)
+        tokens = shape.get("tokens")
+        if (not isinstance(out, tuple) or not _recording_router_logits() or tokens is None
+                or len(tokens) != 2):
+            return out
+        (B, s), i = tokens, self.logits_index
+        E = out[i].shape[-1]
+        sizes = (self.split.sizes if self.split is not None and self.split.sizes
+                 else (s,) * group.size())
+        logits_BEs = out[i].reshape(B, s, E).transpose(1, 2)
+        logits = gather_cols(logits_BEs, sizes, group).transpose(1, 2).reshape(-1, E)
+        return (*out[:i], logits, *out[i + 1:])
 
-    def _forward(self, module: nn.Module, group, E: int, first: str,
-                 hidden_states: torch.Tensor):
-        experts = module.experts
-        _, weights, index = module.gate(hidden_states)
-        x_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
-        shared, latent_in, latent_out = (getattr(module, n, None) for n in DENSE)
-        if latent_in is not None:  # Nemotron-H: the experts may work in a latent width
-            x_TD = latent_in(x_TD)
-
-        def gated(h):  # the model's gated activation on gate|up
-            gate, up = h.chunk(2, dim=-1)
-            return experts.act_fn(gate) * up
-
-        y_TD, experts.last_counts = expert_ffn(
-            x_TD, weights, index, getattr(experts, first).to_local().transpose(1, 2),
-            experts.down_proj.to_local().transpose(1, 2),
-            gated if first == "gate_up_proj" else experts.act_fn, group, E,
-            method=self.method, **self.opts)
-        if latent_out is not None:
-            y_TD = latent_out(y_TD)
-        y = y_TD.reshape(hidden_states.shape)
-        return y if shared is None else y + shared(hidden_states)
+    def _experts(self, experts: nn.Module, spec: ExpertsSpec, group, names: list[str],
+                 *args, **kwargs) -> torch.Tensor:
+        if spec.routed:
+            bound = {**dict(zip(names, args)), **kwargs}
+            x_TD, index, weights = (bound[n] for n in names[:3])
+        else:  # from _scaled_forward: each row one (token, expert) pair, already scaled
+            x_TD, index, weights = args
+        w_in, w_out = getattr(experts, spec.first).to_local(), experts.down_proj.to_local()
+        if not spec.transposed:  # F.linear's [E, out, in] -> x @ w's [E, in, out]
+            w_in, w_out = w_in.transpose(1, 2), w_out.transpose(1, 2)
+        if spec.gated:
+            apply_gate = getattr(experts, "_apply_gate", None) or _swiglu(experts)
+        else:
+            apply_gate = experts.act_fn
+        act = apply_gate
+        if spec.bias:  # x @ w + b as [x, 1] @ [w; b]: each expert's bias in its GEMM
+            b_in = getattr(experts, f"{spec.first}_bias").to_local()
+            b_out = experts.down_proj_bias.to_local()
+            w_in = torch.cat([w_in, b_in.unsqueeze(1)], 1)
+            w_out = torch.cat([w_out, b_out.unsqueeze(1)], 1)
+            x_TD = _ones_column(x_TD)
+            act = lambda h: _ones_column(apply_gate(h))  # noqa: E731
+        y_TD, experts.last_counts = expert_ffn(x_TD, weights, index, w_in, w_out, act, group,
+                                               spec.experts, method=self.method, **self.opts)
+        return y_TD
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(method={self.method!r}, {self.opts})"
+
+
+def _scaled_forward(block: nn.Module, spec: ExpertsSpec, hidden_states: torch.Tensor):
+    """Llama 4's MoE block, its experts on routed rows: the router's scores [N, E] (the
+    sigmoid of the top-k logits, zero elsewhere) scale each token before its k experts, the
+    routed outputs summed, the shared expert added; returns ``(out, router_logits)`` as the
+    block does."""
+    x_ND = hidden_states.reshape(-1, hidden_states.shape[-1])
+    scores_NE, logits = getattr(block, spec.router)(x_ND)
+    k = block.top_k
+    scores_Nk, index_Nk = scores_NE.topk(k, dim=-1)  # the chosen experts: the nonzero scores
+    rows = (x_ND.unsqueeze(1) * scores_Nk.unsqueeze(-1)).reshape(-1, x_ND.shape[-1])
+    ones = scores_Nk.new_ones(rows.shape[0], 1)
+    routed = block.experts(rows, index_Nk.reshape(-1, 1), ones).reshape(-1, k, x_ND.shape[-1])
+    out = block.shared_expert(x_ND) + routed.sum(1)
+    return out, logits
+
+
+def _ones_column(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x.new_ones(*x.shape[:-1], 1)], -1)
+
+
+def _swiglu(experts: nn.Module):
+    def gate(h):  # transformers' default: act(gate) * up on the halves of gate|up
+        g, up = h.chunk(2, dim=-1)
+        return experts.act_fn(g) * up
+    return gate
+
+
+def _as_sequence(child: nn.Module, shape: dict) -> None:
+    """``child`` called with the block's tokens flattened, ``[B*s, D]``, sees them as the
+    block's ``[B, s, D]`` (before any other hook: the fused styles split dim 1) and returns
+    them flat again."""
+    flat = {}
+
+    def pre(_, args, kwargs):
+        tokens = shape.get("tokens")
+        x = args[0] if args else None
+        flat["on"] = (tokens is not None and x is not None and x.dim() == 2
+                      and len(tokens) == 2 and x.shape[0] == tokens[0] * tokens[1])
+        if flat["on"]:
+            return (x.reshape(*tokens, x.shape[-1]), *args[1:]), kwargs
+        return None
+
+    def post(_, args, kwargs, out):
+        if flat.pop("on", False) and isinstance(out, torch.Tensor):
+            return out.reshape(-1, out.shape[-1])
+        return None
+
+    child.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    child.register_forward_hook(post, with_kwargs=True, prepend=True)

@@ -6,7 +6,7 @@ build on 2 and 4 ranks, the plan mechanisms it exercises). ``COMPILED``, ``FSDP2
 ``GENERATE``: the families the torch.compile, FSDP2 and ``model.generate`` tests run. `support_matrix`
 reads the rest from where the code decides it: the shipped ``--hf-config`` files, the model
 types `commfuse generate` loads, the model types `commfuse plan` prices.
-``python -m commfuse.tp.families`` prints the matrix.
+``python -m commfuse.tp.families`` prints the matrix; ``--write`` puts it in docs/support.md.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ TINY = dict(vocab_size=63, hidden_size=32, intermediate_size=40, num_hidden_laye
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
             pad_token_id=0)
 WINDOWS = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)  # top-2 of 4 experts
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,30 @@ FAMILIES = {
                       ("multipliers",)),
     "apertus": Family("ApertusConfig", "ApertusForCausalLM", "apertus", {"head_dim": 8},
                       ("activation parameters", "per-head norms")),
+    "qwen2-moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen2_moe",
+                        {**MOE, "num_experts": 4, "shared_expert_intermediate_size": 24},
+                        ("sparse MoE", "shared experts", "shared-expert gate", "q/k/v biases")),
+    "olmoe": Family("OlmoeConfig", "OlmoeForCausalLM", "olmoe",
+                    {"num_experts": 4, "eos_token_id": 1, **MOE},
+                    ("sparse MoE", "split-dim norms")),
+    "glm4-moe": Family("Glm4MoeConfig", "Glm4MoeForCausalLM", "glm4_moe",
+                       {**MOE, "n_routed_experts": 4, "n_shared_experts": 1, "head_dim": 8,
+                        "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+                        "routed_scaling_factor": 2.5},
+                       ("sparse MoE", "shared experts", "group-limited routing",
+                        "score-correction bias", "routed scaling", "dense first layers")),
+    "gpt-oss": Family("GptOssConfig", "GptOssForCausalLM", "gpt_oss",
+                      {**MOE, **WINDOWS, "num_local_experts": 4, "intermediate_size": 16,
+                       "head_dim": 8, "rope_parameters": {"rope_type": "default",
+                                                          "rope_theta": 10000.0}},
+                      ("sparse MoE", "attention sinks", "expert and router biases",
+                       "interleaved gate|up", "clamped SwiGLU", "sliding window")),
+    "llama4": Family("Llama4TextConfig", "Llama4ForCausalLM", "llama4_text",
+                     {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16,
+                      "intermediate_size_mlp": 40, "head_dim": 8, "no_rope_layer_interval": 2,
+                      "attention_chunk_size": 4, "interleave_moe_layer_step": 1},
+                     ("sparse MoE", "shared experts", "experts on scaled tokens",
+                      "chunked attention", "no-rope layers", "q/k L2 norm")),
 }
 # families under their own plans, with their own tests
 OTHERS = {"mixtral": ("mixtral", "tests/test_moe_hf.py"),
@@ -79,7 +104,7 @@ OTHERS = {"mixtral": ("mixtral", "tests/test_moe_hf.py"),
           "bamba": ("bamba", "tests/test_tp_mamba.py"),
           "nemotron-h": ("nemotron_h", "tests/test_tp_mamba.py")}
 COMPILED = ("llama", "qwen2")  # tests/test_tp_compile.py
-GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral")  # tests/test_tp_generate.py
+GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "gpt-oss", "llama4")  # tests/test_tp_generate.py
 FSDP2 = ("llama", "mixtral")  # tests/test_tp.py, tests/test_moe_hf.py
 
 
@@ -96,7 +121,13 @@ def build(name: str, seed: int = 0, **over):
     import transformers
     cfg = tiny_config(name, **over)
     torch.manual_seed(seed)
-    return getattr(transformers, FAMILIES[name].model)(cfg).float()
+    model = getattr(transformers, FAMILIES[name].model)(cfg).float()
+    with torch.no_grad():  # biases, sinks, a router's score correction: not zero, exercised
+        for n, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.is_floating_point() and t.dim() and not t.any() and (
+                    not n.endswith("inv_freq")):
+                t.normal_(0, 0.1)
+    return model
 
 
 def _shipped() -> dict[tuple[str, bool], list[str]]:
@@ -136,5 +167,21 @@ def support_matrix() -> str:
     return "\n".join(lines) + "\n"
 
 
+BEGIN, END = "<!-- support-matrix: generated, do not edit -->\n", "<!-- end support-matrix -->"
+
+
+def write_support(path) -> None:
+    """Replace the table between the markers of ``path`` (docs/support.md) by
+    `support_matrix`."""
+    from pathlib import Path
+    doc = Path(path).read_text()
+    head, rest = doc.split(BEGIN)
+    Path(path).write_text(head + BEGIN + support_matrix() + END + rest.split(END, 1)[1])
+
+
 if __name__ == "__main__":
-    print(support_matrix(), end="")
+    import sys
+    if sys.argv[1:2] == ["--write"]:
+        write_support(sys.argv[2] if len(sys.argv) > 2 else "docs/support.md")
+    else:
+        print(support_matrix(), end="")

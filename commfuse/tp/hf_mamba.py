@@ -43,7 +43,7 @@ from commfuse.runtime.gloo import duplex
 from commfuse.tp.mamba import MambaMixerParallel, MixerLayout, mixer_layout
 from commfuse.tp.attention import attention_plan, head_problems
 from commfuse.tp.embedding import Partial, VocabParallelEmbedding, tie
-from commfuse.tp.experts import ExpertParallel, expert_weights, is_sparse
+from commfuse.tp.experts import ExpertParallel, expert_spec, is_sparse, spec_problems
 from commfuse.tp.loss import head_style, install_loss_parallel
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.plan_styles import plan_styles
@@ -131,11 +131,9 @@ def check(model: nn.Module, T: int) -> dict[str, MixerLayout]:
             raise ValueError("; ".join(problems))
     for n, role in roles.items():
         if role == "moe":
-            block = model.get_submodule(n)
-            E = getattr(block.experts, expert_weights(block)[0]).shape[0]
-            if E % T:
-                raise ValueError(f"{n}: {E} experts cannot be split over {T} ranks (expert "
-                                 f"parallelism needs the experts divisible by the TP size)")
+            problems = spec_problems(expert_spec(model.get_submodule(n)), T)
+            if problems:
+                raise ValueError(f"{n}: " + "; ".join(problems))
     return {n: mixer_layout(model.get_submodule(n), T, n)
             for n, role in roles.items() if role == "mamba"}
 

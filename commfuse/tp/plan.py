@@ -39,13 +39,13 @@ from commfuse.runtime.gloo import duplex
 from commfuse.tp.attention import (KV, halves_rows, head_counts, head_problems, kv_replicas,
                                    local_heads, packed_qkv_rows)
 from commfuse.tp.embedding import Partial, VocabParallelEmbedding, tie
-from commfuse.tp.experts import ExpertParallel, expert_weights, is_sparse
+from commfuse.tp.experts import ExpertParallel, expert_spec, is_sparse, spec_problems
 from commfuse.tp.hf_mamba import KNOWN as MAMBA, parallelize_mamba
 from commfuse.tp.loss import head_style, install_loss_parallel
 from commfuse.tp.mesh import tp_mesh
 from commfuse.tp.norms import SplitDimNorm, rms_norm_like
 from commfuse.tp.plan_styles import PlanStyles, plan_styles
-from commfuse.tp.sequence import ReplicateParallel, ShardSequence, gather_final
+from commfuse.tp.sequence import HeadParameters, ReplicateParallel, ShardSequence, gather_final
 from commfuse.tp.style import FusedColwiseParallel, FusedProjections
 
 # base_model_tp_plan's styles -> the role commfuse gives the module
@@ -59,18 +59,21 @@ BY_NAME = {**dict.fromkeys(("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj
 PACKED = {"qkv_proj": "q|k|v", "gate_up_proj": "gate|up"}  # packed colwise projections
 ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")  # a parent with these is an attention
 ROUTER_EXTRAS = ("router_jitter_noise",)  # MoE config fields with no plan here when set
-# modules planned as a whole: (test, the _Deriver method that plans it and its submodules)
+# modules planned as a whole: (test, the _Deriver method that plans it and returns the
+# children it covered: None for all of them)
 WHOLE = ((is_sparse, "_sparse"),)
 
 
 @dataclass
 class Plan:
     """A model's derived plan: module name -> style, the attention modules whose head
-    counts become this rank's, and whether the embedding is tied to the head."""
+    counts become this rank's, whether the embedding is tied to the head, and the attention
+    modules whose own parameters are per head (sinks: `HeadParameters`)."""
 
     styles: dict = field(default_factory=dict)
     attention: list = field(default_factory=list)
     tied: bool = False
+    head_params: list = field(default_factory=list)  # attentions with per-head parameters
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -91,6 +94,21 @@ def _config_roles(cfg) -> dict[str, str]:
     return roles
 
 
+def base_model(model: nn.Module) -> tuple[str, nn.Module]:
+    """``(name, module)`` of a causal LM's decoder: its ``base_model``, or its ``model`` where
+    the prefix names another (Llama 4's text model says ``language_model``)."""
+    base = model.base_model
+    if base is model and isinstance(getattr(model, "model", None), nn.Module):
+        return "model", model.model
+    return model.base_model_prefix, base
+
+
+def _router_logits_index(model: nn.Module) -> int:
+    """Which output of the routers transformers records as ``router_logits``."""
+    recorders = getattr(model, "_can_record_outputs", None) or {}
+    return getattr(recorders.get("router_logits"), "index", 0) or 0
+
+
 class _Deriver:
     """Walks one model and builds its `Plan`, collecting every problem on the way."""
 
@@ -106,8 +124,8 @@ class _Deriver:
             self.cfg.hidden_size // H if H else None)
 
     def derive(self) -> Plan:
-        model, base = self.model, self.model.base_model
-        prefix = model.base_model_prefix
+        model = self.model
+        prefix, base = base_model(model)
         layers = getattr(base, "layers", None)
         if base is model or not isinstance(layers, nn.ModuleList) or not len(layers):
             raise ValueError(f"commfuse.tp.parallelize does not know {type(model).__name__}: "
@@ -166,15 +184,17 @@ class _Deriver:
 
     def _layer(self, p: str, layer: nn.Module) -> None:
         cols: dict[str, list[str]] = {}  # parent -> its column-parallel children (leaf names)
-        norms, whole = [], []  # whole: modules whose handler covered their submodules too
+        norms, covered = [], []  # covered: submodules a WHOLE handler planned
         for name, mod in layer.named_modules():
-            if any(name.startswith(s + ".") for s in whole):
+            if any(name == c or name.startswith(c + ".") for c in covered):
                 continue
             where = f"{p}.{name}" if name else p
             handler = next((getattr(self, h) for test, h in WHOLE if test(mod)), None)
             if handler is not None:
-                whole.append(name)
-                handler(where, mod)
+                children = handler(where, mod)
+                if children is None:
+                    children = [c for c, _ in mod.named_children()]
+                covered += [f"{name}.{c}" if name else c for c in children]
             elif isinstance(mod, nn.Linear):
                 role = self.roles.get(name) or BY_NAME.get(name.rpartition(".")[2])
                 if role == "col":
@@ -189,6 +209,8 @@ class _Deriver:
             elif _has_params(mod):
                 if _is_norm(mod):
                     norms.append((name, mod))
+                elif self._per_head(mod):  # attention sinks: split with the heads
+                    self.plan.head_params.append(where)
                 elif all(t.numel() == 1 for t in mod.parameters(recurse=False)):
                     # scalars (an activation's, Apertus' xIELU): per element wherever it
                     # runs, so replicated with its gradient summed over TP
@@ -271,22 +293,30 @@ class _Deriver:
                              f"{parent} that is neither per head (head_dim {self.head_dim}) nor "
                              f"an RMSNorm over a column-parallel projection's output")
 
-    def _sparse(self, where: str, block: nn.Module) -> None:
-        names = expert_weights(block)
-        extra = sorted(set(n for n, _ in block.named_parameters())
-                       - {"gate.weight", *(f"experts.{n}" for n in names)})
-        if extra:
-            self.problems.append(f"{where}: a sparse MoE block with parameters {extra} (shared "
-                                 f"experts, router or expert biases have no plan here)")
-        E = getattr(block.experts, names[0]).shape[0]
-        if E % self.T:
-            self.problems.append(f"{where}: {E} experts cannot be split over {self.T} ranks "
-                                 f"(expert parallelism needs the experts divisible by the TP "
-                                 f"size)")
+    def _per_head(self, mod: nn.Module) -> bool:
+        """Whether ``mod`` is an attention whose own parameters are one value per head."""
+        H = head_counts(self.cfg)[0] if hasattr(self.cfg, "num_attention_heads") else 0
+        return (any(isinstance(getattr(mod, a, None), nn.Linear) for a in ATTENTION)
+                and all(t.dim() == 1 and t.shape[0] == H
+                        for t in mod.parameters(recurse=False)))
+
+    def _sparse(self, where: str, block: nn.Module) -> list[str]:
+        """The experts split over the ranks (`ExpertParallel`), the router replicated; a
+        one-output linear beside them (a shared expert's sigmoid gate) replicated per token;
+        the block's other children (shared experts) are left to the plan's walk."""
+        spec = expert_spec(block)
+        self.problems += [f"{where}: {p}" for p in spec_problems(spec, self.T)]
         for knob in ROUTER_EXTRAS:
             if getattr(self.cfg, knob, 0):
                 self.problems.append(f"unsupported config: {knob}={getattr(self.cfg, knob)}")
         self.plan.styles[where] = self.moe
+        covered = ["experts", spec.router]
+        for name, child in block.named_children():
+            if (isinstance(child, nn.Linear) and child.out_features == 1
+                    and not self.roles.get(f"{where.split('.', 3)[-1]}.{name}")):
+                self.plan.styles[f"{where}.{name}"] = self.ps.norm
+                covered.append(name)
+        return covered
 
 
 def derive_plan(model: nn.Module, T: int, ps: PlanStyles | None = None,
@@ -332,14 +362,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     mesh = tp_mesh(mesh)
     T = mesh.size()
     ps = plan_styles(method, save_gathered, prefetch, opts)
-    moe = ExpertParallel(split=ps.split, method=method, **opts)
+    moe = ExpertParallel(split=ps.split, method=method, logits_index=_router_logits_index(model),
+                         **opts)
     plan = derive_plan(model, T, ps, loss_parallel, moe)
     duplex(mesh.get_group())
     for attn in plan.attention:
         local_heads(attn, model.config, T)
     model.config.use_cache = False
     parallelize_module(model, mesh, plan.styles)
-    gather_final(model.base_model, ps.split, mesh.get_group())
+    for name in plan.head_params:
+        parallelize_module(model.get_submodule(name), mesh, HeadParameters())
+    gather_final(base_model(model)[1], ps.split, mesh.get_group())
     if plan.tied:
         tie(model.get_input_embeddings(), model.lm_head)
     if loss_parallel:

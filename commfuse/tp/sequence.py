@@ -5,6 +5,7 @@
     SequenceParallelNorm   replicated parameters (Replicate) on a shard of the activations
                            (norms; q_norm/k_norm on a head group): gradients summed over TP
     ReplicateParallel      replicated parameters, the same work on every rank (the embedding)
+    HeadParameters         an attention's per-head parameters (sinks) split with its heads
     ShardSequence          slices a module's replicated input to this rank's sequence shard;
                            without gradients and with fewer tokens than ranks (a decode step)
                            it leaves every token on every rank (``replicated``)
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DeviceMesh, Replicate, distribute_tensor
+from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from commfuse.ops.binding import even_sizes
@@ -52,11 +53,13 @@ class ReplicateParallel(ParallelStyle):
     are already whole (the embedding, ahead of `ShardSequence`)."""
 
     sum_grads = False
+    placement = Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _mesh_group(device_mesh)
         for name, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, _param(p, device_mesh, Replicate(), p.requires_grad))
+            module.register_parameter(name, _param(p, device_mesh, self.placement,
+                                                   p.requires_grad))
         forward = module.forward  # the module's own (bound) forward, run with local parameters
         group, sum_grads = device_mesh.get_group(), self.sum_grads
 
@@ -86,6 +89,14 @@ class SequenceParallelNorm(ReplicateParallel):
     it is summed over TP in the backward (one all-reduce per parameter)."""
 
     sum_grads = True
+
+
+class HeadParameters(ReplicateParallel):
+    """An attention's own parameters of one value per head (gpt-oss's sinks) split with its
+    heads: ``Shard(0)``, so this rank's forward reads the rows of its heads; each rank's
+    gradient is its rows' whole gradient."""
+
+    placement = Shard(0)
 
 
 class ShardSequence(ParallelStyle):

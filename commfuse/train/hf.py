@@ -89,7 +89,9 @@ def build(cfg: TrainConfig, world: int):
     if cfg.dp == 1:
         return model, None
     from torch.distributed.fsdp import fully_shard
-    for layer in model.base_model.layers:  # model.layers, Mamba2's backbone.layers
+
+    from commfuse.tp.plan import base_model
+    for layer in base_model(model)[1].layers:  # model.layers, Mamba2's backbone.layers
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     return model, mesh["dp"]
