@@ -20,7 +20,7 @@ from commfuse.tp.families import FAMILIES, build
 from test_tp import TOL, _rel, outputs_match
 
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
-EVERY_METHOD = ("phi3", "olmo2", "gemma3")  # one family per mechanism
+EVERY_METHOD = ("phi3", "olmo2", "gemma3", "glm4-moe", "gpt-oss")  # one family per mechanism
 NEW = [n for n, f in FAMILIES.items() if f.test == "tests/test_tp_families.py"]
 CASES = [(f, m) for f in NEW for m in (METHODS if f in EVERY_METHOD else ("commfuse",))]
 STEPS = 3

@@ -29,16 +29,16 @@ import torch.distributed as dist
 
 from commfuse.data import DATA_DIR, VOCAB_SIZE, batches, load_corpus_tokens
 from commfuse.train.config import DTYPES, TrainConfig
+from commfuse.train.hf_flops import EXPERTS, num_experts
 from commfuse.train.report import finish, measure_matmul_flops, progress
 
 SHIPPED = DATA_DIR / "hf"
 ATTENTION_FREE = ("mamba2",)  # model types whose class takes no attn_implementation
-MOE = ("mixtral", "qwen3_moe")  # model types whose experts --ep splits (`commfuse.tp.experts`)
-
-
 def has_experts(hf) -> bool:
-    """Whether the config has sparse MoE layers (Mixtral, Qwen3-MoE, Nemotron-H with "moe")."""
-    return hf.model_type in MOE or "moe" in (getattr(hf, "layers_block_type", None) or ())
+    """Whether the config has sparse MoE layers (Mixtral, Qwen3-MoE, gpt-oss, ..., Nemotron-H
+    with "moe")."""
+    return bool(num_experts(hf)) and (
+        hf.model_type != "nemotron_h" or "moe" in (getattr(hf, "layers_block_type", None) or ()))
 
 
 def load_config(name_or_path: str):
@@ -59,8 +59,8 @@ def _check(cfg: TrainConfig, hf) -> None:
     if cfg.batch_size % cfg.dp:
         raise ValueError(f"global batch size ({cfg.batch_size}) must be divisible by dp ({cfg.dp})")
     if cfg.ep is not None and not has_experts(hf):
-        raise ValueError(f"--ep needs a mixture-of-experts config ({', '.join(MOE)}, or "
-                         f"nemotron_h with moe layers), got {hf.model_type}")
+        raise ValueError(f"--ep needs a mixture-of-experts config (one with "
+                         f"{' / '.join(EXPERTS)}), got {hf.model_type}")
     if cfg.ep is not None and cfg.ep != cfg.tp:
         raise ValueError(f"--ep ({cfg.ep}) must equal --tp ({cfg.tp}): the experts are split "
                          f"over the tp ranks")
@@ -75,8 +75,8 @@ def build(cfg: TrainConfig, world: int):
     attn = {} if hf.model_type in ATTENTION_FREE else {"attn_implementation": "sdpa"}
     try:
         model = AutoModelForCausalLM.from_config(hf, **attn)
-    except ValueError:  # a family without sdpa (Gemma 2's soft-capping): its own default
-        model = AutoModelForCausalLM.from_config(hf)
+    except ValueError:  # a family without sdpa (Gemma 2's soft-capping, gpt-oss's sinks)
+        model = AutoModelForCausalLM.from_config(hf, attn_implementation="eager")
     model = model.to(DTYPES[cfg.dtype])
     if world == 1:
         return model, None
