@@ -20,7 +20,7 @@ from commfuse.tp.families import FAMILIES, build
 from test_tp import TOL, _rel, outputs_match
 
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
-EVERY_METHOD = ("phi3", "olmo2", "gemma3")  # one family per mechanism
+EVERY_METHOD = ("phi3", "olmo2", "gemma3", "qwen3_5")  # one family per mechanism
 NEW = [n for n, f in FAMILIES.items() if f.test == "tests/test_tp_families.py"]
 CASES = [(f, m) for f in NEW for m in (METHODS if f in EVERY_METHOD else ("commfuse",))]
 STEPS = 3
@@ -28,10 +28,11 @@ STEPS = 3
 
 def _model_grad(model, name: str, p, world: int) -> torch.Tensor:
     """The unsharded gradient of parameter ``name`` in the model's layout (replicated kv
-    blocks once, packed rows in the model's order)."""
+    blocks once, packed and assembled rows in the model's order)."""
     from commfuse.tp.attention import unpack_rows
     mod = model.get_submodule(name.rpartition(".")[0])
-    style = getattr(mod, "_commfuse_colwise", getattr(mod, "_commfuse_split_norm", None))
+    style = next((getattr(mod, a) for a in ("_commfuse_colwise", "_commfuse_split_norm",
+                                            "_commfuse_rows") if hasattr(mod, a)), None)
     g = p.grad.full_tensor()
     return g if style is None else unpack_rows(style, g, world)
 

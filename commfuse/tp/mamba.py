@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from commfuse.ops.fused import fused_all_gather_matmul
+from commfuse.tp.attention import AssembledRows, unpack_rows
 from commfuse.tp.functional import all_sum, sum_grad
 from commfuse.tp.sequence import _mesh_group, _param
 from commfuse.tp.style import _Fused
@@ -103,9 +104,7 @@ class MixerLayout:
     def to_model(self, assembled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The model's layout of an assembled weight (``rows``: `in_rows()` or `conv_rows()`);
         a replicated row's copies are equal, any one is kept."""
-        out = assembled.new_empty((int(rows.max()) + 1, *assembled.shape[1:]))
-        out[rows] = assembled
-        return out
+        return unpack_rows(AssembledRows(rows), assembled, self.world)
 
 
 def mixer_layout(mixer: nn.Module, T: int, where: str = "mixer") -> MixerLayout:
