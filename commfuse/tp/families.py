@@ -98,24 +98,27 @@ GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral")  # tests/test_tp_gene
 FSDP2 = ("llama", "mixtral")  # tests/test_tp.py, tests/test_moe_hf.py
 
 
-def tiny_config(name: str, **over):
-    """The transformers config of family ``name``'s tiny model."""
+def tiny_config(name: str | Family, **over):
+    """The transformers config of family ``name``'s tiny model (``name``: in `FAMILIES`, or a
+    `Family`)."""
     import transformers
-    fam = FAMILIES[name]
+    fam = FAMILIES[name] if isinstance(name, str) else name
     return getattr(transformers, fam.config)(**{**TINY, **fam.tiny, **over})
 
 
-def build(name: str, seed: int = 0, **over):
-    """Family ``name``'s tiny model, float32, its weights drawn from ``seed``."""
+def build(name: str | Family, seed: int = 0, **over):
+    """Family ``name``'s tiny model (as `tiny_config`), float32, its weights drawn from
+    ``seed``."""
     import torch
     import transformers
-    cfg = tiny_config(name, **over)
+    fam = FAMILIES[name] if isinstance(name, str) else name
+    cfg = tiny_config(fam, **over)
     torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[name].model)(cfg).float()
+    model = getattr(transformers, fam.model)(cfg).float()
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if n.rpartition(".")[2] in FAMILIES[name].redraw:
-                p.uniform_(*FAMILIES[name].redraw[n.rpartition(".")[2]])
+            if n.rpartition(".")[2] in fam.redraw:
+                p.uniform_(*fam.redraw[n.rpartition(".")[2]])
     return model
 
 

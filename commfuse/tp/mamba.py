@@ -23,7 +23,8 @@ one contiguous block of the model's weight, so those parameters are DTensors ``S
 the *assembled* weight: every rank's rows in rank order, ``W[layout.in_rows()]`` (likewise
 ``conv1d.weight[layout.conv_rows()]``), B/C rows repeated where they are replicated. Their
 ``full_tensor()`` is that assembled weight, not the model's layout (so is a DCP checkpoint's
-copy: `MixerLayout.to_model` maps it back); a replicated row's gradient is summed over the ranks that share it, so its copies stay equal.
+copy: `MixerLayout.to_model`, or `commfuse.tp.attention.unpack_rows` with the module's
+``_commfuse_rows``, maps it back); a replicated row's gradient is summed over the ranks that share it, so its copies stay equal.
 The other parameters are plain ``Shard(0)`` / ``Shard(1)`` DTensors in the model's layout.
 
 The gated norm is exact under the split: a rank holds whole norm groups (G >= T), or the
@@ -153,6 +154,7 @@ class MambaMixerParallel(_Fused):
                 if p is not None:
                     m.register_parameter(name, _param(p.detach()[idx], device_mesh, Shard(0),
                                                       p.requires_grad))
+            m._commfuse_rows = AssembledRows(idx)
         for m, name in ((module, "A_log"), (module, "D"), (module, "dt_bias"),
                         (module.norm, "weight")):
             p = getattr(m, name)
