@@ -156,3 +156,10 @@ def results(world: int) -> list[dict]:
 def test_on_ranks(world, case):
     problems = {r: res[case] for r, res in enumerate(results(world)) if res[case]}
     assert not problems, problems
+
+
+def test_a_gated_norm_is_not_taken_for_an_rms_norm():
+    from commfuse.tp.norms import rms_norm_like
+    norm = build("qwen3_5").model.layers[0].linear_attn.norm
+    assert not rms_norm_like(norm)  # its forward needs the gate: not called, no TypeError
+    assert rms_norm_like(torch.nn.RMSNorm(8, eps=1e-6))
