@@ -163,3 +163,10 @@ def test_a_gated_norm_is_not_taken_for_an_rms_norm():
     norm = build("qwen3_5").model.layers[0].linear_attn.norm
     assert not rms_norm_like(norm)  # its forward needs the gate: not called, no TypeError
     assert rms_norm_like(torch.nn.RMSNorm(8, eps=1e-6))
+
+
+def test_refuses_a_projection_of_the_wrong_width():
+    model = build("qwen3_5")
+    model.model.layers[2].linear_attn.in_proj_z = torch.nn.Linear(32, 24, bias=False)
+    _refused(model, 2, r"model\.layers\.2\.linear_attn \(Qwen3_5GatedDeltaNet\): a Gated "
+                       r"DeltaNet mixer with in_proj_z of 24 rows \(want 32: z\)")

@@ -158,14 +158,15 @@ def deltanet_layout(mixer: nn.Module, T: int, where: str = "mixer") -> DeltaNetL
     found = [(lins, packed) for lins, packed in LAYOUTS.values()
              if all(isinstance(getattr(mixer, n, None), nn.Linear) for n, _ in lins)]
     bad = [n for n in HEADS if not isinstance(getattr(mixer, n, None), int)]
+    bad += [] if isinstance(getattr(mixer, "activation", None), str) else ["activation"]
     if not found or bad:
         raise ValueError(f"{where} ({kind}) is not a Gated DeltaNet mixer: missing "
                          f"{', '.join(bad) or 'its in_proj linears'}")
     (lins, packed), = found
     Hk, Hv, dk, dv = (getattr(mixer, n) for n in HEADS)
     lay = DeltaNetLayout(Hk, Hv, dk, dv, T, lins, packed)
-    wrong = [f"{n} ({lay.width(p)} rows: {'|'.join(p)})" for n, p in lins
-             if getattr(mixer, n).out_features != lay.width(p)]
+    wrong = [f"{n} of {getattr(mixer, n).out_features} rows (want {lay.width(p)}: "
+             f"{'|'.join(p)})" for n, p in lins if getattr(mixer, n).out_features != lay.width(p)]
     conv, norm = mixer.conv1d, mixer.norm
     if not isinstance(conv, nn.Conv1d) or conv.in_channels != 2 * Hk * dk + Hv * dv \
             or conv.groups != conv.in_channels:
