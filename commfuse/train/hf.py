@@ -166,8 +166,8 @@ def save_hf_checkpoint(model, root: str, step: int, rank: int, tp: int) -> str:
     as a transformers model directory ``root/step-N`` (written to ``root/.tmp-step-N`` and
     renamed when complete), then named by ``root/latest`` (replaced atomically). k/v
     projections that `commfuse.tp` replicated over ranks (fewer kv heads than ranks) are
-    saved once; Mamba-2 mixers' assembled in_proj / conv1d rows are saved in the model's
-    layout, packed projections (Phi-3's q|k|v) in the model's row order, a tied embedding
+    saved once; Mamba-2 and Gated DeltaNet mixers' assembled in_proj / conv1d rows are saved
+    in the model's layout, packed projections (Phi-3's q|k|v) in the model's row order, a tied embedding
     once. Returns the directory."""
     import os
     import shutil
@@ -178,20 +178,15 @@ def save_hf_checkpoint(model, root: str, step: int, rank: int, tp: int) -> str:
     from commfuse.tp.attention import unpack_rows
 
     state = {}
-    # Mamba-2 mixers: in_proj / conv1d hold every rank's rows assembled (`commfuse.tp.mamba`)
-    layouts = {n: m._commfuse_layout for n, m in model.named_modules()
-               if hasattr(m, "_commfuse_layout")}
     for mod_name, mod in model.named_modules():
-        # replicated kv blocks, packed projections and their split norms: the model's rows
-        style = getattr(mod, "_commfuse_colwise", getattr(mod, "_commfuse_split_norm", None))
-        parent, _, leaf = mod_name.rpartition(".")
-        lay = layouts.get(parent) if leaf in ("in_proj", "conv1d") else None
+        # replicated kv blocks, packed projections and their split norms, the mixers'
+        # assembled in_proj / conv1d rows (Mamba-2, Gated DeltaNet): the model's rows
+        style = next((getattr(mod, a) for a in ("_commfuse_colwise", "_commfuse_split_norm",
+                                                "_commfuse_rows") if hasattr(mod, a)), None)
         for name, p in mod.named_parameters(recurse=False):
             t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
             if style is not None:
                 t = unpack_rows(style, t, tp)
-            if lay is not None:  # back to the model's row order
-                t = lay.to_model(t, lay.in_rows() if leaf == "in_proj" else lay.conv_rows())
             state[f"{mod_name}.{name}".lstrip(".")] = t.contiguous().cpu()
     final = os.path.join(root, f"step-{step:08d}")
     if rank == 0:
