@@ -1,6 +1,7 @@
-"""One transformers model (a Llama, a Gemma 3, or a hybrid Mamba-2 model: Nemotron-H, Bamba), several
-tensor-parallel plans, one run: commfuse TP under several methods, DTensor's own TP (Llama),
-and commfuse's styles with method="none" (the collective, then the GEMM).
+"""One transformers model (a Llama, a Gemma 3, a Qwen3.5, a DeepSeek-V3 stack, or a hybrid
+Mamba-2 model: Nemotron-H, Bamba), several tensor-parallel plans, one run: commfuse TP under
+several methods, DTensor's own TP (Llama), transformers' own ``tp_plan="auto"``, and
+commfuse's styles with method="none" (the collective, then the GEMM).
 
     commfuse launch --nproc 2 --link 1gbit -- python scripts/bench_tp_hf.py --json out/tp_hf.json
     commfuse launch --nproc 2 --link 1gbit -- python scripts/bench_tp_hf.py --model nemotron-h \
@@ -21,7 +22,9 @@ Variants (``--variants``): ``commfuse`` = `commfuse.tp.parallelize(method=--meth
 backward, as DTensor keeps them: the same activation memory as ``dtensor``);
 ``none`` = the plan of ``commfuse`` with method="none"; ``dtensor`` = torch's ColwiseParallel /
 RowwiseParallel / SequenceParallel / PrepareModuleInput plan (torchtitan's, on HF's module
-names; Llama only: transformers' tp_plans for Nemotron-H and Bamba cover their attention (and
+names; ``transformers`` = the model loaded with transformers' ``tp_plan="auto"`` (its config's
+``base_model_tp_plan`` in DTensor: no sequence parallelism, outputs it does not split gathered);
+``dtensor``: Llama only: transformers' tp_plans for Nemotron-H and Bamba cover their attention (and
 Bamba's MLP) layers, not the Mamba-2 mixers, so there is no DTensor plan for the whole model). Every variant starts from the same weights and trains on the same batches with AdamW;
 their steps are interleaved, the order rotating every step, after ``--warmup`` untimed steps,
 with a barrier before each. A step's time is the slowest rank's (fwd + bwd + optimizer). Rank 0
@@ -44,6 +47,8 @@ import torch.distributed as dist
 def build(a):
     if a.model == "gemma3":
         return build_gemma3(a)
+    if a.model in ("qwen3.5", "deepseek-v3"):
+        return build_new(a)
     if a.model != "llama":
         return build_hybrid(a)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -68,6 +73,39 @@ def build_gemma3(a):
                            layer_types=kinds, tie_word_embeddings=True, use_cache=False)
     torch.manual_seed(a.seed)
     return Gemma3ForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def build_new(a):
+    """Qwen3.5 (``--pattern`` L a Gated DeltaNet layer, * gated attention; every layer a SwiGLU
+    MLP of ``--ffn``) or a DeepSeek-V3 stack (multi-head latent attention; ``--pattern`` D a
+    dense SwiGLU MLP of ``--ffn``, E an MoE layer of ``--experts`` of ``--expert-ffn``,
+    ``--top-k``, one shared expert)."""
+    import transformers
+    common = dict(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
+                  num_hidden_layers=len(a.pattern), num_attention_heads=a.heads,
+                  num_key_value_heads=a.kv_heads, max_position_embeddings=max(a.seq, 64),
+                  tie_word_embeddings=False, use_cache=False)
+    if a.model == "qwen3.5":
+        kinds = {"L": "linear_attention", "*": "full_attention"}
+        cfg = transformers.Qwen3_5TextConfig(
+            **common, head_dim=a.hidden // a.heads, layer_types=[kinds[c] for c in a.pattern],
+            linear_num_key_heads=a.linear_key_heads, linear_num_value_heads=a.linear_value_heads,
+            linear_key_head_dim=a.linear_head_dim, linear_value_head_dim=a.linear_head_dim)
+        cls = transformers.Qwen3_5ForCausalLM
+    else:
+        if a.pattern.lstrip("D") != "E" * len(a.pattern.lstrip("D")):
+            raise ValueError("deepseek-v3: --pattern is dense layers (D) then MoE layers (E)")
+        head = a.hidden // a.heads
+        cfg = transformers.DeepseekV3Config(
+            **common, first_k_dense_replace=len(a.pattern) - len(a.pattern.lstrip("D")),
+            n_routed_experts=a.experts, num_experts_per_tok=a.top_k, n_shared_experts=1,
+            moe_intermediate_size=a.expert_ffn, n_group=1, topk_group=1,
+            q_lora_rank=3 * a.hidden // 8, kv_lora_rank=a.hidden // 4,
+            qk_rope_head_dim=head // 4, qk_nope_head_dim=head - head // 4, v_head_dim=head,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cls = transformers.DeepseekV3ForCausalLM
+    torch.manual_seed(a.seed)
+    return cls._from_config(cfg, attn_implementation="sdpa")
 
 
 def build_hybrid(a):
@@ -131,7 +169,29 @@ def dtensor_tp(model, mesh):
     return model
 
 
-VARIANTS = ("commfuse", "commfuse-keep", "dtensor", "none", "auto", "sliced", "decompose")
+VARIANTS = ("commfuse", "commfuse-keep", "dtensor", "transformers", "none", "auto", "sliced",
+            "decompose")
+
+
+def transformers_tp(model, mesh, a):
+    """The model under transformers' own tensor parallelism: its ``tp_plan="auto"`` (the
+    config's ``base_model_tp_plan``, DTensor), loaded from a copy of the same weights that
+    rank 0 writes to a temporary directory."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+    path = [tempfile.mkdtemp(prefix="bench_tp_hf_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    if dist.get_rank() == 0:
+        model.save_pretrained(path[0])
+    dist.barrier()
+    loaded = AutoModelForCausalLM.from_pretrained(path[0], tp_plan="auto", device_mesh=mesh,
+                                                  dtype=torch.float32)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0])
+    return loaded
 
 
 def make(variant: str, a, mesh):
@@ -139,6 +199,8 @@ def make(variant: str, a, mesh):
     model = build(a)
     if variant == "dtensor":
         return dtensor_tp(model, mesh)
+    if variant == "transformers":
+        return transformers_tp(model, mesh, a)
     method = variant if variant in ("none", "auto", "sliced", "decompose") else a.method
     return commfuse.tp.parallelize(model, mesh, method=method,
                                    save_gathered=variant == "commfuse-keep",
@@ -215,6 +277,14 @@ def describe(a) -> str:
     if a.model == "gemma3":
         return (f"Gemma 3 hidden {a.hidden}, {a.layers} layers (5 of 6 with a window of "
                 f"{a.window}), {attn}, tied embeddings")
+    if a.model == "qwen3.5":
+        return (f"Qwen3.5 hidden {a.hidden}, layers {a.pattern} (L Gated DeltaNet: "
+                f"{a.linear_key_heads} key / {a.linear_value_heads} value heads of "
+                f"{a.linear_head_dim}; * gated attention {attn})")
+    if a.model == "deepseek-v3":
+        return (f"DeepSeek-V3 hidden {a.hidden}, layers {a.pattern} (MLA {a.heads} heads; D "
+                f"dense MLP {a.ffn}; E {a.experts} experts of {a.expert_ffn}, top-{a.top_k}, "
+                f"1 shared), vocab {a.vocab}")
     return (f"{a.model} hidden {a.hidden}, layers {a.pattern}, Mamba-2 {a.mamba_heads} heads x "
             f"{a.mamba_head_dim}, {a.mamba_groups} groups x state {a.state}, chunk {a.chunk}; "
             f"attention {attn}")
@@ -224,7 +294,11 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
-    add("--model", default="llama", choices=("llama", "gemma3", "nemotron-h", "bamba"))
+    add("--model", default="llama", choices=("llama", "gemma3", "nemotron-h", "bamba", "qwen3.5",
+                                              "deepseek-v3"))
+    add("--linear-key-heads", type=int, default=8, help="qwen3.5: Gated DeltaNet key heads")
+    add("--linear-value-heads", type=int, default=16, help="qwen3.5: its value heads")
+    add("--linear-head-dim", type=int, default=64, help="qwen3.5: its key and value head dim")
     add("--window", type=int, default=512, help="gemma3: the sliding window of its local layers")
     add("--pattern", default=None,
         help="hybrid layers: M Mamba-2, - MLP, E MoE (nemotron-h), * attention (default: M-M-M*-M- "
@@ -270,15 +344,19 @@ def parse(argv=None):
     if a.loss_parallel and "dtensor" in a.variants:
         p.error("--loss-parallel is not built for the dtensor variant (torch's loss_parallel "
                 "needs DTensor logits): leave dtensor out or drop --loss-parallel")
+    if "transformers" in a.variants and a.loss_parallel:
+        p.error("--loss-parallel is commfuse's: leave the transformers variant out or drop it")
     if a.model != "llama" and "dtensor" in a.variants:
         p.error(f"no dtensor variant for {a.model}: the dtensor plan here is Llama's (and "
                 f"transformers' tp_plans do not cover Mamba-2 mixers)")
-    allowed = "M-*E" if a.model == "nemotron-h" else "M*"
-    a.pattern = a.pattern or ("M-M-M*-M-" if a.model == "nemotron-h" else "MMM*")
+    allowed = {"nemotron-h": "M-*E", "qwen3.5": "L*", "deepseek-v3": "DE"}.get(a.model, "M*")
+    a.pattern = a.pattern or {"nemotron-h": "M-M-M*-M-", "qwen3.5": "LLL*",
+                              "deepseek-v3": "DEEE"}.get(a.model, "MMM*")
     if a.model == "bamba" and a.mamba_heads * a.mamba_head_dim % a.hidden:
         p.error("bamba: --mamba-heads x --mamba-head-dim must be a multiple of --hidden "
                 "(its mixer's width is an integer expand x hidden)")
-    if a.model in ("nemotron-h", "bamba") and (not a.pattern or set(a.pattern) - set(allowed)):
+    if a.model in ("nemotron-h", "bamba", "qwen3.5", "deepseek-v3") and (
+            not a.pattern or set(a.pattern) - set(allowed)):
         p.error(f"--pattern for {a.model} takes the characters {allowed!r}, got {a.pattern!r}")
     return a
 
