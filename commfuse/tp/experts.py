@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from commfuse.moe.parallel import expert_ffn
 from commfuse.ops.methods import method_spec
-from commfuse.tp.functional import gather_cols
+from commfuse.tp.functional import gather_cols, scale_grad
 from commfuse.tp.sequence import SeqSplit, SequenceParallelNorm
 
 ROUTERS = ("gate", "router")  # the names a block's router goes by
@@ -147,10 +147,19 @@ class ExpertParallel(ParallelStyle):
     """
 
     def __init__(self, *, split: SeqSplit | None = None, method: str = "auto",
-                 replicate: tuple[str, ...] = (), logits_index: int = 0, **opts):
+                 replicate: tuple[str, ...] = (), logits_index: int = 0,
+                 ep_mesh: DeviceMesh | None = None, **opts):
         method_spec(method, opts)  # a bad method or option fails here, before any forward
         self.split, self.method, self.opts = split, method, opts
         self.replicate, self.logits_index = tuple(replicate), logits_index
+        if ep_mesh is not None and tuple(ep_mesh.mesh_dim_names or ()) != ("ep_replicate", "ep"):
+            raise ValueError("ep_mesh is commfuse.tp.mesh.ep_mesh's (ep_replicate, ep) mesh")
+        self.ep_mesh = ep_mesh
+
+    def ranks(self, tp: int) -> int:
+        """The ranks the experts are split over: the ``ep`` dim of ``ep_mesh``, else the TP
+        group's ``tp``."""
+        return tp if self.ep_mesh is None else self.ep_mesh["ep"].size()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         spec = expert_spec(module)
@@ -158,8 +167,9 @@ class ExpertParallel(ParallelStyle):
             raise TypeError(f"ExpertParallel applies to a sparse MoE block (experts with 3-D "
                             f"gate_up_proj or up_proj and down_proj, a router gate or router "
                             f"with a weight [E, D]), got {type(module).__name__}")
-        T, experts = device_mesh.size(), module.experts
-        problems = spec_problems(spec, T)
+        experts = module.experts
+        emesh = device_mesh if self.ep_mesh is None else self.ep_mesh["ep"]
+        problems = spec_problems(spec, emesh.size())
         if problems:
             raise ValueError(f"{type(module).__name__}: " + "; ".join(problems))
         for name, p in list(experts.named_parameters(recurse=False)):
@@ -167,8 +177,16 @@ class ExpertParallel(ParallelStyle):
                 raise ValueError(f"{type(experts).__name__}.{name} {tuple(p.shape)} is not "
                                  f"per expert ([{spec.experts}, ...])")
             experts.register_parameter(name, nn.Parameter(
-                distribute_tensor(p.detach(), device_mesh, [Shard(0)]), p.requires_grad))
+                distribute_tensor(p.detach(), emesh, [Shard(0)]), p.requires_grad))
         experts.last_counts = None
+        # beyond the TP group: each expert's gradient sums every EP rank's tokens, each
+        # rank's under its own batch's loss; summed over the groups that hold the same
+        # experts and divided by the data-parallel size, it is the data-parallel mean the
+        # other weights get (FSDP2 averages them over "dp"; these it must leave alone:
+        # `expert_parameters`)
+        experts._commfuse_ep = None if self.ep_mesh is None else (
+            device_mesh.size() / self.ep_mesh.mesh.numel(),
+            self.ep_mesh["ep_replicate"].get_group() if self.ep_mesh.size(0) > 1 else None)
         router = getattr(module, spec.router)
         parallelize_module(router, device_mesh, SequenceParallelNorm())
         for name in self.replicate:  # each submodule with parameters: replicated, grads summed
@@ -178,7 +196,7 @@ class ExpertParallel(ParallelStyle):
             for part in sub.modules():
                 if next(part.parameters(recurse=False), None) is not None:
                     parallelize_module(part, device_mesh, SequenceParallelNorm())
-        group, shape = device_mesh.get_group(), {}
+        group, shape = device_mesh.get_group(), {}  # the TP group: this layer's sequence
 
         def remember(_, args, kwargs):  # the block's [B, s, D] input, for its children
             x = args[0] if args else kwargs.get("hidden_states")
@@ -190,7 +208,7 @@ class ExpertParallel(ParallelStyle):
             if name not in skip and next(child.parameters(), None) is not None:
                 _as_sequence(child, shape)
         router.forward = functools.partial(self._route, router.forward, shape, group)
-        experts.forward = functools.partial(self._experts, experts, spec, group,
+        experts.forward = functools.partial(self._experts, experts, spec, emesh.get_group(),
                                             _params(experts))
         if not spec.routed:
             module.forward = functools.partial(_scaled_forward, module, spec)
@@ -219,7 +237,11 @@ class ExpertParallel(ParallelStyle):
             x_TD, index, weights = (bound[n] for n in names[:3])
         else:  # from _scaled_forward: each row one (token, expert) pair, already scaled
             x_TD, index, weights = args
-        w_in, w_out = getattr(experts, spec.first).to_local(), experts.down_proj.to_local()
+        def local(name: str) -> torch.Tensor:
+            t = getattr(experts, name).to_local()
+            return t if experts._commfuse_ep is None else scale_grad(t, *experts._commfuse_ep)
+
+        w_in, w_out = local(spec.first), local("down_proj")
         if not spec.transposed:  # F.linear's [E, out, in] -> x @ w's [E, in, out]
             w_in, w_out = w_in.transpose(1, 2), w_out.transpose(1, 2)
         if spec.gated:
@@ -228,8 +250,7 @@ class ExpertParallel(ParallelStyle):
             apply_gate = experts.act_fn
         act = apply_gate
         if spec.bias:  # x @ w + b as [x, 1] @ [w; b]: each expert's bias in its GEMM
-            b_in = getattr(experts, f"{spec.first}_bias").to_local()
-            b_out = experts.down_proj_bias.to_local()
+            b_in, b_out = local(f"{spec.first}_bias"), local("down_proj_bias")
             w_in = torch.cat([w_in, b_in.unsqueeze(1)], 1)
             w_out = torch.cat([w_out, b_out.unsqueeze(1)], 1)
             x_TD = _ones_column(x_TD)
@@ -240,6 +261,14 @@ class ExpertParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(method={self.method!r}, {self.opts})"
+
+
+def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The expert weights `ExpertParallel` split beyond the TP group (``ep_mesh``): data
+    parallelism must leave them out (``fully_shard(..., ignored_params=...)``); their
+    gradients are already the data-parallel mean."""
+    return {p for m in model.modules() if getattr(m, "_commfuse_ep", None) is not None
+            for p in m.parameters(recurse=False)}
 
 
 def _scaled_forward(block: nn.Module, spec: ExpertsSpec, hidden_states: torch.Tensor):

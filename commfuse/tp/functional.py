@@ -7,6 +7,7 @@ Each is a Megatron-style conjugate pair (forward / backward) over one ProcessGro
     sum_grad      identity                             all-reduce (sum) the gradient
     scatter_sum   reduce-scatter partial sums          all-gather the shards' gradients
     all_sum       all-reduce (sum)                     all-reduce (sum) the gradient
+    scale_grad    identity                             scale, then all-reduce (sum)
 
 ``sum_grad`` is how a replicated parameter that sees only part of the work on each rank (a
 norm on a sequence shard, a bias added to a shard, q_norm/k_norm on a head group) gets the
@@ -79,6 +80,25 @@ class _SumGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _slot_sum(g, ctx.group, ctx.slot, ctx.slots), None, None, None
+
+
+class _MeanGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p, group, scale):
+        ctx.group, ctx.scale = group, scale
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g * ctx.scale
+        if ctx.group is not None:
+            dist.all_reduce(g, group=ctx.group)
+        return g, None, None
+
+
+def scale_grad(p: torch.Tensor, scale: float, group=None) -> torch.Tensor:
+    """``p`` unchanged; its gradient times ``scale``, then summed over ``group`` (if any)."""
+    return _MeanGrad.apply(p, group, scale)
 
 
 def shard_seq(x_S: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:

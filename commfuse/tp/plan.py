@@ -46,7 +46,7 @@ from commfuse.tp.embedding import Partial, VocabParallelEmbedding, tie
 from commfuse.tp.experts import ExpertParallel, expert_spec, is_sparse, spec_problems
 from commfuse.tp.hf_mamba import KNOWN as MAMBA, parallelize_mamba
 from commfuse.tp.loss import head_style, install_loss_parallel
-from commfuse.tp.mesh import tp_mesh
+from commfuse.tp.mesh import ep_mesh, tp_mesh
 from commfuse.tp.norms import SplitDimNorm, rms_norm_like
 from commfuse.tp.plan_styles import PlanStyles, plan_styles
 from commfuse.tp.sequence import HeadParameters, ReplicateParallel, ShardSequence, gather_final
@@ -321,7 +321,7 @@ class _Deriver:
         one-output linear beside them (a shared expert's sigmoid gate) replicated per token;
         the block's other children (shared experts) are left to the plan's walk."""
         spec = expert_spec(block)
-        self.problems += [f"{where}: {p}" for p in spec_problems(spec, self.T)]
+        self.problems += [f"{where}: {p}" for p in spec_problems(spec, self.moe.ranks(self.T))]
         for knob in ROUTER_EXTRAS:
             if getattr(self.cfg, knob, 0):
                 self.problems.append(f"unsupported config: {knob}={getattr(self.cfg, knob)}")
@@ -346,7 +346,7 @@ def derive_plan(model: nn.Module, T: int, ps: PlanStyles | None = None,
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
                 save_gathered: bool = False, prefetch: bool = True, loss_parallel: bool = False,
-                **opts) -> nn.Module:
+                ep: int | None = None, **opts) -> nn.Module:
     """Shard ``model`` (a transformers causal LM, the same on every rank) for commfuse TPSP
     over ``mesh`` (1-D, or the "tp" dim of a larger one), in place; returns it.
 
@@ -366,6 +366,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     projection fewer in backward); by default they keep only the sequence shard.
     ``prefetch``: each row-parallel backward posts the re-gather of the fused projections
     before it ahead, so it moves during the attention / MLP backward (`commfuse.ops.prefetch`).
+    ``ep``: the ranks each sparse MoE block's experts are split over (default: the TP
+    group); more than the TP size draws them from the data-parallel ranks (``mesh`` covers
+    every rank, "tp" last; `commfuse.tp.mesh.ep_mesh`): each rank dispatches its own tokens
+    to the group's experts, and the expert gradients come out as the data-parallel mean, so
+    data parallelism over the other weights leaves them out
+    (`commfuse.tp.experts.expert_parameters`).
     ``loss_parallel=True``: the output head keeps this rank's vocabulary columns (``logits``
     is ``[B, S, V/T]``) and ``model.loss_function`` becomes the vocabulary-parallel
     cross-entropy (`commfuse.tp.loss`), so ``model(..., labels=...).loss`` is the unsharded
@@ -373,13 +379,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     A model the plan does not cover is refused (ValueError) before any weight moves.
     """
     if type(model).__name__ in MAMBA:
+        if ep not in (None, tp_mesh(mesh).size()):
+            raise ValueError(f"{type(model).__name__}: experts split beyond the TP group (ep="
+                             f"{ep}) are not built for the Mamba-2 plans")
         return parallelize_mamba(model, mesh, method=method, save_gathered=save_gathered,
                                  prefetch=prefetch, loss_parallel=loss_parallel, **opts)
+    emesh = ep_mesh(mesh, ep) if ep not in (None, tp_mesh(mesh).size()) else None
     mesh = tp_mesh(mesh)
     T = mesh.size()
     ps = plan_styles(method, save_gathered, prefetch, opts)
     moe = ExpertParallel(split=ps.split, method=method, logits_index=_router_logits_index(model),
-                         **opts)
+                         ep_mesh=emesh, **opts)
     plan = derive_plan(model, T, ps, loss_parallel, moe)
     duplex(mesh.get_group())
     for attn in plan.attention:
