@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 TINY = dict(vocab_size=63, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
             pad_token_id=0)
+# DeepSeek-V3's multi-head latent attention, every layer dense (first_k_dense_replace)
+MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+           qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=2)
 WINDOWS = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)  # top-2 of 4 experts
 
@@ -70,6 +73,8 @@ FAMILIES = {
                       ("per-head norms", "post norms")),
     "granite": Family("GraniteConfig", "GraniteForCausalLM", "granite", {},
                       ("multipliers",)),
+    "deepseek-v3-dense": Family("DeepseekV3Config", "DeepseekV3ForCausalLM", "deepseek_v3",
+                                MLA, ("multi-head latent attention",)),
     "apertus": Family("ApertusConfig", "ApertusForCausalLM", "apertus", {"head_dim": 8},
                       ("activation parameters", "per-head norms")),
     "qwen2-moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen2_moe",
