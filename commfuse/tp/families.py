@@ -73,8 +73,6 @@ FAMILIES = {
                       ("per-head norms", "post norms")),
     "granite": Family("GraniteConfig", "GraniteForCausalLM", "granite", {},
                       ("multipliers",)),
-    "deepseek-v3-dense": Family("DeepseekV3Config", "DeepseekV3ForCausalLM", "deepseek_v3",
-                                MLA, ("multi-head latent attention",)),
     "apertus": Family("ApertusConfig", "ApertusForCausalLM", "apertus", {"head_dim": 8},
                       ("activation parameters", "per-head norms")),
     "qwen2-moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen2_moe",
@@ -101,6 +99,11 @@ FAMILIES = {
                       "attention_chunk_size": 4, "interleave_moe_layer_step": 1},
                      ("sparse MoE", "shared experts", "experts on scaled tokens",
                       "chunked attention", "no-rope layers", "q/k L2 norm")),
+    "deepseek-v3-dense": Family("DeepseekV3Config", "DeepseekV3ForCausalLM", "deepseek_v3",
+                                MLA, ("multi-head latent attention",)),
+    "deepseek-v2-dense": Family("DeepseekV2Config", "DeepseekV2ForCausalLM", "deepseek_v2",
+                                {**MLA, "q_lora_rank": None},
+                                ("multi-head latent attention", "no q latent")),
 }
 # families under their own plans, with their own tests
 OTHERS = {"mixtral": ("mixtral", "tests/test_moe_hf.py"),
@@ -109,7 +112,8 @@ OTHERS = {"mixtral": ("mixtral", "tests/test_moe_hf.py"),
           "bamba": ("bamba", "tests/test_tp_mamba.py"),
           "nemotron-h": ("nemotron_h", "tests/test_tp_mamba.py")}
 COMPILED = ("llama", "qwen2")  # tests/test_tp_compile.py
-GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "gpt-oss", "llama4")  # tests/test_tp_generate.py
+GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "gpt-oss", "llama4",
+            "deepseek-v3-dense")  # tests/test_tp_generate.py
 FSDP2 = ("llama", "mixtral")  # tests/test_tp.py, tests/test_moe_hf.py
 
 

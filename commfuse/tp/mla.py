@@ -85,10 +85,12 @@ def mla_plan(attn: nn.Module, where: str, cfg, T: int, ps: PlanStyles) -> tuple[
         if mod is None or linear != isinstance(mod, nn.Linear):
             problems.append(f"{where}.{name}: missing or not {'an nn.Linear' if linear else 'a norm'}")
         styles[f"{where}.{name}"] = roles[name]
-    for n, mod in attn.named_modules():
-        if next(mod.parameters(recurse=False), None) is not None and n not in parts:
-            problems.append(f"{where}.{n or '(itself)'} ({type(mod).__name__}): parameters "
-                            f"the multi-head latent attention plan does not cover")
+    extra = [n or "(its own)" for n, mod in attn.named_modules()
+             if next(mod.parameters(recurse=False), None) is not None and n not in parts]
+    if extra:
+        problems.append(f"{where} ({type(attn).__name__}): a multi-head latent attention with "
+                        f"parameters in {extra}, which its plan does not cover (it covers "
+                        f"DeepSeek-V3's: {', '.join(LATENT + HEADS)}, o_proj)")
     styles[where] = MLAParallel(rkv or 0, q_lora="q_a_proj" in q, prefetch=ps.chain, **ps.ag)
     return styles, problems
 
