@@ -74,8 +74,8 @@ def mla_plan(attn: nn.Module, where: str, cfg, T: int, ps: PlanStyles) -> tuple[
             and attn.kv_a_proj_with_mqa.out_features == rkv + rope):
         problems.append(f"{where}: kv_a_proj_with_mqa's width is not the attention's "
                         f"kv_lora_rank + qk_rope_head_dim")
-    q = ("q_a_proj", "q_a_layernorm", "q_b_proj") if getattr(attn, "q_a_proj", None) is not None else (
-        "q_proj",)
+    q_lora = getattr(attn, "q_a_proj", None) is not None  # else q_proj reads the hidden state
+    q = ("q_a_proj", "q_a_layernorm", "q_b_proj") if q_lora else ("q_proj",)
     roles = {n: ps.norm for n in LATENT} | {n: ps.col for n in HEADS} | {"o_proj": ps.row}
     parts = (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
     styles = {}
@@ -83,7 +83,8 @@ def mla_plan(attn: nn.Module, where: str, cfg, T: int, ps: PlanStyles) -> tuple[
         mod = getattr(attn, name, None)
         linear = name.endswith("_proj") or name == "kv_a_proj_with_mqa"
         if mod is None or linear != isinstance(mod, nn.Linear):
-            problems.append(f"{where}.{name}: missing or not {'an nn.Linear' if linear else 'a norm'}")
+            problems.append(f"{where}.{name}: missing or not "
+                            f"{'an nn.Linear' if linear else 'a norm'}")
         styles[f"{where}.{name}"] = roles[name]
     extra = [n or "(its own)" for n, mod in attn.named_modules()
              if next(mod.parameters(recurse=False), None) is not None and n not in parts]
@@ -91,7 +92,7 @@ def mla_plan(attn: nn.Module, where: str, cfg, T: int, ps: PlanStyles) -> tuple[
         problems.append(f"{where} ({type(attn).__name__}): a multi-head latent attention with "
                         f"parameters in {extra}, which its plan does not cover (it covers "
                         f"DeepSeek-V3's: {', '.join(LATENT + HEADS)}, o_proj)")
-    styles[where] = MLAParallel(rkv or 0, q_lora="q_a_proj" in q, prefetch=ps.chain, **ps.ag)
+    styles[where] = MLAParallel(rkv or 0, q_lora=q_lora, prefetch=ps.chain, **ps.ag)
     return styles, problems
 
 
