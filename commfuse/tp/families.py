@@ -101,9 +101,18 @@ FAMILIES = {
                       "chunked attention", "no-rope layers", "q/k L2 norm")),
     "deepseek-v3-dense": Family("DeepseekV3Config", "DeepseekV3ForCausalLM", "deepseek_v3",
                                 MLA, ("multi-head latent attention",)),
-    "deepseek-v2-dense": Family("DeepseekV2Config", "DeepseekV2ForCausalLM", "deepseek_v2",
-                                {**MLA, "q_lora_rank": None},
-                                ("multi-head latent attention", "no q latent")),
+    "deepseek-v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM", "deepseek_v3",
+                          {**MLA, **MOE, "n_routed_experts": 4, "n_shared_experts": 1,
+                           "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+                           "routed_scaling_factor": 2.5},
+                          ("multi-head latent attention", "sparse MoE", "shared experts",
+                           "group-limited routing", "score-correction bias", "routed scaling",
+                           "dense first layers")),
+    "deepseek-v2-lite": Family("DeepseekV2Config", "DeepseekV2ForCausalLM", "deepseek_v2",
+                               {**MLA, **MOE, "q_lora_rank": None, "n_routed_experts": 4,
+                                "n_shared_experts": 1, "first_k_dense_replace": 1},
+                               ("multi-head latent attention", "no q latent", "sparse MoE",
+                                "shared experts", "dense first layers")),
 }
 # families under their own plans, with their own tests
 OTHERS = {"mixtral": ("mixtral", "tests/test_moe_hf.py"),
@@ -113,7 +122,7 @@ OTHERS = {"mixtral": ("mixtral", "tests/test_moe_hf.py"),
           "nemotron-h": ("nemotron_h", "tests/test_tp_mamba.py")}
 COMPILED = ("llama", "qwen2")  # tests/test_tp_compile.py
 GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "gpt-oss", "llama4",
-            "deepseek-v3-dense")  # tests/test_tp_generate.py
+            "deepseek-v3")  # tests/test_tp_generate.py
 FSDP2 = ("llama", "mixtral")  # tests/test_tp.py, tests/test_moe_hf.py
 
 
