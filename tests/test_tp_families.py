@@ -2,9 +2,9 @@
 `commfuse.tp.families` against the unsharded model (tiny configs, float32, gloo, 2 and 4
 ranks): logits, loss and every parameter's gradient, then (method commfuse, 2 ranks) 3 AdamW
 steps' losses. Every method runs on one family per mechanism (packed projections: phi3,
-split-dim norms: olmo2, tied embeddings and soft-capping: gemma3, multi-head latent
-attention: deepseek-v3-dense); the other families run `commfuse`. The no-process tests
-check what the plan refuses, before any weight moves.
+split-dim norms: olmo2, tied embeddings and soft-capping: gemma3, Gated DeltaNet: qwen3_5,
+multi-head latent attention: deepseek-v3-dense); the other families run `commfuse`. The
+no-process tests check what the plan refuses, before any weight moves.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from commfuse.tp.families import FAMILIES, build
 from test_tp import TOL, _rel, outputs_match
 
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
-EVERY_METHOD = ("phi3", "olmo2", "gemma3", "deepseek-v3-dense")  # one family per mechanism
+EVERY_METHOD = ("phi3", "olmo2", "gemma3", "glm4-moe", "gpt-oss", "qwen3.5",
+                "deepseek-v3-dense")  # one per mechanism
 NEW = [n for n, f in FAMILIES.items() if f.test == "tests/test_tp_families.py"]
 CASES = [(f, m) for f in NEW for m in (METHODS if f in EVERY_METHOD else ("commfuse",))]
 STEPS = 3
@@ -29,15 +30,19 @@ STEPS = 3
 
 def _model_grad(model, name: str, p, world: int) -> torch.Tensor:
     """The unsharded gradient of parameter ``name`` in the model's layout (replicated kv
-    blocks once, packed rows in the model's order)."""
+    blocks once, packed and assembled rows in the model's order)."""
     from commfuse.tp.attention import unpack_rows
     mod = model.get_submodule(name.rpartition(".")[0])
-    style = getattr(mod, "_commfuse_colwise", getattr(mod, "_commfuse_split_norm", None))
+    style = next((getattr(mod, a) for a in ("_commfuse_colwise", "_commfuse_split_norm",
+                                            "_commfuse_rows") if hasattr(mod, a)), None)
     g = p.grad.full_tensor()
     return g if style is None else unpack_rows(style, g, world)
 
 
-def _check(family: str, method: str, mesh) -> list[str]:
+def _check(family, method: str, mesh, mask: bool = False, steps: int = STEPS) -> list[str]:
+    """Family ``family`` (a name or a `Family`) under ``method`` against the unsharded model:
+    logits, loss, every gradient; then, with ``commfuse`` on 2 ranks, ``steps`` AdamW steps.
+    ``mask``: the second sequence left-padded by 3 tokens."""
     import commfuse.tp as tp
     ref = build(family)
     model = copy.deepcopy(ref)
@@ -45,10 +50,15 @@ def _check(family: str, method: str, mesh) -> list[str]:
     ids = torch.randint(1, 63, (2, 11), generator=g)  # 11 tokens: uneven shards
     labels = ids.clone()
     labels[0, 2] = -100
-    out = ref(ids, labels=labels)
+    kw = {}
+    if mask:
+        kw["attention_mask"] = torch.ones_like(ids)
+        kw["attention_mask"][1, :3] = 0
+        labels[1, :3] = -100
+    out = ref(ids, labels=labels, **kw)
     out.loss.backward()
     tp.parallelize(model, mesh, method=method, **METHODS[method])
-    got = model(ids, labels=labels)
+    got = model(ids, labels=labels, **kw)
     got.loss.backward()
     problems = outputs_match(got, out, model, ref, TOL["f32"])
     want = dict(ref.named_parameters())
@@ -58,13 +68,13 @@ def _check(family: str, method: str, mesh) -> list[str]:
             problems.append(f"grad {name} rel {_rel(grad, want[name].grad):.1e}")
     if method != "commfuse" or mesh.size() != 2:  # training: once per family
         return problems
-    # 3 AdamW steps of both, each loss compared
+    # AdamW steps of both, each loss compared
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
-    for step in range(STEPS):
+    for step in range(steps):
         losses = []
         for m, opt in zip((ref, model), opts):
             opt.zero_grad()
-            loss = m(ids.roll(step, 1), labels=labels.roll(step, 1)).loss
+            loss = m(ids.roll(step, 1), labels=labels.roll(step, 1), **kw).loss
             loss.backward()
             opt.step()
             losses.append(loss.item())
@@ -148,16 +158,18 @@ def test_refuses_latent_attention_with_parts_it_does_not_know():
 
 
 def test_plan_covers_every_parameter_of_each_family():
+    from commfuse.tp.deltanet import DeltaNetParallel
     from commfuse.tp.experts import ExpertParallel
     from commfuse.tp.plan import derive_plan
     for name in FAMILIES:
         model = build(name)
         plan = derive_plan(model, 2)
         covered = set(plan.styles) | set(plan.head_params)
+        whole = [n for n, s in plan.styles.items()  # styles that shard their submodules too
+                 if isinstance(s, (DeltaNetParallel, ExpertParallel))]
         for n, mod in model.named_modules():
-            parent = n.rpartition(".")[0]
-            if next(mod.parameters(recurse=False), None) is not None:  # experts: their block's
-                assert n in covered or isinstance(plan.styles.get(parent), ExpertParallel), (name, n)
+            if next(mod.parameters(recurse=False), None) is not None:
+                assert n in covered or any(n.startswith(w + ".") for w in whole), (name, n)
 
 
 def test_support_matrix_in_docs_is_the_codes():

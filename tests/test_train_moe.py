@@ -1,4 +1,4 @@
-"""``commfuse train --hf-config mixtral-tiny|qwen3-moe-tiny --ep 2``: experts split over the
+"""``commfuse train --hf-config mixtral-tiny|qwen3-moe-tiny|gpt-oss-tiny --ep 2``: experts split over the
 tp ranks, the loss with the router's auxiliary loss, against the same model in one process;
 ``--ep``'s validation and the MoE FLOP count."""
 
@@ -17,10 +17,12 @@ def _losses(**kw) -> list[float]:
     return [m["loss"] for m in launch(TrainConfig(**{**BASE, **kw}))]
 
 
-@pytest.mark.parametrize("name", ["mixtral-tiny", "qwen3-moe-tiny"])
-def test_ep2_matches_one_process(name):
-    one, two = _losses(hf_config=name, tp=1), _losses(hf_config=name, tp=2, ep=2)
-    assert len(one) == len(two) == 3 and one[-1] < one[0]
+@pytest.mark.parametrize("name,steps", [("mixtral-tiny", 3), ("qwen3-moe-tiny", 3),
+                                        ("gpt-oss-tiny", 20)])
+def test_ep2_matches_one_process(name, steps):
+    one = _losses(hf_config=name, tp=1, steps=steps)
+    two = _losses(hf_config=name, tp=2, ep=2, steps=steps)
+    assert len(one) == len(two) == steps and one[-1] < one[0]
     assert max(abs(a - b) / b for a, b in zip(two, one)) < 1e-4, (two, one)
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 UNSUPPORTED = ("--bench", "--query-split", "--prefill-chunks", "--decode-method")
-NO_GENERATE = ("mamba2", "bamba", "nemotron_h")  # conv / SSM caches not split yet
+# conv and recurrent-state caches (Mamba-2's SSM, Gated DeltaNet's) not split yet
+NO_GENERATE = ("mamba2", "bamba", "nemotron_h", "qwen3_5_text", "qwen3_next")
 
 
 def model_dir(args) -> Path | None:
@@ -48,7 +49,7 @@ def check_args(args, kind: str) -> None:
     """ValueError for what this path does not take, for a model of type ``kind``."""
     if kind in NO_GENERATE:
         raise ValueError(f"{model_dir(args)}: {kind} models do not generate yet (their conv and "
-                         f"SSM caches are not split over the ranks)")
+                         f"recurrent-state caches are not split over the ranks)")
     given = [flag for flag, on in (("--bench", args.bench),
                                    ("--query-split", args.query_split is not None),
                                    ("--prefill-chunks", args.prefill_chunks is not None),

@@ -7,10 +7,14 @@ its query heads read, replicated on the T/G ranks that share it (`FusedColwisePa
 and a `LocalHeads` view of its config for code that reads the config's head counts, such as
 Phi-3's split of its packed q|k|v). Packed projections hold whole heads per rank:
 `packed_qkv_rows` (q|k|v) and `halves_rows` (gate|up) give the rows each rank owns;
-`unpack_rows` puts a full parameter back in the model's layout (checkpoints, tests).
+`unpack_rows` puts a full parameter back in the model's layout (checkpoints, tests), for these
+and for the mixers' assembled weights (`AssembledRows`: Mamba-2's and Gated DeltaNet's
+in_proj / conv1d).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -96,13 +100,26 @@ def halves_rows(n: int, T: int) -> torch.Tensor:
                                  n // 2 + torch.arange(r * f, (r + 1) * f)]) for r in range(T)])
 
 
+@dataclass(frozen=True)
+class AssembledRows:
+    """A parameter held as ``Shard(0)`` of ``W[rows]``: ``rows`` the model rows of every rank in
+    rank order, a row repeated where ranks share it (a mixer's replicated groups / key heads);
+    what `unpack_rows` reads from a module's ``_commfuse_rows``."""
+
+    rows: torch.Tensor
+    replicas: int = 1
+
+
 def unpack_rows(style, t: torch.Tensor, world: int) -> torch.Tensor:
-    """A full parameter of a linear sharded by ``style`` (``t``: its ``full_tensor()``) in the
-    model's row order: one copy of each replicated block, packed rows put back."""
+    """A full parameter of a module sharded by ``style`` (a `FusedColwiseParallel`,
+    `SplitDimNorm` or `AssembledRows`; ``t``: its ``full_tensor()``) in the model's row order:
+    one copy of each replicated block or row, packed / assembled rows put back."""
     if style.replicas > 1:  # blocks b0 b0 b1 b1 .. (k copies each): one of each
         t = t.reshape(world, -1, *t.shape[1:])[::style.replicas].flatten(0, 1)
-    if style.rows is not None:
-        t = t.new_empty(t.shape).index_copy_(0, style.rows, t)
+    if style.rows is not None:  # copies of a repeated row are equal: any one is kept
+        out = t.new_empty((int(style.rows.max()) + 1, *t.shape[1:]))
+        out[style.rows] = t
+        t = out
     return t
 
 

@@ -22,13 +22,24 @@ MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_
            qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=2)
 WINDOWS = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)  # top-2 of 4 experts
+# Qwen3.5: 3 Gated DeltaNet layers to 1 gated attention; 2 key heads over 4 value heads (on
+# 4 ranks the key heads are replicated)
+QWEN3_5 = dict(num_hidden_layers=4, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+# the decay rates A = exp(A_log) drawn from [0.01, 1] instead of the model's [0.01, 16]: with
+# A up to 16 the chunked rule subtracts cumulative decays of about -200 in float32, so the
+# unsharded model's own gradients are 2e-5 off their float64 values (above the tests' 1e-5)
+# and any other summation order lands as far off
+SMALL_DECAY = {"A_log": (-4.6, 0.0)}
 
 
 @dataclass(frozen=True)
 class Family:
     """A transformers causal-LM family: ``config`` / ``model`` class names, its
     ``model_type``, the ``tiny`` config (over `TINY`) the tests build, and the plan
-    mechanisms it exercises; ``test``: the test file that checks it against one process."""
+    mechanisms it exercises; ``test``: the test file that checks it against one process;
+    ``redraw``: parameters (by name) drawn again, uniform in (low, high), after the model's
+    own initialisation."""
 
     config: str
     model: str
@@ -36,6 +47,7 @@ class Family:
     tiny: dict = field(default_factory=dict)
     mechanisms: tuple[str, ...] = ()
     test: str = "tests/test_tp_families.py"
+    redraw: dict = field(default_factory=dict)
 
 
 FAMILIES = {
@@ -73,6 +85,14 @@ FAMILIES = {
                       ("per-head norms", "post norms")),
     "granite": Family("GraniteConfig", "GraniteForCausalLM", "granite", {},
                       ("multipliers",)),
+    "qwen3.5": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "qwen3_5_text", QWEN3_5,
+                      ("gated DeltaNet", "gated attention", "per-head norms"),
+                      redraw=SMALL_DECAY),
+    "qwen3-next": Family("Qwen3NextConfig", "Qwen3NextForCausalLM", "qwen3_next",
+                         {**QWEN3_5, **MOE, "num_experts": 4,
+                          "shared_expert_intermediate_size": 16},
+                         ("gated DeltaNet (packed qkvz/ba)", "gated attention", "sparse MoE",
+                          "shared experts", "shared-expert gate"), redraw=SMALL_DECAY),
     "apertus": Family("ApertusConfig", "ApertusForCausalLM", "apertus", {"head_dim": 8},
                       ("activation parameters", "per-head norms")),
     "qwen2-moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen2_moe",
@@ -126,25 +146,31 @@ GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "gpt-oss", "llama4",
 FSDP2 = ("llama", "mixtral")  # tests/test_tp.py, tests/test_moe_hf.py
 
 
-def tiny_config(name: str, **over):
-    """The transformers config of family ``name``'s tiny model."""
+def tiny_config(name: str | Family, **over):
+    """The transformers config of family ``name``'s tiny model (``name``: in `FAMILIES`, or a
+    `Family`)."""
     import transformers
-    fam = FAMILIES[name]
+    fam = FAMILIES[name] if isinstance(name, str) else name
     return getattr(transformers, fam.config)(**{**TINY, **fam.tiny, **over})
 
 
-def build(name: str, seed: int = 0, **over):
-    """Family ``name``'s tiny model, float32, its weights drawn from ``seed``."""
+def build(name: str | Family, seed: int = 0, **over):
+    """Family ``name``'s tiny model (as `tiny_config`), float32, its weights drawn from
+    ``seed``."""
     import torch
     import transformers
-    cfg = tiny_config(name, **over)
+    fam = FAMILIES[name] if isinstance(name, str) else name
+    cfg = tiny_config(fam, **over)
     torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[name].model)(cfg).float()
+    model = getattr(transformers, fam.model)(cfg).float()
     with torch.no_grad():  # biases, sinks, a router's score correction: not zero, exercised
         for n, t in [*model.named_parameters(), *model.named_buffers()]:
             if t.is_floating_point() and t.dim() and not t.any() and (
                     not n.endswith("inv_freq")):
                 t.normal_(0, 0.1)
+        for n, p in model.named_parameters():
+            if n.rpartition(".")[2] in fam.redraw:
+                p.uniform_(*fam.redraw[n.rpartition(".")[2]])
     return model
 
 

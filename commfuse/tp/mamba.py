@@ -23,7 +23,8 @@ one contiguous block of the model's weight, so those parameters are DTensors ``S
 the *assembled* weight: every rank's rows in rank order, ``W[layout.in_rows()]`` (likewise
 ``conv1d.weight[layout.conv_rows()]``), B/C rows repeated where they are replicated. Their
 ``full_tensor()`` is that assembled weight, not the model's layout (so is a DCP checkpoint's
-copy: `MixerLayout.to_model` maps it back); a replicated row's gradient is summed over the ranks that share it, so its copies stay equal.
+copy: `MixerLayout.to_model`, or `commfuse.tp.attention.unpack_rows` with the module's
+``_commfuse_rows``, maps it back); a replicated row's gradient is summed over the ranks that share it, so its copies stay equal.
 The other parameters are plain ``Shard(0)`` / ``Shard(1)`` DTensors in the model's layout.
 
 The gated norm is exact under the split: a rank holds whole norm groups (G >= T), or the
@@ -43,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from commfuse.ops.fused import fused_all_gather_matmul
+from commfuse.tp.attention import AssembledRows, unpack_rows
 from commfuse.tp.functional import all_sum, sum_grad
 from commfuse.tp.sequence import _mesh_group, _param
 from commfuse.tp.style import _Fused
@@ -103,9 +105,7 @@ class MixerLayout:
     def to_model(self, assembled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The model's layout of an assembled weight (``rows``: `in_rows()` or `conv_rows()`);
         a replicated row's copies are equal, any one is kept."""
-        out = assembled.new_empty((int(rows.max()) + 1, *assembled.shape[1:]))
-        out[rows] = assembled
-        return out
+        return unpack_rows(AssembledRows(rows), assembled, self.world)
 
 
 def mixer_layout(mixer: nn.Module, T: int, where: str = "mixer") -> MixerLayout:
@@ -154,6 +154,7 @@ class MambaMixerParallel(_Fused):
                 if p is not None:
                     m.register_parameter(name, _param(p.detach()[idx], device_mesh, Shard(0),
                                                       p.requires_grad))
+            m._commfuse_rows = AssembledRows(idx)
         for m, name in ((module, "A_log"), (module, "D"), (module, "dt_bias"),
                         (module.norm, "weight")):
             p = getattr(m, name)

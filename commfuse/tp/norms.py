@@ -13,6 +13,8 @@ replaces its forward.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,10 +42,12 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, ss: torch.Tensor, n: int, eps: f
 
 def rms_norm_like(module: nn.Module) -> bool:
     """Whether ``module`` computes ``weight * x * rsqrt(mean(x^2) + eps)`` over its last dim
-    (checked on a random input; Gemma's ``1 + weight`` or a LayerNorm's centring fail)."""
+    (checked on a random input; Gemma's ``1 + weight`` or a LayerNorm's centring fail; a
+    gated norm, whose forward takes a second input, is not one)."""
     w, eps = getattr(module, "weight", None), _eps(module)
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or eps is None or \
-            sorted(n for n, _ in module.named_parameters()) != ["weight"]:
+            sorted(n for n, _ in module.named_parameters()) != ["weight"] or \
+            len(inspect.signature(module.forward).parameters) != 1:
         return False
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, w.shape[0], generator=g) + 0.5

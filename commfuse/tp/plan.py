@@ -18,6 +18,9 @@ sequence-sharded (``[B, s, D]``). What each module becomes, on T ranks:
     scalar parameters       SequenceParallelNorm (an activation's: per element)
     a norm over a split dim SplitDimNorm (width of its projection: OLMo 2's q/k norm)
     a sparse MoE block      ExpertParallel: its experts split over the same ranks
+    a Gated DeltaNet mixer  DeltaNetParallel: its in_proj linears one AG->GEMM onto this
+                            rank's heads, conv / delta rule / gated norm local, out_proj
+                            row-parallel (`commfuse.tp.deltanet`)
     a latent attention      MLAParallel (`commfuse.tp.mla`): latents on the sequence shard,
                             gathered into the heads' up-projections; o_proj GEMM->RS
     the embedding           ReplicateParallel; tied to the head: VocabParallelEmbedding
@@ -40,6 +43,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from commfuse.runtime.gloo import duplex
 from commfuse.tp.attention import (KV, halves_rows, head_counts, head_problems, kv_replicas,
                                    local_heads, packed_qkv_rows)
+from commfuse.tp.deltanet import DeltaNetParallel, deltanet_layout, is_gated_deltanet
 from commfuse.tp.embedding import Partial, VocabParallelEmbedding, tie
 from commfuse.tp.experts import ExpertParallel, expert_spec, is_sparse, spec_problems
 from commfuse.tp.hf_mamba import KNOWN as MAMBA, parallelize_mamba
@@ -64,7 +68,7 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")  # a parent with these is
 ROUTER_EXTRAS = ("router_jitter_noise",)  # MoE config fields with no plan here when set
 # modules planned as a whole: (test, the _Deriver method that plans it and returns the
 # children it covered: None for all of them)
-WHOLE = ((is_sparse, "_sparse"), (is_mla, "_mla"))
+WHOLE = ((is_sparse, "_sparse"), (is_gated_deltanet, "_deltanet"), (is_mla, "_mla"))
 
 
 @dataclass
@@ -230,6 +234,18 @@ class _Deriver:
             self._projections(p, layer, parent, leaves)
         for name, mod in norms:
             self._norm(p, layer, name, mod, cols)
+
+    def _deltanet(self, where: str, mixer: nn.Module) -> None:
+        """A Gated DeltaNet mixer: `DeltaNetParallel` (in_proj AG->GEMM, conv, rule and
+        gated norm on this rank's heads), out_proj row-parallel, the norm's weight replicated."""
+        try:
+            deltanet_layout(mixer, self.T, where)
+        except ValueError as e:
+            self.problems.append(str(e))
+            return
+        self.plan.styles.update({where: DeltaNetParallel(prefetch=self.ps.chain, **self.ps.ag),
+                                 f"{where}.out_proj": self.ps.row,
+                                 f"{where}.norm": self.ps.norm})
 
     def _projections(self, p: str, layer: nn.Module, parent: str, leaves: list[str]) -> None:
         """One fused all-gather for the column-parallel children of ``parent``."""

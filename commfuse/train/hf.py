@@ -29,16 +29,16 @@ import torch.distributed as dist
 
 from commfuse.data import DATA_DIR, VOCAB_SIZE, batches, load_corpus_tokens
 from commfuse.train.config import DTYPES, TrainConfig
+from commfuse.train.hf_flops import EXPERTS, num_experts
 from commfuse.train.report import finish, measure_matmul_flops, progress
 
 SHIPPED = DATA_DIR / "hf"
 ATTENTION_FREE = ("mamba2",)  # model types whose class takes no attn_implementation
-MOE = ("mixtral", "qwen3_moe")  # model types whose experts --ep splits (`commfuse.tp.experts`)
-
-
 def has_experts(hf) -> bool:
-    """Whether the config has sparse MoE layers (Mixtral, Qwen3-MoE, Nemotron-H with "moe")."""
-    return hf.model_type in MOE or "moe" in (getattr(hf, "layers_block_type", None) or ())
+    """Whether the config has sparse MoE layers (Mixtral, Qwen3-MoE, gpt-oss, ..., Nemotron-H
+    with "moe")."""
+    return bool(num_experts(hf)) and (
+        hf.model_type != "nemotron_h" or "moe" in (getattr(hf, "layers_block_type", None) or ()))
 
 
 def load_config(name_or_path: str):
@@ -59,8 +59,8 @@ def _check(cfg: TrainConfig, hf) -> None:
     if cfg.batch_size % cfg.dp:
         raise ValueError(f"global batch size ({cfg.batch_size}) must be divisible by dp ({cfg.dp})")
     if cfg.ep is not None and not has_experts(hf):
-        raise ValueError(f"--ep needs a mixture-of-experts config ({', '.join(MOE)}, or "
-                         f"nemotron_h with moe layers), got {hf.model_type}")
+        raise ValueError(f"--ep needs a mixture-of-experts config (one with "
+                         f"{' / '.join(EXPERTS)}), got {hf.model_type}")
     if cfg.ep is not None and cfg.ep != cfg.tp:
         raise ValueError(f"--ep ({cfg.ep}) must equal --tp ({cfg.tp}): the experts are split "
                          f"over the tp ranks")
@@ -75,8 +75,8 @@ def build(cfg: TrainConfig, world: int):
     attn = {} if hf.model_type in ATTENTION_FREE else {"attn_implementation": "sdpa"}
     try:
         model = AutoModelForCausalLM.from_config(hf, **attn)
-    except ValueError:  # a family without sdpa (Gemma 2's soft-capping): its own default
-        model = AutoModelForCausalLM.from_config(hf)
+    except ValueError:  # a family without sdpa (Gemma 2's soft-capping, gpt-oss's sinks)
+        model = AutoModelForCausalLM.from_config(hf, attn_implementation="eager")
     model = model.to(DTYPES[cfg.dtype])
     if world == 1:
         return model, None
@@ -166,8 +166,8 @@ def save_hf_checkpoint(model, root: str, step: int, rank: int, tp: int) -> str:
     as a transformers model directory ``root/step-N`` (written to ``root/.tmp-step-N`` and
     renamed when complete), then named by ``root/latest`` (replaced atomically). k/v
     projections that `commfuse.tp` replicated over ranks (fewer kv heads than ranks) are
-    saved once; Mamba-2 mixers' assembled in_proj / conv1d rows are saved in the model's
-    layout, packed projections (Phi-3's q|k|v) in the model's row order, a tied embedding
+    saved once; Mamba-2 and Gated DeltaNet mixers' assembled in_proj / conv1d rows are saved
+    in the model's layout, packed projections (Phi-3's q|k|v) in the model's row order, a tied embedding
     once. Returns the directory."""
     import os
     import shutil
@@ -178,20 +178,15 @@ def save_hf_checkpoint(model, root: str, step: int, rank: int, tp: int) -> str:
     from commfuse.tp.attention import unpack_rows
 
     state = {}
-    # Mamba-2 mixers: in_proj / conv1d hold every rank's rows assembled (`commfuse.tp.mamba`)
-    layouts = {n: m._commfuse_layout for n, m in model.named_modules()
-               if hasattr(m, "_commfuse_layout")}
     for mod_name, mod in model.named_modules():
-        # replicated kv blocks, packed projections and their split norms: the model's rows
-        style = getattr(mod, "_commfuse_colwise", getattr(mod, "_commfuse_split_norm", None))
-        parent, _, leaf = mod_name.rpartition(".")
-        lay = layouts.get(parent) if leaf in ("in_proj", "conv1d") else None
+        # replicated kv blocks, packed projections and their split norms, the mixers'
+        # assembled in_proj / conv1d rows (Mamba-2, Gated DeltaNet): the model's rows
+        style = next((getattr(mod, a) for a in ("_commfuse_colwise", "_commfuse_split_norm",
+                                                "_commfuse_rows") if hasattr(mod, a)), None)
         for name, p in mod.named_parameters(recurse=False):
             t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
             if style is not None:
                 t = unpack_rows(style, t, tp)
-            if lay is not None:  # back to the model's row order
-                t = lay.to_model(t, lay.in_rows() if leaf == "in_proj" else lay.conv_rows())
             state[f"{mod_name}.{name}".lstrip(".")] = t.contiguous().cpu()
     final = os.path.join(root, f"step-{step:08d}")
     if rank == 0:

@@ -46,10 +46,41 @@ def _mamba_geometry(hf) -> tuple[int, ...]:
     return hf.num_heads, hf.head_dim, hf.n_groups, hf.state_size, hf.conv_kernel, hf.chunk_size
 
 
+EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")  # config fields of MoE models
+
+
+def num_experts(hf) -> int:
+    """The routed experts of the config's sparse MoE layers (0: a dense model)."""
+    return next((n for n in (getattr(hf, a, None) for a in EXPERTS) if n), 0)
+
+
+def _sparse_layers(hf) -> set[int]:
+    """The layers whose MLP is sparse: ``moe_layers`` where listed, else every
+    ``decoder_sparse_step``-th (``interleave_moe_layer_step``) layer past
+    ``first_k_dense_replace`` and not in ``mlp_only_layers``."""
+    if getattr(hf, "moe_layers", None) is not None:
+        return set(hf.moe_layers)
+    step = getattr(hf, "decoder_sparse_step", None) or getattr(
+        hf, "interleave_moe_layer_step", None) or 1
+    dense = set(getattr(hf, "mlp_only_layers", None) or ()) | set(
+        range(getattr(hf, "first_k_dense_replace", None) or 0))
+    return {i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0}
+
+
+def _experts(hf) -> int:
+    """The weights a token meets in one sparse layer: the router, its top-k SwiGLU experts
+    and the shared expert(s)."""
+    d, f = hf.hidden_size, getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+    shared = (getattr(hf, "shared_expert_intermediate_size", None)
+              or (getattr(hf, "n_shared_experts", None) or 0) * f
+              or (hf.intermediate_size if hf.model_type.startswith("llama4") else 0))
+    return d * num_experts(hf) + 3 * d * f * hf.num_experts_per_tok + 3 * d * shared
+
+
 def layer_mix(hf) -> list[tuple[str, ...]]:
     """Each layer's parts: "attention", "mamba", "swiglu" (gate, up, down of
     ``intermediate_size``), "mlp" (up, down), "moe" (Nemotron-H's routed + shared experts),
-    "experts" (Mixtral's / Qwen3-MoE's routed SwiGLU experts)."""
+    "experts" (the routed SwiGLU experts and shared experts of the other MoE models)."""
     L = hf.num_hidden_layers
     if hf.model_type == "mamba2":
         return [("mamba",)] * L
@@ -60,10 +91,9 @@ def layer_mix(hf) -> list[tuple[str, ...]]:
         kind = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp",
                 "moe": "moe"}
         return [(kind[t],) for t in hf.layers_block_type]
-    if hf.model_type in ("mixtral", "qwen3_moe"):  # Qwen3-MoE: dense MLPs where not sparse
-        step, dense = getattr(hf, "decoder_sparse_step", 1), getattr(hf, "mlp_only_layers", [])
-        return [("attention", "experts" if i not in dense and (i + 1) % step == 0 else "swiglu")
-                for i in range(L)]
+    if num_experts(hf):  # dense MLPs where not sparse (`_sparse_layers`)
+        sparse = _sparse_layers(hf)
+        return [("attention", "experts" if i in sparse else "swiglu") for i in range(L)]
     return [("attention", "swiglu")] * L  # Llama, Mistral, Qwen2, Qwen3
 
 
@@ -79,12 +109,11 @@ def matmul_weights(hf) -> int:
             elif part == "mamba":
                 n += _mamba(hf, d, *_mamba_geometry(hf), 1)[0]
             elif part == "swiglu":
-                n += 3 * d * hf.intermediate_size
+                n += 3 * d * (getattr(hf, "intermediate_size_mlp", None) or hf.intermediate_size)
             elif part == "mlp":
                 n += 2 * d * hf.intermediate_size
-            elif part == "experts":  # Mixtral / Qwen3-MoE: router, top-k SwiGLU experts
-                f = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
-                n += d * hf.num_local_experts + 3 * d * f * hf.num_experts_per_tok
+            elif part == "experts":
+                n += _experts(hf)
             else:  # moe: router, top-k routed experts (in the latent width, with its two
                 # projections when set) and the shared expert, each expert an up/down pair
                 e = hf.moe_latent_size or d
