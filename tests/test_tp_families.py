@@ -1,10 +1,10 @@
 """`commfuse.tp.parallelize`'s derived plan on the transformers families of
 `commfuse.tp.families` against the unsharded model (tiny configs, float32, gloo, 2 and 4
 ranks): logits, loss and every parameter's gradient, then (method commfuse, 2 ranks) 3 AdamW
-steps' losses. Every method runs on one family per mechanism (packed projections: phi3, split-dim norms: olmo2, tied
-embeddings and soft-capping: gemma3, Gated DeltaNet: qwen3_5); the other families run
-`commfuse`. The no-process tests
-check what the plan refuses, before any weight moves.
+steps' losses. Every method runs on one family per mechanism (packed projections: phi3,
+split-dim norms: olmo2, tied embeddings and soft-capping: gemma3, Gated DeltaNet: qwen3_5,
+multi-head latent attention: deepseek-v3-dense); the other families run `commfuse`. The
+no-process tests check what the plan refuses, before any weight moves.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from commfuse.tp.families import FAMILIES, build
 from test_tp import TOL, _rel, outputs_match
 
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
-EVERY_METHOD = ("phi3", "olmo2", "gemma3", "glm4-moe", "gpt-oss", "qwen3.5")  # one per mechanism
+EVERY_METHOD = ("phi3", "olmo2", "gemma3", "glm4-moe", "gpt-oss", "qwen3.5",
+                "deepseek-v3-dense")  # one per mechanism
 NEW = [n for n, f in FAMILIES.items() if f.test == "tests/test_tp_families.py"]
 CASES = [(f, m) for f in NEW for m in (METHODS if f in EVERY_METHOD else ("commfuse",))]
 STEPS = 3
@@ -142,6 +143,18 @@ def test_refuses_a_model_without_decoder_layers():
 
 def test_refuses_experts_that_do_not_divide():
     _refused(build("qwen2-moe", num_experts=6), 4, r"6 experts cannot be split over 4 ranks")
+
+
+def test_refuses_latent_attention_heads_that_do_not_divide():
+    _refused(build("deepseek-v3-dense"), 3, r"model\.layers\.0\.self_attn: multi-head latent "
+                                            r"attention with 4 heads cannot be split over 3")
+
+
+def test_refuses_latent_attention_with_parts_it_does_not_know():
+    model = build("deepseek-v3-dense")  # a gate on the heads' output (Bailing's g_proj)
+    model.model.layers[1].self_attn.g_proj = nn.Linear(32, 4, bias=False)
+    _refused(model, 2, r"model\.layers\.1\.self_attn \(DeepseekV3Attention\): a multi-head "
+                       r"latent attention with parameters in \['g_proj'\]")
 
 
 def test_plan_covers_every_parameter_of_each_family():

@@ -19,7 +19,8 @@ from commfuse.tp.families import GENERATE, build
 
 # family -> parallelize options: tied embeddings and windows (gemma3), packed projections
 # (phi3), loss_parallel (qwen3: generate gathers the head's columns), MoE (mixtral; gpt-oss:
-# sinks and expert biases; llama4: shared expert, chunked attention)
+# sinks and expert biases; llama4: shared expert, chunked attention; deepseek-v3: latent
+# attention, its cache holding the latents)
 FAMILIES = {f: {"loss_parallel": True} if f == "qwen3" else {} for f in GENERATE}
 
 

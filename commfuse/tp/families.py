@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 TINY = dict(vocab_size=63, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
             pad_token_id=0)
+# DeepSeek-V3's multi-head latent attention, every layer dense (first_k_dense_replace)
+MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+           qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=2)
 WINDOWS = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)  # top-2 of 4 experts
 # Qwen3.5: 3 Gated DeltaNet layers to 1 gated attention; 2 key heads over 4 value heads (on
@@ -116,6 +119,20 @@ FAMILIES = {
                       "attention_chunk_size": 4, "interleave_moe_layer_step": 1},
                      ("sparse MoE", "shared experts", "experts on scaled tokens",
                       "chunked attention", "no-rope layers", "q/k L2 norm")),
+    "deepseek-v3-dense": Family("DeepseekV3Config", "DeepseekV3ForCausalLM", "deepseek_v3",
+                                MLA, ("multi-head latent attention",)),
+    "deepseek-v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM", "deepseek_v3",
+                          {**MLA, **MOE, "n_routed_experts": 4, "n_shared_experts": 1,
+                           "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+                           "routed_scaling_factor": 2.5},
+                          ("multi-head latent attention", "sparse MoE", "shared experts",
+                           "group-limited routing", "score-correction bias", "routed scaling",
+                           "dense first layers")),
+    "deepseek-v2-lite": Family("DeepseekV2Config", "DeepseekV2ForCausalLM", "deepseek_v2",
+                               {**MLA, **MOE, "q_lora_rank": None, "n_routed_experts": 4,
+                                "n_shared_experts": 1, "first_k_dense_replace": 1},
+                               ("multi-head latent attention", "no q latent", "sparse MoE",
+                                "shared experts", "dense first layers")),
 }
 # families under their own plans, with their own tests
 OTHERS = {"mixtral": ("mixtral", "tests/test_moe_hf.py"),
@@ -124,7 +141,8 @@ OTHERS = {"mixtral": ("mixtral", "tests/test_moe_hf.py"),
           "bamba": ("bamba", "tests/test_tp_mamba.py"),
           "nemotron-h": ("nemotron_h", "tests/test_tp_mamba.py")}
 COMPILED = ("llama", "qwen2")  # tests/test_tp_compile.py
-GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "gpt-oss", "llama4")  # tests/test_tp_generate.py
+GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "gpt-oss", "llama4",
+            "deepseek-v3")  # tests/test_tp_generate.py
 FSDP2 = ("llama", "mixtral")  # tests/test_tp.py, tests/test_moe_hf.py
 
 

@@ -21,6 +21,8 @@ sequence-sharded (``[B, s, D]``). What each module becomes, on T ranks:
     a Gated DeltaNet mixer  DeltaNetParallel: its in_proj linears one AG->GEMM onto this
                             rank's heads, conv / delta rule / gated norm local, out_proj
                             row-parallel (`commfuse.tp.deltanet`)
+    a latent attention      MLAParallel (`commfuse.tp.mla`): latents on the sequence shard,
+                            gathered into the heads' up-projections; o_proj GEMM->RS
     the embedding           ReplicateParallel; tied to the head: VocabParallelEmbedding
     lm_head                 FusedColwiseParallel over the vocabulary (gathered, or kept
                             sharded with ``loss_parallel``)
@@ -47,6 +49,7 @@ from commfuse.tp.experts import ExpertParallel, expert_spec, is_sparse, spec_pro
 from commfuse.tp.hf_mamba import KNOWN as MAMBA, parallelize_mamba
 from commfuse.tp.loss import head_style, install_loss_parallel
 from commfuse.tp.mesh import ep_mesh, tp_mesh
+from commfuse.tp.mla import is_mla, mla_plan
 from commfuse.tp.norms import SplitDimNorm, rms_norm_like
 from commfuse.tp.plan_styles import PlanStyles, plan_styles
 from commfuse.tp.sequence import HeadParameters, ReplicateParallel, ShardSequence, gather_final
@@ -65,7 +68,7 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")  # a parent with these is
 ROUTER_EXTRAS = ("router_jitter_noise",)  # MoE config fields with no plan here when set
 # modules planned as a whole: (test, the _Deriver method that plans it and returns the
 # children it covered: None for all of them)
-WHOLE = ((is_sparse, "_sparse"), (is_gated_deltanet, "_deltanet"))
+WHOLE = ((is_sparse, "_sparse"), (is_gated_deltanet, "_deltanet"), (is_mla, "_mla"))
 
 
 @dataclass
@@ -308,6 +311,12 @@ class _Deriver:
         self.problems.append(f"{where} ({type(mod).__name__}, width {width}): a norm inside "
                              f"{parent} that is neither per head (head_dim {self.head_dim}) nor "
                              f"an RMSNorm over a column-parallel projection's output")
+
+    def _mla(self, where: str, attn: nn.Module) -> None:
+        styles, problems = mla_plan(attn, where, self.cfg, self.T, self.ps)
+        self.plan.styles.update(styles)
+        self.problems += problems
+        self.plan.attention.append(attn)
 
     def _per_head(self, mod: nn.Module) -> bool:
         """Whether ``mod`` is an attention whose own parameters are one value per head."""
