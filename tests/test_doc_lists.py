@@ -31,7 +31,7 @@ def test_inference_names_the_shipped_configs_that_generate():
     text = _paragraph("docs/inference.md", "`generate` takes the transformers families")
     takes, refuses = text.split("train but do not generate")[0].split("The MoE configs")
     assert "do not generate" in text
-    named = lambda part: set(re.findall(r"`([\w-]+-tiny)`", part))
+    named = lambda part: set(re.findall(r"`([\w.-]+-tiny)`", part))
     why = ("docs/inference.md, 'Architectures': name each shipped config (commfuse/data/hf), "
            "those whose model_type is in HF_TYPES before 'The MoE configs', the others after")
     assert named(takes) == {name for name, t in types.items() if t in HF_TYPES}, why

@@ -18,12 +18,21 @@ def _losses(**kw) -> list[float]:
 
 
 @pytest.mark.parametrize("name,steps", [("mixtral-tiny", 3), ("qwen3-moe-tiny", 3),
-                                        ("gpt-oss-tiny", 20)])
+                                        ("gpt-oss-tiny", 20), ("deepseek-v3-tiny", 20)])
 def test_ep2_matches_one_process(name, steps):
     one = _losses(hf_config=name, tp=1, steps=steps)
     two = _losses(hf_config=name, tp=2, ep=2, steps=steps)
     assert len(one) == len(two) == steps and one[-1] < one[0]
     assert max(abs(a - b) / b for a, b in zip(two, one)) < 1e-4, (two, one)
+
+
+def test_ep_from_dp_trains_as_data_parallel():
+    """--dp 2 --ep 2: the experts split over the two data-parallel ranks (left out of FSDP2),
+    20 steps with the losses of --dp 2 alone (every expert on each rank, sharded by FSDP2)."""
+    kw = dict(hf_config="gpt-oss-tiny", dp=2, steps=20)
+    split, whole = _losses(**kw, ep=2), _losses(**kw)
+    assert len(split) == 20 and split[-1] < split[0]
+    assert max(abs(a - b) / b for a, b in zip(split, whole)) < 1e-4, (split, whole)
 
 
 def test_loss_includes_the_aux_loss():
@@ -47,9 +56,13 @@ def _parse(*argv) -> TrainConfig:
 
 def test_ep_flag_sets_tp_and_is_checked():
     assert _parse("--hf-config", "mixtral-tiny", "--ep", "2").tp == 2
-    assert _parse("--hf-config", "mixtral-tiny", "--ep", "2", "--dp", "2").world == 4
-    with pytest.raises(SystemExit, match="must equal --tp"):
+    from_dp = _parse("--hf-config", "mixtral-tiny", "--ep", "2", "--dp", "2")
+    assert (from_dp.tp, from_dp.world) == (1, 2)
+    assert _parse("--hf-config", "mixtral-tiny", "--ep", "4", "--tp", "2", "--dp", "2").world == 4
+    with pytest.raises(SystemExit, match="must be a multiple of --tp 4"):
         _parse("--hf-config", "mixtral-tiny", "--ep", "2", "--tp", "4")
+    with pytest.raises(SystemExit, match="divides tp\\*dp = 4"):
+        _parse("--hf-config", "mixtral-tiny", "--ep", "8", "--tp", "2", "--dp", "2")
     with pytest.raises(ValueError, match="built-in Llama has no experts"):
         TrainConfig(ep=2)
     with pytest.raises(ValueError, match="positive int"):
@@ -58,7 +71,7 @@ def test_ep_flag_sets_tp_and_is_checked():
 
 @pytest.mark.parametrize("kw,name,match", [
     (dict(tp=2, ep=2), "llama-tiny", "needs a mixture-of-experts config"),
-    (dict(tp=4, ep=2), "mixtral-tiny", r"--ep \(2\) must equal --tp \(4\)"),
+    (dict(tp=4, ep=2), "mixtral-tiny", r"--ep \(2\) must be a multiple of --tp \(4\)"),
 ])
 def test_rejects(kw, name, match):
     from commfuse.train.hf import _check, load_config

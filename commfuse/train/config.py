@@ -38,10 +38,11 @@ class TrainConfig:
     """Sharded data-parallel (ZeRO-3) ranks."""
     ep: int | None = None
     """Expert-parallel ranks of a mixture-of-experts --hf-config (mixtral-tiny,
-    qwen3-moe-tiny, nemotron-h-moe-tiny): each MoE layer's experts are split over them, its
+    qwen3-moe-tiny, gpt-oss-tiny, ...): each MoE layer's experts are split over them, its
     tokens moved by the dispatch / combine all-to-alls fused with the expert GEMMs
-    (`commfuse.tp.experts`). They are the --tp ranks: it must equal --tp, and --ep N alone sets
-    --tp N (an MoE config with --tp > 1 splits its experts over them without --ep too)."""
+    (`commfuse.tp.experts`). Whole --tp groups: a multiple of --tp that divides tp*dp; more
+    than --tp draws them from the --dp ranks (their experts left out of FSDP2). --ep N alone
+    sets --tp N (an MoE config splits its experts over the --tp ranks without --ep too)."""
     method: str = field(default="commfuse", metadata={"choices": tuple(OPTIONS)})
     """Schedule of every fused op (auto: the cost model picks one per op shape)."""
     topology: str = field(default="ring", metadata={"choices": TOPOLOGIES})
@@ -149,7 +150,7 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.ep must be a positive int, got {self.ep!r}")
         if self.ep is not None and self.hf_config is None:
             raise ValueError("--ep takes a mixture-of-experts --hf-config (mixtral-tiny, "
-                             "qwen3-moe-tiny, nemotron-h-moe-tiny): the built-in Llama has no "
+                             "gpt-oss-tiny, deepseek-v3-tiny, ...): the built-in Llama has no "
                              "experts")
         if self.query_split and self.no_query_split:
             raise ValueError("--query-split and --no-query-split contradict each other")
@@ -265,16 +266,17 @@ def config_from_args(args) -> TrainConfig:
     one unsharded process (tp = up = dp = 1, saying so on stderr if a layout was asked for)."""
     names = {f.name for f in dataclasses.fields(TrainConfig)} - NOT_FLAGS - set(LAYOUT)
     cfg = TrainConfig(**{n: getattr(args, n) for n in names if hasattr(args, n)})
-    cfg.tp = args.tp or cfg.ep or (1 if args.up or args.dp else 2)
+    cfg.tp = args.tp or (1 if args.up or args.dp else cfg.ep or 2)
     cfg.up, cfg.dp = args.up or 1, args.dp or 1
     if args.nproc == 1 and cfg.world != 1:
         print(f"commfuse train: --nproc 1: one unsharded process (ignoring tp={cfg.tp} "
               f"up={cfg.up} dp={cfg.dp})", file=sys.stderr)
         cfg.tp = cfg.up = cfg.dp = 1
         cfg.ep = None
-    if cfg.ep is not None and cfg.ep != cfg.tp:
-        raise SystemExit(f"commfuse train: --ep {cfg.ep} must equal --tp {cfg.tp} (the experts "
-                         f"are split over the tp ranks)")
+    if cfg.ep is not None and (cfg.ep % cfg.tp or (cfg.tp * cfg.dp) % cfg.ep):
+        raise SystemExit(f"commfuse train: --ep {cfg.ep} must be a multiple of --tp {cfg.tp} "
+                         f"that divides tp*dp = {cfg.tp * cfg.dp} (each expert group is whole "
+                         f"tp groups)")
     if args.nproc is not None and args.nproc != cfg.world:
         raise SystemExit(f"commfuse train: --nproc {args.nproc} != tp*up*dp = {cfg.world}")
     return cfg

@@ -1,16 +1,15 @@
 """``commfuse train --hf-config PATH_OR_NAME``: a transformers causal LM built from a config (no
 weights are downloaded), trained with `commfuse.tp` on the shipped corpus.
 
-PATH_OR_NAME: a shipped config (``llama-tiny``, ``qwen2-tiny``, ``qwen3-tiny``,
-``mistral-sw-tiny``, ``mamba2-tiny``, ``bamba-tiny``, ``nemotron-h-tiny``,
-``nemotron-h-moe-tiny``, ``mixtral-tiny``, ``qwen3-moe-tiny``:
-`commfuse/data/hf/*.json`; Mamba-2 mixers run transformers' torch path), a ``config.json``
+PATH_OR_NAME: a shipped config (`commfuse/data/hf/*.json`: ``commfuse train --help`` lists
+them; Mamba-2 and Gated DeltaNet mixers run transformers' torch path), a ``config.json``
 file or directory, or a Hugging Face hub name (its config only). ``--tp`` ranks run
 `commfuse.tp.parallelize` (every fused op with ``--method`` and its options); ``--dp`` ranks shard the model with FSDP2
 (``fully_shard`` per layer and at the root) over the "dp" dim of the (dp, tp) mesh. Not with
 ``--up``, ``--query-split`` or ``--resume`` (those are the built-in model's).
-An MoE config (``mixtral-tiny``, ``qwen3-moe-tiny``, ``nemotron-h-moe-tiny``) splits its
-experts over the ``--tp`` ranks (``--ep``, `commfuse.tp.experts`); the loss adds the router's auxiliary loss
+An MoE config (``mixtral-tiny``, ``qwen3-moe-tiny``, ``gpt-oss-tiny``, ``deepseek-v3-tiny``,
+``nemotron-h-moe-tiny``) splits its experts over the ``--tp`` ranks, or over ``--ep`` ranks
+drawn from the ``--dp`` ones (`commfuse.tp.experts`); the loss adds the router's auxiliary loss
 where the config computes it (``output_router_logits``), times ``router_aux_loss_coef``.
 ``--checkpoint-dir D`` saves the whole model as a transformers model directory (config.json,
 model.safetensors: `save_hf_checkpoint`) at D/step-N, named by D/latest, which ``commfuse
@@ -61,9 +60,9 @@ def _check(cfg: TrainConfig, hf) -> None:
     if cfg.ep is not None and not has_experts(hf):
         raise ValueError(f"--ep needs a mixture-of-experts config (one with "
                          f"{' / '.join(EXPERTS)}), got {hf.model_type}")
-    if cfg.ep is not None and cfg.ep != cfg.tp:
-        raise ValueError(f"--ep ({cfg.ep}) must equal --tp ({cfg.tp}): the experts are split "
-                         f"over the tp ranks")
+    if cfg.ep is not None and (cfg.ep % cfg.tp or (cfg.tp * cfg.dp) % cfg.ep):
+        raise ValueError(f"--ep ({cfg.ep}) must be a multiple of --tp ({cfg.tp}) that divides "
+                         f"tp*dp ({cfg.tp * cfg.dp}): each expert group is whole tp groups")
 
 
 def build(cfg: TrainConfig, world: int):
@@ -84,16 +83,18 @@ def build(cfg: TrainConfig, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     # loss_parallel: the head keeps its vocabulary columns; the loss needs no [B, S, V] gather
-    commfuse.tp.parallelize(model, mesh, method=cfg.method, loss_parallel=True,
+    commfuse.tp.parallelize(model, mesh, method=cfg.method, loss_parallel=True, ep=cfg.ep,
                             **cfg.method_opts())
     if cfg.dp == 1:
         return model, None
     from torch.distributed.fsdp import fully_shard
 
+    from commfuse.tp.experts import expert_parameters
     from commfuse.tp.plan import base_model
+    ignored = expert_parameters(model)  # experts split over dp ranks: already their mean
     for layer in base_model(model)[1].layers:  # model.layers, Mamba2's backbone.layers
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(layer, mesh=mesh["dp"], ignored_params=ignored)
+    fully_shard(model, mesh=mesh["dp"], ignored_params=ignored)
     return model, mesh["dp"]
 
 
