@@ -94,8 +94,26 @@ def _check(arch: str, layout: str, method: str) -> list[str]:
     return problems
 
 
+def _bad_input() -> list[str]:
+    """Each bad ``ep`` raises ValueError on every rank before any weight moves."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import commfuse.tp as tp
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    problems = []
+    for ep, kw, match in ((3, {}, "multiple of the TP size"), (6, {}, "multiple of the TP size"),
+                          (4, {"num_local_experts": 6}, "6 experts cannot be split over 4")):
+        try:
+            tp.parallelize(build("mixtral", 4, **kw), mesh, method="none", ep=ep)
+            problems.append(f"ep={ep} {kw}: no error")
+        except ValueError as e:
+            if match not in str(e):
+                problems.append(f"ep={ep} {kw}: {e}")
+    return problems
+
+
 def _run(rank: int, world: int) -> dict[str, list[str]]:
-    return {"-".join(c): _check(*c) for c in CASES}
+    return {**{"-".join(c): _check(*c) for c in CASES}, "bad-input": _bad_input()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,7 +121,7 @@ def results() -> list[dict]:
     return run_local(_run, 4, timeout=600, pg_timeout_s=60)
 
 
-@pytest.mark.parametrize("case", ["-".join(c) for c in CASES])
+@pytest.mark.parametrize("case", ["-".join(c) for c in CASES] + ["bad-input"])
 def test_ep_from_dp_matches_data_parallel_reference(case):
     problems = {r: res[case] for r, res in enumerate(results()) if res[case]}
     assert not problems, problems
