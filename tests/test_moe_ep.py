@@ -5,7 +5,8 @@ replicas' losses, router auxiliary loss included): each replica's logits and los
 gradient (the other weights under FSDP2 over "dp", the experts left out of it), then AdamW
 steps' losses. Layouts: dp 4 with ep 2 (two groups hold the same experts), dp 4 with ep 4,
 and dp 2 x tp 2 with ep 4 (each expert group two TP groups); every method on the last. Bad
-input: an ep the TP size does not divide, or that does not divide the experts.
+input: an ep the TP size does not divide, or that does not divide the experts. DeepSeek-V3's
+auxiliary-loss-free bias update from the counts over every rank, against the unsharded one.
 """
 
 from __future__ import annotations
@@ -112,8 +113,40 @@ def _bad_input() -> list[str]:
     return problems
 
 
+def _balance() -> list[str]:
+    """DeepSeek-V3's bias update (`commfuse.tp.balance`) on dp 2 x tp 2 with ep 4: the counts
+    over every rank and the updated score-correction biases equal the unsharded model's over
+    both batches."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import commfuse.tp as tp
+    from commfuse.tp.balance import ExpertLoad
+    from commfuse.tp.families import build as build_family
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ref = build_family("deepseek-v3", n_routed_experts=8)
+    model = copy.deepcopy(ref)
+    batches = _batches(2)
+    want_load = ExpertLoad(ref)
+    _dp_loss(ref, batches)[0].backward()
+    want = want_load.take(group=dist.new_group([dist.get_rank()]))
+    tp.parallelize(model, mesh, method="commfuse", ep=4)
+    got_load = ExpertLoad(model)
+    mine = batches[mesh["dp"].get_local_rank()]
+    model(mine, labels=mine.roll(-1, 1)).loss.backward()
+    got = got_load.take()
+    problems = [] if all(torch.equal(g, w) for g, w in zip(got, want)) else [f"{got} vs {want}"]
+    if (want_load.update_bias(want, 1e-3), got_load.update_bias(got, 1e-3)) != (1, 1):
+        problems.append("not one router with a score-correction bias updated")
+    for a, b in zip(want_load.routers, got_load.routers):
+        if not torch.equal(a.e_score_correction_bias, b.e_score_correction_bias):
+            problems.append("the updated biases differ")
+    return problems
+
+
 def _run(rank: int, world: int) -> dict[str, list[str]]:
-    return {**{"-".join(c): _check(*c) for c in CASES}, "bad-input": _bad_input()}
+    return {**{"-".join(c): _check(*c) for c in CASES}, "bad-input": _bad_input(),
+            "balance": _balance()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,7 +154,7 @@ def results() -> list[dict]:
     return run_local(_run, 4, timeout=600, pg_timeout_s=60)
 
 
-@pytest.mark.parametrize("case", ["-".join(c) for c in CASES] + ["bad-input"])
+@pytest.mark.parametrize("case", ["-".join(c) for c in CASES] + ["bad-input", "balance"])
 def test_ep_from_dp_matches_data_parallel_reference(case):
     problems = {r: res[case] for r, res in enumerate(results()) if res[case]}
     assert not problems, problems

@@ -1,6 +1,6 @@
 """``commfuse train``: train a Llama preset on the shipped corpus with TP / UP / DP applied by a
 plan, or a transformers model built from a config (``--hf-config``: commfuse.tp over --tp,
-FSDP2 over --dp, the experts of an MoE config over the --tp ranks; `commfuse.train.hf`).
+FSDP2 over --dp, the experts of an MoE config over the --tp or --ep ranks; `commfuse.train.hf`).
 
 Local mode spawns ``--nproc`` ranks (gloo, `commfuse.testbed.spawn.run_local`); under ``torchrun`` (or
 ``commfuse launch``) the RANK / WORLD_SIZE / LOCAL_RANK environment is detected and the process

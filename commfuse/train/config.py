@@ -43,6 +43,11 @@ class TrainConfig:
     (`commfuse.tp.experts`). Whole --tp groups: a multiple of --tp that divides tp*dp; more
     than --tp draws them from the --dp ranks (their experts left out of FSDP2). --ep N alone
     sets --tp N (an MoE config splits its experts over the --tp ranks without --ep too)."""
+    expert_bias_rate: float = field(default=0.0, metadata={"metavar": "U"})
+    """MoE --hf-config whose routers carry a score-correction bias (DeepSeek-V3's
+    auxiliary-loss-free balancing): after each step every such bias moves by U toward the
+    experts that got fewer tokens than the mean, from the counts over every rank
+    (`commfuse.tp.balance`; DeepSeek-V3 used 0.001). 0: the bias stays."""
     method: str = field(default="commfuse", metadata={"choices": tuple(OPTIONS)})
     """Schedule of every fused op (auto: the cost model picks one per op shape)."""
     topology: str = field(default="ring", metadata={"choices": TOPOLOGIES})
@@ -152,6 +157,9 @@ class TrainConfig:
             raise ValueError("--ep takes a mixture-of-experts --hf-config (mixtral-tiny, "
                              "gpt-oss-tiny, deepseek-v3-tiny, ...): the built-in Llama has no "
                              "experts")
+        if self.expert_bias_rate < 0 or (self.expert_bias_rate and self.hf_config is None):
+            raise ValueError(f"--expert-bias-rate takes a non-negative rate and an MoE "
+                             f"--hf-config, got {self.expert_bias_rate!r}")
         if self.query_split and self.no_query_split:
             raise ValueError("--query-split and --no-query-split contradict each other")
         for f in dataclasses.fields(self):

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from commfuse.data import DATA_DIR, VOCAB_SIZE, batches, load_corpus_tokens
+from commfuse.tp.balance import ExpertLoad, imbalance
 from commfuse.train.config import DTYPES, TrainConfig
 from commfuse.train.hf_flops import EXPERTS, num_experts
 from commfuse.train.report import finish, measure_matmul_flops, progress
@@ -125,6 +126,7 @@ def train_hf_rank(rank: int, world: int, cfg: TrainConfig, lr_at, seq_len_at) ->
               f"{cfg.hf_config}, tp={cfg.tp} "
               f"dp={cfg.dp} method={cfg.method} {cfg.method_opts()}, batch "
               f"{cfg.batch_size}x{cfg.seq_len}, {cfg.steps} steps", flush=True)
+    load = ExpertLoad(model)  # per-expert token counts of the MoE layers (none: dense)
     metrics: list[dict] = []
     for step in range(min(cfg.steps, cfg.stop_after or cfg.steps)):
         t0 = time.perf_counter()
@@ -143,6 +145,9 @@ def train_hf_rank(rank: int, world: int, cfg: TrainConfig, lr_at, seq_len_at) ->
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        counts = load.take()  # over every rank: each counted its own tokens
+        if cfg.expert_bias_rate:
+            load.update_bias(counts, cfg.expert_bias_rate)
         loss = loss.detach()
         if dp_mesh is not None:  # every dp rank's batch has the same token count
             dist.all_reduce(loss, group=dp_mesh.get_group())
@@ -152,7 +157,8 @@ def train_hf_rank(rank: int, world: int, cfg: TrainConfig, lr_at, seq_len_at) ->
         metrics.append({"step": step + 1, "loss": loss.item(), "step_s": dt,
                         "tokens_per_s": tps, "lr": lr_at(cfg, step), "seq_len": tokens.shape[1],
                         "mfu": _flops_per_token(model.config, tokens.shape[1]) * tps
-                        / (peak * world)})
+                        / (peak * world),
+                        **({"experts": imbalance(counts)} if counts else {})})
         if show:
             progress(metrics, cfg.steps)
         if cfg.checkpoint_dir and (step + 1 in (cfg.steps, cfg.stop_after) or (

@@ -52,6 +52,8 @@ def progress(metrics: list[dict], steps: int) -> None:
     line = (f"step {m['step']:>4}/{steps}  loss {m['loss']:.4f} "
             f"(avg {sum(window) / len(window):.4f})  {m['tokens_per_s']:7.0f} tok/s  "
             f"MFU {100 * m['mfu']:5.1f}%  {m['step_s'] * 1e3:6.1f} ms/step")
+    if m.get("experts"):  # MoE: the busiest expert over the mean, the worst layer
+        line += f"  experts max/mean {max(e['imbalance'] for e in m['experts']):.2f}"
     last = m["step"] % every == 0 or m["step"] == steps
     if sys.stdout.isatty():
         print("\r" + line, end="\n" if last else "", flush=True)
