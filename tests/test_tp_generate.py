@@ -9,6 +9,7 @@ gives every rank the same tokens.
 from __future__ import annotations
 
 import copy
+import json
 import functools
 
 import pytest
@@ -88,8 +89,9 @@ def test_generate_matches_unsharded_model(world, case):
 def test_cli_generates_other_families_through_transformers(tmp_path, command):
     """``commfuse generate --hf-model`` on a family its own Llama does not model (Gemma 3:
     tied embeddings, windows) runs transformers' generate on the sharded model: the same text
-    on 1 and 2 ranks (a batch of two prompts); a Mamba-2 model and the built-in path's flags
-    are refused before any rank starts."""
+    on 1 and 2 ranks (a batch of two prompts); --bench times every method's prefill and
+    decode; a Mamba-2 model and the built-in path's flags are refused before any rank
+    starts."""
     from commfuse.tp.families import tiny_config
     import transformers
     cfg = tiny_config("gemma3", vocab_size=4096, max_position_embeddings=128)
@@ -104,9 +106,17 @@ def test_cli_generates_other_families_through_transformers(tmp_path, command):
         assert p.stdout.startswith("[0] ROMEO: what|") and "[1] To be|" in p.stdout
         texts.append(p.stdout)
     assert texts[0] == texts[1]
-    p = command("generate", "--hf-model", str(tmp_path / "g"), "--prompt", "a", "--bench",
-                "--tp", "2", "--link", "loopback")
-    assert p.returncode == 2 and "--bench: for the built-in Llama path only" in p.stderr
+    p = command("generate", "--hf-model", str(tmp_path / "g"), "--prompt", "a",
+                "--query-split", "--tp", "2", "--link", "loopback")
+    assert p.returncode == 2 and "--query-split: for the built-in Llama path only" in p.stderr
+    p = command("generate", "--hf-model", str(tmp_path / "g"), "--prompt-tokens", "16,24",
+                "--bench", "--iters", "1", "--max-new-tokens", "3", "--tp", "2", "--link",
+                "loopback", "--json", str(tmp_path / "b.json"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [(r["prompt_tokens"], r["method"]) for r in rows] == [
+        (n, m) for n in (16, 24) for m in ("none", "sliced", "commfuse", "auto")]
+    assert all(r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
     transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
         vocab_size=4096, hidden_size=16, num_heads=8, head_dim=4, num_hidden_layers=1,
         n_groups=1, state_size=8)).save_pretrained(tmp_path / "m")

@@ -4,9 +4,13 @@ Phi-3, OLMo, Mixtral, ... : `commfuse.tp.families`): the saved model sharded by
 fused sequence-sharded path, decode steps replicated, caches of this rank's heads).
 
 `transformers_family` tells `commfuse.infer.cli` which models go here; `check_args`
-refuses the flags of the built-in path (--bench, --query-split, --prefill-chunks,
---decode-method); `rank_main` is one rank: load, shard, generate; rank 0 prints the text.
-A batch of prompts is left-padded. Mamba-2 models and the hybrids do not generate yet.
+refuses the flags of the built-in path (--query-split, --prefill-chunks, --decode-method);
+`rank_main` is one rank: load, shard, generate; rank 0 prints the text. A batch of prompts
+is left-padded. ``--bench``: the model sharded once per method of `BENCH`, rounds
+interleaved after a warm-up; per prompt length the prefill (a forward of the prompt that
+fills the cache) and decode tokens/s (``max_new_tokens`` - 1 tokens: a generate of them all
+less one of a single token), each the slowest rank's. Mamba-2 models and the hybrids do not
+generate yet.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-UNSUPPORTED = ("--bench", "--query-split", "--prefill-chunks", "--decode-method")
+UNSUPPORTED = ("--query-split", "--prefill-chunks", "--decode-method")
+BENCH = ("none", "sliced", "commfuse", "auto")  # --bench: the methods, each its own sharding
 # conv and recurrent-state caches (Mamba-2's SSM, Gated DeltaNet's) not split yet
 NO_GENERATE = ("mamba2", "bamba", "nemotron_h", "qwen3_5_text", "qwen3_next")
 
@@ -50,14 +55,13 @@ def check_args(args, kind: str) -> None:
     if kind in NO_GENERATE:
         raise ValueError(f"{model_dir(args)}: {kind} models do not generate yet (their conv and "
                          f"recurrent-state caches are not split over the ranks)")
-    given = [flag for flag, on in (("--bench", args.bench),
-                                   ("--query-split", args.query_split is not None),
+    given = [flag for flag, on in (("--query-split", args.query_split is not None),
                                    ("--prefill-chunks", args.prefill_chunks is not None),
                                    ("--decode-method", args.decode_method is not None)) if on]
     if given:
         raise ValueError(f"{', '.join(given)}: for the built-in Llama path only; a {kind} "
                          f"model generates through transformers' generate")
-    if args.prompt_tokens is not None:
+    if args.prompt_tokens is not None and not args.bench:
         raise ValueError(f"--prompt-tokens is for --bench; give --prompt for a {kind} model")
 
 
@@ -72,11 +76,10 @@ def rank_main(rank: int, world: int, args) -> int:
     dtype = {"dtype": DTYPES[args.dtype]} if args.dtype else {}
     model = AutoModelForCausalLM.from_pretrained(path, **dtype)
     model.eval()
+    if args.bench:
+        return bench(model, args, rank, world)
     if world > 1:
-        import commfuse.tp
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (world,))
-        commfuse.tp.parallelize(model, mesh, method=args.method, timeout=args.timeout)
+        _shard(model, world, args.method, args.timeout)
     tok = hf_tokenizer(path) or load_tokenizer()
     prompts = [tok.encode(t).ids or [0] for t in args.prompt]
     longest = max(map(len, prompts))
@@ -104,4 +107,85 @@ def rank_main(rank: int, world: int, args) -> int:
         print(f"commfuse generate: {type(model).__name__} through transformers' generate, "
               f"tp={world} method={args.method}; {new} tokens in {dt:.2f} s "
               f"({new / dt:.1f} tokens/s)", file=sys.stderr, flush=True)
+    return 0
+
+
+def _shard(model, world: int, method: str, timeout):
+    import commfuse.tp
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    return commfuse.tp.parallelize(model, mesh, method=method, timeout=timeout)
+
+
+def _timed(fn, world: int) -> float:
+    """Seconds of ``fn()`` on the slowest rank (the ranks start together)."""
+    import torch.distributed as dist
+    if world > 1:
+        dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dt = torch.tensor(time.perf_counter() - t0)
+    if world > 1:
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
+
+
+def bench(model, args, rank: int, world: int) -> int:
+    """``--bench``: `BENCH`'s methods, each its own copy of ``model`` sharded with it; per
+    ``--prompt-tokens`` length (prompts from the shipped corpus, batch 1) the median over
+    ``--iters`` interleaved rounds, after one warm-up, of the prefill and of decode tokens/s;
+    rank 0 prints a table against ``none`` (and writes ``--json``)."""
+    import copy
+    import json
+    import statistics
+
+    from commfuse.data import load_corpus_tokens
+    if args.max_new_tokens < 2:
+        raise ValueError("--bench needs --max-new-tokens of at least 2 (decode is timed as "
+                         "the tokens after the first)")
+    lengths = [int(n) for n in str(args.prompt_tokens or "128").split(",")]
+    corpus = load_corpus_tokens()
+    methods = BENCH if world > 1 else ("none",)
+    models = {m: _shard(copy.deepcopy(model), world, m, args.timeout) if world > 1 else model
+              for m in methods}
+    rows = []
+    for n in lengths:
+        ids = corpus.repeat(-(-n // len(corpus)))[:n].view(1, n).long()
+        gen = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+        times = {m: ([], []) for m in methods}
+        for it in range(args.iters + 1):
+            for m in methods:
+                with torch.no_grad():
+                    pre = _timed(lambda: models[m](ids, use_cache=True), world)
+                    one = _timed(lambda: models[m].generate(ids, max_new_tokens=1, **gen), world)
+                    full = _timed(lambda: models[m].generate(
+                        ids, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
+                        **gen), world)
+                if it:
+                    times[m][0].append(pre)
+                    times[m][1].append((args.max_new_tokens - 1) / max(full - one, 1e-9))
+        base = statistics.median(times["none"][0]), statistics.median(times["none"][1])
+        for m, (pre, dec) in times.items():
+            rows.append({"prompt_tokens": n, "method": m,
+                         "prefill_ms": statistics.median(pre) * 1e3,
+                         "prefill_ms_rounds": [round(t * 1e3, 1) for t in pre],
+                         "prefill_vs_none": statistics.median(pre) / base[0],
+                         "decode_tokens_per_s": statistics.median(dec),
+                         "decode_vs_none": statistics.median(dec) / base[1]})
+    if rank == 0:
+        import os
+        link = os.environ.get("COMMFUSE_LINK", "loopback" if world > 1 else "none")
+        print(f"commfuse generate --bench: {type(model).__name__} through transformers' "
+              f"generate, tp={world}, link {link}, {args.max_new_tokens} new tokens, median of "
+              f"{args.iters} rounds", flush=True)
+        print(f"{'tokens':>7} {'method':<9} {'prefill ms':>10} {'x none':>7} "
+              f"{'decode tok/s':>12} {'x none':>7}")
+        for r in rows:
+            print(f"{r['prompt_tokens']:>7} {r['method']:<9} {r['prefill_ms']:>10.1f} "
+                  f"{r['prefill_vs_none']:>7.3f} {r['decode_tokens_per_s']:>12.1f} "
+                  f"{r['decode_vs_none']:>7.3f}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"argv": getattr(args, "argv", None), "world": world, "link": link,
+                           "model": type(model).__name__, "rows": rows}, f, indent=1)
     return 0
