@@ -123,3 +123,28 @@ def test_cli_generates_other_families_through_transformers(tmp_path, command):
     p = command("generate", "--hf-model", str(tmp_path / "m"), "--prompt", "a", "--tp", "2",
                 "--link", "loopback")
     assert p.returncode == 2 and "do not generate yet" in p.stderr
+
+
+def test_moe_train_then_generate_round_trip(tmp_path, command):
+    """``commfuse train --hf-config gpt-oss-tiny --tp 2 --checkpoint-dir D`` then ``commfuse
+    generate --checkpoint D --tp 2``: transformers' greedy tokens of the saved model (experts
+    and sinks gathered back into the model's layout)."""
+    import transformers
+
+    from commfuse.data import load_tokenizer
+    root = str(tmp_path / "run")
+    p = command("train", "--hf-config", "gpt-oss-tiny", "--tp", "2", "--steps", "2",
+                "--seq-len", "16", "--batch-size", "2", "--link", "loopback",
+                "--checkpoint-dir", root)
+    assert p.returncode == 0, p.stderr[-2000:]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        f"{root}/{open(f'{root}/latest').read().strip()}").eval()
+    tok = load_tokenizer()
+    prompt = tok.encode("ROMEO: what").ids
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    p = command("generate", "--checkpoint", root, "--prompt", "ROMEO: what",
+                "--max-new-tokens", "6", "--tp", "2", "--link", "loopback")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout == f"ROMEO: what|{tok.decode(want)}\n"
