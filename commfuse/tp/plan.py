@@ -84,7 +84,9 @@ class Plan:
 
 
 def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or (
+        "Norm" in type(module).__name__
+        and isinstance(getattr(module, "weight", None), nn.Parameter))
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -350,7 +352,13 @@ def derive_plan(model: nn.Module, T: int, ps: PlanStyles | None = None,
     a ValueError naming every module it cannot cover. Changes nothing."""
     ps = ps or plan_styles("none", False, False, {})
     moe = moe or ExpertParallel(split=ps.split, method="none")
-    return _Deriver(model, T, ps, loss_parallel, moe).derive()
+    try:
+        return _Deriver(model, T, ps, loss_parallel, moe).derive()
+    except ValueError:
+        raise
+    except Exception as e:  # a model whose parts the walk misreads: refused, not crashed
+        raise ValueError(f"commfuse.tp.parallelize cannot plan {type(model).__name__}: reading "
+                         f"its modules and config failed ({type(e).__name__}: {e})") from e
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
