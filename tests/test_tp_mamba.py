@@ -273,16 +273,20 @@ def test_layout_rows_are_each_ranks_heads_and_groups():
     assert torch.equal(repl.to_model(c[repl.conv_rows()], repl.conv_rows()), c)
 
 
+def _refused(model, T: int, match: str) -> None:
+    from commfuse.tp.plan import derive_plan
+    with pytest.raises(ValueError, match=match):
+        derive_plan(model, T)
+
+
 @pytest.mark.parametrize("over,T,match", [
     ({"num_heads": 6, "head_dim": 4, "hidden_size": 12}, 4,
      r"mixer: num_heads \(6\) must be divisible by the TP size \(4\)"),
     ({"num_heads": 6, "head_dim": 4, "hidden_size": 12, "n_groups": 3}, 2,
      r"n_groups \(3\) and the TP size \(2\) must divide one another"),
 ])
-def test_check_rejects(over, T, match):
-    from commfuse.tp.hf_mamba import check
-    with pytest.raises(ValueError, match=match):
-        check(build("g2", **over), T)
+def test_plan_rejects(over, T, match):
+    _refused(build("g2", **over), T, match)
 
 
 @pytest.mark.parametrize("over,T,match", [
@@ -290,34 +294,30 @@ def test_check_rejects(over, T, match):
      r"num_attention_heads \(4\) must be divisible by the TP size \(8\)"),
     ({"mamba_n_groups": 3}, 4, r"model\.layers\.0\.mamba: n_groups \(3\) and the TP size \(4\)"),
 ])
-def test_check_rejects_hybrid(over, T, match):
-    from commfuse.tp.hf_mamba import check
-    with pytest.raises(ValueError, match=match):
-        check(build("bamba", **over), T)
+def test_plan_rejects_hybrid(over, T, match):
+    _refused(build("bamba", **over), T, match)
 
 
-def test_check_names_what_is_missing():
-    from commfuse.tp.hf_mamba import check
-    from commfuse.tp.mamba import mixer_layout
+def test_plan_names_what_is_missing():
+    from commfuse.tp.mamba import is_mamba2, mixer_layout
     model = build("g2")
-    del model.backbone.layers[1].norm, model.backbone.norm_f
-    with pytest.raises(ValueError, match=r"does not know Mamba2ForCausalLM as a Mamba-2 model .*"
-                                         r"missing: backbone\.norm_f$"):
-        check(model, 2)
+    del model.backbone.layers[1].mixer.chunk_size  # its parts, but not its sizes
+    _refused(model, 2, r"backbone\.layers\.1\.mixer \(Mamba2Mixer\) is not a Mamba-2 mixer: "
+                       r"missing chunk_size")
     model = build("g2")
-    del model.backbone.layers[1].norm
-    with pytest.raises(ValueError, match=r"missing: backbone\.layers\.1\.norm$"):
-        check(model, 2)
+    del model.backbone.layers[1].mixer.dt_bias  # not a Mamba-2 mixer: its parts uncovered
+    assert not is_mamba2(model.backbone.layers[1].mixer)
+    _refused(model, 2, r"backbone\.layers\.1\.mixer \(Mamba2Mixer\) has parameters "
+                       r"\['A_log', 'D'\]")
     with pytest.raises(ValueError, match=r"not a Mamba-2 mixer: missing in_proj, conv1d"):
         mixer_layout(torch.nn.Linear(2, 2), 2)
 
 
-def test_check_refuses_nemotron_h_moe_experts_not_divisible():
-    from commfuse.tp.hf_mamba import check
-    check(build("nemotron-h-moe"), 4)  # 4 experts on 4 ranks: one each
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mixer: 6 experts cannot be split "
-                                         r"over 4 ranks"):
-        check(build("nemotron-h-moe", n_routed_experts=6, n_group=1), 4)
+def test_plan_refuses_nemotron_h_moe_experts_not_divisible():
+    from commfuse.tp.plan import derive_plan
+    derive_plan(build("nemotron-h-moe"), 4)  # 4 experts on 4 ranks: one each
+    _refused(build("nemotron-h-moe", n_routed_experts=6, n_group=1), 4,
+             r"model\.layers\.1\.mixer: 6 experts cannot be split over 4 ranks")
 
 
 def test_loss_parallel_refuses_a_z_loss():
