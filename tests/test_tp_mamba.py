@@ -50,7 +50,7 @@ MOE = {"nemotron-h-moe": NEMOTRON_H_MOE,  # and with latent projections around t
        "nemotron-h-moe-latent": dict(NEMOTRON_H_MOE, moe_latent_size=8)}
 VOCAB = 63
 # Falcon-H1 and Granite 4.0-H beyond their families' configs (tests/test_tp_families.py):
-# Falcon-H1 without the gated norm (y * silu(z), as its shipped configs) and with the gate
+# Falcon-H1 without the gated norm (y * silu(z), its config's default) and with the gate
 # before the norm over 1 B/C group (replicated on every rank); Granite with RoPE, 1 group
 VARIANTS = {"falcon-h1-no-norm": ("falcon-h1", {"mamba_rms_norm": False}),
             "falcon-h1-gate-first-g1": ("falcon-h1", {"mamba_norm_before_gate": False,
