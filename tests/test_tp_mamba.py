@@ -18,9 +18,10 @@ of a 2 x 2 mesh, and Nemotron-H (a Mamba-2 layer with conv bias, a squared-ReLU 
 an attention layer without RoPE, its 2 kv heads replicated on 4 ranks), and Nemotron-H with
 MoE layers (routed experts over the ranks, a shared expert, a score-correction bias; also
 with latent projections, replicated per token); Falcon-H1 without its gated norm and with the
-gate before it over one replicated group, Granite 4.0-H with RoPE over one group
-(tests/test_tp_families.py's check); a forward without gradients of fewer tokens than ranks
-(every token on every rank). The no-process tests check the layout and what the plan refuses.
+gate before it over one replicated group, Granite 4.0-H with RoPE over one group and its
+router's auxiliary loss (tests/test_tp_families.py's check); a forward without gradients of
+fewer tokens than ranks (every token on every rank). The no-process tests check the layout
+and what the plan refuses.
 """
 
 import copy
@@ -51,12 +52,15 @@ MOE = {"nemotron-h-moe": NEMOTRON_H_MOE,  # and with latent projections around t
 VOCAB = 63
 # Falcon-H1 and Granite 4.0-H beyond their families' configs (tests/test_tp_families.py):
 # Falcon-H1 without the gated norm (y * silu(z), its config's default) and with the gate
-# before the norm over 1 B/C group (replicated on every rank); Granite with RoPE, 1 group
+# before the norm over 1 B/C group (replicated on every rank); Granite with RoPE, 1 group and
+# the router's auxiliary loss in the loss
 VARIANTS = {"falcon-h1-no-norm": ("falcon-h1", {"mamba_rms_norm": False}),
             "falcon-h1-gate-first-g1": ("falcon-h1", {"mamba_norm_before_gate": False,
                                                       "mamba_n_groups": 1}),
-            "granite-4-h-rope-g1": ("granite-4-h", {"position_embedding_type": "rope",
-                                                    "mamba_n_groups": 1})}
+            "granite-4-h-rope-g1-aux": ("granite-4-h", {"position_embedding_type": "rope",
+                                                        "mamba_n_groups": 1,
+                                                        "output_router_logits": True,
+                                                        "router_aux_loss_coef": 0.5})}
 SHORT = ("g2", "g1", "bamba")  # a forward without gradients of fewer tokens than ranks
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
 # norm-relative; float32 everywhere (the mixer keeps its scan and norm in float32 even for a
