@@ -2,9 +2,10 @@
 `commfuse.tp.families` against the unsharded model (tiny configs, float32, gloo, 2 and 4
 ranks): logits, loss and every parameter's gradient, then (method commfuse, 2 ranks) 3 AdamW
 steps' losses. Every method runs on one family per mechanism (packed projections: phi3,
-split-dim norms: olmo2, tied embeddings and soft-capping: gemma3, Gated DeltaNet: qwen3_5,
-multi-head latent attention: deepseek-v3-dense); the other families run `commfuse`. The
-no-process tests check what the plan refuses, before any weight moves.
+split-dim norms: olmo2, tied embeddings and soft-capping: gemma3, sparse MoE: glm4-moe and
+gpt-oss, Gated DeltaNet: qwen3.5, multi-head latent attention: deepseek-v3-dense, attention
+beside a Mamba-2 mixer: falcon-h1); the other families run `commfuse`. The no-process tests
+check what the plan refuses, before any weight moves.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from commfuse.tp.families import FAMILIES, build
 from test_tp import TOL, _rel, outputs_match
 
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
-EVERY_METHOD = ("phi3", "olmo2", "gemma3", "glm4-moe", "gpt-oss", "qwen3.5",
-                "deepseek-v3-dense")  # one per mechanism
+# one per mechanism
+EVERY_METHOD = ("phi3", "olmo2", "gemma3", "glm4-moe", "gpt-oss", "qwen3.5", "deepseek-v3-dense",
+                "falcon-h1")
 NEW = [n for n, f in FAMILIES.items() if f.test == "tests/test_tp_families.py"]
 CASES = [(f, m) for f in NEW for m in (METHODS if f in EVERY_METHOD else ("commfuse",))]
 STEPS = 3
@@ -160,13 +162,14 @@ def test_refuses_latent_attention_with_parts_it_does_not_know():
 def test_plan_covers_every_parameter_of_each_family():
     from commfuse.tp.deltanet import DeltaNetParallel
     from commfuse.tp.experts import ExpertParallel
+    from commfuse.tp.mamba import MambaMixerParallel
     from commfuse.tp.plan import derive_plan
     for name in FAMILIES:
         model = build(name)
         plan = derive_plan(model, 2)
         covered = set(plan.styles) | set(plan.head_params)
         whole = [n for n, s in plan.styles.items()  # styles that shard their submodules too
-                 if isinstance(s, (DeltaNetParallel, ExpertParallel))]
+                 if isinstance(s, (DeltaNetParallel, ExpertParallel, MambaMixerParallel))]
         for n, mod in model.named_modules():
             if next(mod.parameters(recurse=False), None) is not None:
                 assert n in covered or any(n.startswith(w + ".") for w in whole), (name, n)

@@ -1,6 +1,8 @@
-"""commfuse.tp on transformers' Mamba2ForCausalLM and the hybrids BambaForCausalLM (a Mamba-2
-layer and an attention layer) and NemotronHForCausalLM (Mamba-2, MLP and attention layers) against the unsharded model (tiny random configs, float32, the
-mixer's torch path, gloo).
+"""commfuse.tp's derived plan on Mamba-2 mixers: transformers' Mamba2ForCausalLM and the hybrids
+BambaForCausalLM (a Mamba-2 layer and an attention layer) and NemotronHForCausalLM (Mamba-2,
+MLP and attention layers) against the unsharded model (the tiny configs of
+`commfuse.tp.families`, float32, the mixer's torch path, gloo); Falcon-H1's and Granite
+4.0-H's mixer variants beyond their families' tests.
 
 One spawn per world size runs every case: each rank builds the reference model from the seed,
 computes its logits, loss and gradients in one process, then parallelizes a copy with
@@ -14,7 +16,12 @@ in_proj / out_proj biases (split on 2 and 4), a padding mask, bfloat16, and Bamb
 replicated on 4 ranks: their gradients compared block-repeated), also under FSDP2 over "dp"
 of a 2 x 2 mesh, and Nemotron-H (a Mamba-2 layer with conv bias, a squared-ReLU MLP layer and
 an attention layer without RoPE, its 2 kv heads replicated on 4 ranks), and Nemotron-H with
-MoE layers (routed experts over the ranks, a shared expert, a score-correction bias).
+MoE layers (routed experts over the ranks, a shared expert, a score-correction bias; also
+with latent projections, replicated per token); Falcon-H1 without its gated norm and with the
+gate before it over one replicated group, Granite 4.0-H with RoPE over one group and its
+router's auxiliary loss (tests/test_tp_families.py's check); a forward without gradients of
+fewer tokens than ranks (every token on every rank). The no-process tests check the layout
+and what the plan refuses.
 """
 
 import copy
@@ -26,30 +33,35 @@ import torch
 from commfuse.testbed.spawn import run_local
 from test_tp import outputs_match
 
-CFG = dict(vocab_size=63, hidden_size=16, expand=2, num_heads=8, head_dim=4, state_size=8,
-           chunk_size=4, num_hidden_layers=2, conv_kernel=4, tie_word_embeddings=False)
+# the tiny models are the families' (`commfuse.tp.families`: mamba2, bamba, nemotron-h) with
+# these layouts: 2 B/C groups (split on 2 ranks, replicated on 4), 1 group (replicated on
+# every rank), 4 groups with in_proj / out_proj biases, tied embeddings
 LAYOUTS = {"g2": {"n_groups": 2}, "g1": {"n_groups": 1},
            "g4-bias": {"n_groups": 4, "use_bias": True},
            "g2-tied": {"n_groups": 2, "tie_word_embeddings": True}}
-# the hybrid: layer 0 Mamba-2 (2 groups), layer 1 attention (4 heads, 2 kv heads), SwiGLU MLPs
-BAMBA = dict(vocab_size=63, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-             attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
-             mamba_n_heads=8, mamba_d_head=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
-             mamba_expand=2, mamba_chunk_size=4, max_position_embeddings=64,
-             tie_word_embeddings=False)
-# Nemotron-H's pattern "M-*-": Mamba-2 (2 groups), MLP, attention (4 heads, 2 kv heads), MLP
-NEMOTRON_H = dict(vocab_size=63, hidden_size=16, intermediate_size=24,
-                  layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=4, mamba_num_heads=8,
-                  mamba_head_dim=4, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4,
-                  max_position_embeddings=64, tie_word_embeddings=False)
+FAMILY = {"bamba": "bamba", "nemotron-h": "nemotron-h", "nemotron-h-moe": "nemotron-h",
+          "nemotron-h-moe-latent": "nemotron-h"}
 # Nemotron-H with MoE layers ("M E * E"): 4 routed experts of 8 (squared ReLU, non-gated),
 # top-2 by sigmoid scores within 1 of 2 expert groups, a score-correction bias, a shared expert
-NEMOTRON_H_MOE = dict(NEMOTRON_H, layers_block_type=["linear_attention", "moe",
-                                                     "full_attention", "moe"],
+NEMOTRON_H_MOE = dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
                       moe_shared_expert_intermediate_size=12, n_group=2, topk_group=1,
                       routed_scaling_factor=2.5, norm_topk_prob=True)
+MOE = {"nemotron-h-moe": NEMOTRON_H_MOE,  # and with latent projections around the experts
+       "nemotron-h-moe-latent": dict(NEMOTRON_H_MOE, moe_latent_size=8)}
+VOCAB = 63
+# Falcon-H1 and Granite 4.0-H beyond their families' configs (tests/test_tp_families.py):
+# Falcon-H1 without the gated norm (y * silu(z), its config's default) and with the gate
+# before the norm over 1 B/C group (replicated on every rank); Granite with RoPE, 1 group and
+# the router's auxiliary loss in the loss
+VARIANTS = {"falcon-h1-no-norm": ("falcon-h1", {"mamba_rms_norm": False}),
+            "falcon-h1-gate-first-g1": ("falcon-h1", {"mamba_norm_before_gate": False,
+                                                      "mamba_n_groups": 1}),
+            "granite-4-h-rope-g1-aux": ("granite-4-h", {"position_embedding_type": "rope",
+                                                        "mamba_n_groups": 1,
+                                                        "output_router_logits": True,
+                                                        "router_aux_loss_coef": 0.5})}
+SHORT = ("g2", "g1", "bamba")  # a forward without gradients of fewer tokens than ranks
 METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
 # norm-relative; float32 everywhere (the mixer keeps its scan and norm in float32 even for a
 # float64 model, so float64 is not tighter), or the sharded model in bfloat16 vs float32 (the
@@ -65,7 +77,8 @@ EXACT = ([("g2", m, "") for m in METHODS] + [("g1", m, "") for m in ("none", "co
          + [("bamba", m, "") for m in ("none", "commfuse", "auto")]
          + [("nemotron-h", m, "") for m in ("none", "commfuse", "auto")]
          + [("nemotron-h", "commfuse", "lp")]
-         + [("nemotron-h-moe", m, "") for m in ("commfuse", "auto")])
+         + [("nemotron-h-moe", m, "") for m in ("commfuse", "auto")]
+         + [("nemotron-h-moe-latent", "commfuse", "")])
 TRAIN = [("g2", "commfuse"), ("g1", "auto"), ("bamba", "commfuse"), ("nemotron-h", "auto"),
          ("nemotron-h", "auto-lp"), ("nemotron-h-moe", "commfuse")]
 TRAIN_2_ONLY = {("nemotron-h", "auto-lp"), ("nemotron-h-moe", "commfuse")}  # 4 ranks: EXACT's
@@ -73,25 +86,21 @@ STEPS, BATCH, SEQ = 20, 4, 12
 
 
 def build(layout: str, seed: int = 0, **over):
+    """The tiny model of ``layout`` (a family's, or Mamba2's in one of `LAYOUTS`), float32."""
     import transformers
-    if layout == "bamba":
-        cfg = transformers.BambaConfig(**{**BAMBA, **over})
-        torch.manual_seed(seed)
-        return transformers.BambaForCausalLM(cfg).float()
-    if layout in ("nemotron-h", "nemotron-h-moe"):
-        cfg = transformers.NemotronHConfig(**{**(NEMOTRON_H if layout == "nemotron-h"
-                                                 else NEMOTRON_H_MOE), **over})
-        torch.manual_seed(seed)
-        model = transformers.NemotronHForCausalLM(cfg).float()
+    from commfuse.tp.families import FAMILIES, tiny_config
+    name = FAMILY.get(layout, "mamba2")
+    extra = MOE.get(layout) or LAYOUTS.get(layout, {})
+    cfg = tiny_config(name, **{**extra, **over})
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[name].model)(cfg).float()
+    if layout in MOE:
         for layer in model.model.layers:  # a score-correction bias that changes the choices
             if layer.block_type == "moe":
                 with torch.no_grad():
                     layer.mixer.gate.weight.normal_()
                     layer.mixer.gate.e_score_correction_bias.normal_(std=0.5)
-        return model
-    cfg = transformers.Mamba2Config(**{**CFG, **LAYOUTS[layout], **over})
-    torch.manual_seed(seed)
-    return transformers.Mamba2ForCausalLM(cfg).float()
+    return model
 
 
 def _rel(x, ref) -> float:
@@ -120,7 +129,7 @@ def _check_exact(layout, method, variant, mesh) -> list[str]:
     model = copy.deepcopy(ref).to(torch.bfloat16 if variant == "bf16" else torch.float32)
     tol = TOL[variant]
     g = torch.Generator().manual_seed(11)
-    ids, labels = torch.randint(CFG["vocab_size"], (2, 2, 11), generator=g)
+    ids, labels = torch.randint(VOCAB, (2, 2, 11), generator=g)
     labels[0, 2] = -100  # an ignored position
     kw = {}
     if variant == "mask":  # left padding: row 0's first 3 tokens
@@ -171,7 +180,7 @@ def _train(model, ids, labels, tensors: bool = False) -> list:
 
 def _batches(steps: int):
     """Two batches taken in turn (so the loss falls), labels the next token."""
-    two = torch.randint(CFG["vocab_size"], (2, BATCH, SEQ),
+    two = torch.randint(VOCAB, (2, BATCH, SEQ),
                         generator=torch.Generator().manual_seed(5))
     ids = two[torch.arange(steps) % 2]
     return ids, ids.roll(-1, 2)
@@ -188,6 +197,29 @@ def _check_train(layout, method, mesh) -> list[str]:
     err = max(abs(a - b) / abs(b) for a, b in zip(got, want))
     ok = err < 1e-4 and want[-1] < want[0] - 0.5  # and it learned something
     return [] if ok else [f"losses {got} vs {want} (max rel {err:.1e})"]
+
+
+def _check_variant(name: str, mesh) -> list[str]:
+    """`VARIANTS`' ``name`` through tests/test_tp_families.py's check (method commfuse)."""
+    import dataclasses
+
+    from commfuse.tp.families import FAMILIES
+    from test_tp_families import _check
+    family, over = VARIANTS[name]
+    fam = FAMILIES[family]
+    return _check(dataclasses.replace(fam, tiny={**fam.tiny, **over}), "commfuse", mesh)
+
+
+def _check_short(layout, mesh) -> list[str]:
+    """World - 1 tokens without gradients: every rank runs every token (the replicated
+    split: the mixer's GEMM local), the logits the unsharded model's."""
+    import commfuse.tp as tp
+    ref = build(layout)
+    model = tp.parallelize(copy.deepcopy(ref), mesh, method="commfuse")
+    ids = torch.randint(VOCAB, (2, mesh.size() - 1), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids, use_cache=False).logits
+    return [] if _rel(got, want) < TOL[""] else [f"logits rel {_rel(got, want):.1e}"]
 
 
 def _check_fsdp(method) -> list[str]:
@@ -231,6 +263,16 @@ def _run(rank: int, world: int) -> dict[str, list[str]]:
             out[f"train-{layout}-{method}"] = _check_train(layout, method, mesh)
         except Exception as e:
             out[f"train-{layout}-{method}"] = [f"{type(e).__name__}: {e}"]
+    for name in VARIANTS:
+        try:
+            out[f"variant-{name}"] = _check_variant(name, mesh)
+        except Exception as e:
+            out[f"variant-{name}"] = [f"{type(e).__name__}: {e}"]
+    for layout in SHORT:
+        try:
+            out[f"short-{layout}"] = _check_short(layout, mesh)
+        except Exception as e:
+            out[f"short-{layout}"] = [f"{type(e).__name__}: {e}"]
     if world == 4:
         try:
             out["fsdp2-bamba-commfuse"] = _check_fsdp("commfuse")
@@ -247,6 +289,8 @@ def results(world: int) -> list[dict]:
 CASES = [(w, f"exact-{l}-{m}{'-' * bool(v)}{v}") for w in (2, 4) for l, m, v in EXACT]
 CASES += [(w, f"train-{l}-{m}") for w in (2, 4) for l, m in TRAIN
           if w == 2 or (l, m) not in TRAIN_2_ONLY] + [(4, "fsdp2-bamba-commfuse")]
+CASES += [(w, f"variant-{n}") for w in (2, 4) for n in VARIANTS]
+CASES += [(w, f"short-{l}") for w in (2, 4) for l in SHORT]
 
 
 @pytest.mark.parametrize("world,case", CASES, ids=[f"{w}-{c}" for w, c in CASES])
@@ -273,16 +317,20 @@ def test_layout_rows_are_each_ranks_heads_and_groups():
     assert torch.equal(repl.to_model(c[repl.conv_rows()], repl.conv_rows()), c)
 
 
+def _refused(model, T: int, match: str) -> None:
+    from commfuse.tp.plan import derive_plan
+    with pytest.raises(ValueError, match=match):
+        derive_plan(model, T)
+
+
 @pytest.mark.parametrize("over,T,match", [
     ({"num_heads": 6, "head_dim": 4, "hidden_size": 12}, 4,
      r"mixer: num_heads \(6\) must be divisible by the TP size \(4\)"),
     ({"num_heads": 6, "head_dim": 4, "hidden_size": 12, "n_groups": 3}, 2,
      r"n_groups \(3\) and the TP size \(2\) must divide one another"),
 ])
-def test_check_rejects(over, T, match):
-    from commfuse.tp.hf_mamba import check
-    with pytest.raises(ValueError, match=match):
-        check(build("g2", **over), T)
+def test_plan_rejects(over, T, match):
+    _refused(build("g2", **over), T, match)
 
 
 @pytest.mark.parametrize("over,T,match", [
@@ -290,34 +338,30 @@ def test_check_rejects(over, T, match):
      r"num_attention_heads \(4\) must be divisible by the TP size \(8\)"),
     ({"mamba_n_groups": 3}, 4, r"model\.layers\.0\.mamba: n_groups \(3\) and the TP size \(4\)"),
 ])
-def test_check_rejects_hybrid(over, T, match):
-    from commfuse.tp.hf_mamba import check
-    with pytest.raises(ValueError, match=match):
-        check(build("bamba", **over), T)
+def test_plan_rejects_hybrid(over, T, match):
+    _refused(build("bamba", **over), T, match)
 
 
-def test_check_names_what_is_missing():
-    from commfuse.tp.hf_mamba import check
-    from commfuse.tp.mamba import mixer_layout
+def test_plan_names_what_is_missing():
+    from commfuse.tp.mamba import is_mamba2, mixer_layout
     model = build("g2")
-    del model.backbone.layers[1].norm, model.backbone.norm_f
-    with pytest.raises(ValueError, match=r"does not know Mamba2ForCausalLM as a Mamba-2 model .*"
-                                         r"missing: backbone\.norm_f$"):
-        check(model, 2)
+    del model.backbone.layers[1].mixer.chunk_size  # its parts, but not its sizes
+    _refused(model, 2, r"backbone\.layers\.1\.mixer \(Mamba2Mixer\) is not a Mamba-2 mixer: "
+                       r"missing chunk_size")
     model = build("g2")
-    del model.backbone.layers[1].norm
-    with pytest.raises(ValueError, match=r"missing: backbone\.layers\.1\.norm$"):
-        check(model, 2)
+    del model.backbone.layers[1].mixer.dt_bias  # not a Mamba-2 mixer: its parts uncovered
+    assert not is_mamba2(model.backbone.layers[1].mixer)
+    _refused(model, 2, r"backbone\.layers\.1\.mixer \(Mamba2Mixer\) has parameters "
+                       r"\['A_log', 'D'\]")
     with pytest.raises(ValueError, match=r"not a Mamba-2 mixer: missing in_proj, conv1d"):
         mixer_layout(torch.nn.Linear(2, 2), 2)
 
 
-def test_check_refuses_nemotron_h_moe_experts_not_divisible():
-    from commfuse.tp.hf_mamba import check
-    check(build("nemotron-h-moe"), 4)  # 4 experts on 4 ranks: one each
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mixer: 6 experts cannot be split "
-                                         r"over 4 ranks"):
-        check(build("nemotron-h-moe", n_routed_experts=6, n_group=1), 4)
+def test_plan_refuses_nemotron_h_moe_experts_not_divisible():
+    from commfuse.tp.plan import derive_plan
+    derive_plan(build("nemotron-h-moe"), 4)  # 4 experts on 4 ranks: one each
+    _refused(build("nemotron-h-moe", n_routed_experts=6, n_group=1), 4,
+             r"model\.layers\.1\.mixer: 6 experts cannot be split over 4 ranks")
 
 
 def test_loss_parallel_refuses_a_z_loss():

@@ -24,7 +24,8 @@ import torch
 UNSUPPORTED = ("--query-split", "--prefill-chunks", "--decode-method")
 BENCH = ("none", "sliced", "commfuse", "auto")  # --bench: the methods, each its own sharding
 # conv and recurrent-state caches (Mamba-2's SSM, Gated DeltaNet's) not split yet
-NO_GENERATE = ("mamba2", "bamba", "nemotron_h", "qwen3_5_text", "qwen3_next")
+NO_GENERATE = ("mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "qwen3_5_text",
+               "qwen3_next")
 
 
 def model_dir(args) -> Path | None:

@@ -17,8 +17,7 @@ all-gather / reduce-scatter fused with its GEMM by commfuse.
     loss.py        loss_parallel=True: vocabulary-sharded logits and their cross-entropy
     experts.py     ExpertParallel: a sparse MoE block's experts split over the mesh
     mamba.py       MambaMixerParallel: a Mamba-2 mixer's TPSP (MixerLayout: its rows per rank)
-    hf_mamba.py    parallelize_mamba: the plans for transformers' Mamba2ForCausalLM,
-                   BambaForCausalLM and NemotronHForCausalLM (parallelize dispatches to it)
+    deltanet.py    DeltaNetParallel: a Gated DeltaNet mixer's TPSP
 
 Exports resolve lazily (PEP 562).
 """
@@ -34,7 +33,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "commfuse.tp.plan": ("parallelize", "derive_plan"),
     "commfuse.tp.mesh": ("tp_mesh",),
     "commfuse.tp.mamba": ("MambaMixerParallel", "MixerLayout"),
-    "commfuse.tp.hf_mamba": ("parallelize_mamba",),
     "commfuse.tp.embedding": ("VocabParallelEmbedding",),
     "commfuse.tp.norms": ("SplitDimNorm",),
     "commfuse.tp.experts": ("ExpertParallel",),

@@ -19,9 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from commfuse.tp.style import FusedColwiseParallel, FusedProjections
 
-QKV = ("q_proj", "k_proj", "v_proj")
 KV = ("k_proj", "v_proj")
 
 
@@ -121,13 +119,3 @@ def unpack_rows(style, t: torch.Tensor, world: int) -> torch.Tensor:
         out[style.rows] = t
         t = out
     return t
-
-
-def attention_plan(attn: nn.Module, name: str, cfg, T: int, chain, ag, col, row) -> dict:
-    """A Llama-style attention's plan: one fused q|k|v AG->GEMM (kv heads replicated when
-    fewer than ranks), o_proj GEMM->RS; sets the local head counts (`local_heads`)."""
-    kv = FusedColwiseParallel(replicas=kv_replicas(cfg, T), **ag)
-    local_heads(attn, cfg, T)
-    return {name: FusedProjections(QKV, prefetch=chain, **ag),
-            name + ".q_proj": col, name + ".k_proj": kv, name + ".v_proj": kv,
-            name + ".o_proj": row}

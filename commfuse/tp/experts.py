@@ -1,7 +1,6 @@
 """`ExpertParallel`: a transformers sparse MoE block's experts split over the ranks of a mesh,
 the dispatch and combine all-to-alls fused with the expert GEMMs (`commfuse.moe.parallel`).
-The whole-model plans that use it: `commfuse.tp.plan` and `commfuse.tp.hf_mamba`
-(Nemotron-H's MoE layers).
+`commfuse.tp.plan`'s derived plan sets it on every block `is_sparse` recognises.
 
 A block is described by transformers' experts interface (`use_experts_implementation`): an
 ``experts`` module with 3-D ``gate_up_proj`` (or ``up_proj``) and ``down_proj`` [E, ...],
@@ -135,8 +134,7 @@ class ExpertParallel(ParallelStyle):
     every expert parameter (weights and biases) a ``Shard(0)`` DTensor (E/T experts per
     rank), the router's parameters ``Replicate`` with their gradients summed over the mesh
     (each rank routes its own tokens; a router's buffers, such as a score-correction bias,
-    stay as they are), and so are the block's children named in ``replicate`` (Nemotron-H's
-    latent projections). The block's forward is its own; ``experts(x, top_k_index,
+    stay as they are). The block's forward is its own; ``experts(x, top_k_index,
     top_k_weights)`` becomes `commfuse.moe.parallel.expert_ffn` with ``method`` and ``opts``
     (`commfuse.ops.moe.moe_dispatch_matmul`'s) and the experts' activation (``_apply_gate``
     on gate|up, else ``act_fn``), biases folded into the GEMMs as a row of ones; the
@@ -147,11 +145,10 @@ class ExpertParallel(ParallelStyle):
     """
 
     def __init__(self, *, split: SeqSplit | None = None, method: str = "auto",
-                 replicate: tuple[str, ...] = (), logits_index: int = 0,
-                 ep_mesh: DeviceMesh | None = None, **opts):
+                 logits_index: int = 0, ep_mesh: DeviceMesh | None = None, **opts):
         method_spec(method, opts)  # a bad method or option fails here, before any forward
         self.split, self.method, self.opts = split, method, opts
-        self.replicate, self.logits_index = tuple(replicate), logits_index
+        self.logits_index = logits_index
         if ep_mesh is not None and tuple(ep_mesh.mesh_dim_names or ()) != ("ep_replicate", "ep"):
             raise ValueError("ep_mesh is commfuse.tp.mesh.ep_mesh's (ep_replicate, ep) mesh")
         self.ep_mesh = ep_mesh
@@ -189,13 +186,6 @@ class ExpertParallel(ParallelStyle):
             self.ep_mesh["ep_replicate"].get_group() if self.ep_mesh.size(0) > 1 else None)
         router = getattr(module, spec.router)
         parallelize_module(router, device_mesh, SequenceParallelNorm())
-        for name in self.replicate:  # each submodule with parameters: replicated, grads summed
-            sub = getattr(module, name, None)
-            if sub is None:
-                raise ValueError(f"replicate: {type(module).__name__} has no {name!r}")
-            for part in sub.modules():
-                if next(part.parameters(recurse=False), None) is not None:
-                    parallelize_module(part, device_mesh, SequenceParallelNorm())
         group, shape = device_mesh.get_group(), {}  # the TP group: this layer's sequence
 
         def remember(_, args, kwargs):  # the block's [B, s, D] input, for its children
@@ -203,7 +193,7 @@ class ExpertParallel(ParallelStyle):
             shape["tokens"] = None if x is None else tuple(x.shape[:-1])
 
         module.register_forward_pre_hook(remember, with_kwargs=True)
-        skip = {"experts", spec.router, *self.replicate}
+        skip = {"experts", spec.router}
         for name, child in module.named_children():
             if name not in skip and next(child.parameters(), None) is not None:
                 _as_sequence(child, shape)

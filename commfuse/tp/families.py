@@ -31,6 +31,41 @@ QWEN3_5 = dict(num_hidden_layers=4, head_dim=8, linear_num_key_heads=2, linear_n
 # unsharded model's own gradients are 2e-5 off their float64 values (above the tests' 1e-5)
 # and any other summation order lands as far off
 SMALL_DECAY = {"A_log": (-4.6, 0.0)}
+# Mamba-2 mixers of 8 SSM heads of 4 over 2 B/C groups of state 8 (the groups split on 2
+# ranks, replicated on 4), 3 scan chunks of 4 over 11 tokens
+MAMBA2 = dict(vocab_size=63, hidden_size=16, expand=2, num_heads=8, head_dim=4, state_size=8,
+              n_groups=2, chunk_size=4, num_hidden_layers=2, conv_kernel=4,
+              tie_word_embeddings=False)
+# Bamba: layer 0 Mamba-2, layer 1 attention (4 heads, 2 kv heads), SwiGLU MLPs
+BAMBA = dict(vocab_size=63, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+             attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
+             mamba_n_heads=8, mamba_d_head=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+             mamba_expand=2, mamba_chunk_size=4, max_position_embeddings=64,
+             tie_word_embeddings=False)
+# Nemotron-H's pattern "M-*-": Mamba-2 (conv bias), squared-ReLU MLP, attention without RoPE
+NEMOTRON_H = dict(vocab_size=63, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                  layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=4, mamba_num_heads=8,
+                  mamba_head_dim=4, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4,
+                  max_position_embeddings=64, tie_word_embeddings=False)
+# the hybrids of hidden size 32: Mamba-2 mixers of 8 heads over 2 groups, as above
+HYBRID = dict(mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+              mamba_chunk_size=4)
+# Falcon-H1: attention and a Mamba-2 mixer side by side in every layer, its gated norm
+# normalising before the gate, and every muP multiplier away from 1 (ssm_multipliers: the
+# in_proj rows z | x | B | C | dt, split with the rows)
+FALCON_H1 = dict(HYBRID, mamba_d_head=4, mamba_d_ssm=32, mamba_rms_norm=True,
+                 mamba_conv_bias=True, mamba_proj_bias=True, projectors_bias=True,
+                 mlp_multipliers=[0.7, 1.3], ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 2.0],
+                 key_multiplier=0.9, attention_in_multiplier=1.1, attention_out_multiplier=0.8,
+                 ssm_in_multiplier=1.25, ssm_out_multiplier=0.75, embedding_multiplier=2.0,
+                 lm_head_multiplier=0.5)
+# Granite 4.0-H: a Mamba-2 layer and an attention layer (no RoPE, as shipped), each with a
+# sparse MoE block (4 experts, top 2) and a shared SwiGLU MLP (input_linear: gate | up)
+GRANITE_4 = dict(HYBRID, layer_types=["linear_attention", "full_attention"],
+                 num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
+                 shared_intermediate_size=24, embedding_multiplier=2.0, logits_scaling=2.0,
+                 residual_multiplier=0.5, attention_multiplier=0.2)
 
 
 @dataclass(frozen=True)
@@ -133,13 +168,24 @@ FAMILIES = {
                                 "n_shared_experts": 1, "first_k_dense_replace": 1},
                                ("multi-head latent attention", "no q latent", "sparse MoE",
                                 "shared experts", "dense first layers")),
+    "mamba2": Family("Mamba2Config", "Mamba2ForCausalLM", "mamba2", MAMBA2, ("Mamba-2",),
+                     test="tests/test_tp_mamba.py"),
+    "bamba": Family("BambaConfig", "BambaForCausalLM", "bamba", BAMBA,
+                    ("Mamba-2", "hybrid layers"), test="tests/test_tp_mamba.py"),
+    "nemotron-h": Family("NemotronHConfig", "NemotronHForCausalLM", "nemotron_h", NEMOTRON_H,
+                         ("Mamba-2", "hybrid layers", "one mixer per layer", "no-rope layers",
+                          "squared-ReLU MLP"), test="tests/test_tp_mamba.py"),
+    "falcon-h1": Family("FalconH1Config", "FalconH1ForCausalLM", "falcon_h1", FALCON_H1,
+                        ("Mamba-2", "parallel attention + Mamba-2", "muP multipliers",
+                         "norm before gate")),
+    "granite-4-h": Family("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                          "granitemoehybrid", GRANITE_4,
+                          ("Mamba-2", "hybrid layers", "sparse MoE", "shared experts",
+                           "packed gate|up", "no-rope layers", "multipliers")),
 }
 # families under their own plans, with their own tests
 OTHERS = {"mixtral": ("mixtral", "tests/test_moe_hf.py"),
-          "qwen3-moe": ("qwen3_moe", "tests/test_moe_hf.py"),
-          "mamba2": ("mamba2", "tests/test_tp_mamba.py"),
-          "bamba": ("bamba", "tests/test_tp_mamba.py"),
-          "nemotron-h": ("nemotron_h", "tests/test_tp_mamba.py")}
+          "qwen3-moe": ("qwen3_moe", "tests/test_moe_hf.py")}
 COMPILED = ("llama", "qwen2")  # tests/test_tp_compile.py
 GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "gpt-oss", "llama4",
             "deepseek-v3")  # tests/test_tp_generate.py

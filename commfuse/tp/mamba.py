@@ -1,14 +1,19 @@
-"""TPSP for Mamba-2 mixers: `MambaMixerParallel`, a ParallelStyle (the model plans that use
-it are in `commfuse.tp.hf_mamba`).
+"""TPSP for Mamba-2 mixers: `MambaMixerParallel`, a ParallelStyle that `commfuse.tp.plan`'s
+derived plan sets on every module `is_mamba2` recognises by its parts.
 
-A Mamba-2 mixer (transformers' Mamba2Mixer and BambaMixer; NemotronHMamba2Mixer has the same
-parts) is
+A Mamba-2 mixer (transformers' Mamba2Mixer, BambaMixer, NemotronHMamba2Mixer,
+GraniteMoeHybridMambaLayer, FalconH1Mixer) is
 
     in_proj   [z | x | B | C | dt] = h @ W_in^T      z, x: d_inner; B, C: G*N; dt: H
     conv1d    causal depthwise conv over the x | B | C channels, then silu
     scan      the selective scan (SSD), local per head, over the whole sequence
     norm      y * silu(z), RMS-normalised per group of d_inner / G channels, times a weight
     out_proj  h' = y @ W_out^T
+
+Falcon-H1's mixer adds a scalar ``ssm_in_multiplier`` on h, a ``mup_vector`` buffer
+multiplying in_proj's output rows (split with the rows: each rank multiplies its own), and
+its norm may normalise before the gate (``norm_before_gate``) or be absent (``nn.Identity``:
+y * silu(z)); the forward reads each of these where the mixer has it.
 
 On T ranks (Megatron's split), rank r owns heads [r H/T, (r+1) H/T): their z, x and dt, the
 d_inner/T channels of y, A_log, D, dt_bias and the gated norm's weight; and the B/C groups of
@@ -29,7 +34,8 @@ The other parameters are plain ``Shard(0)`` / ``Shard(1)`` DTensors in the model
 
 The gated norm is exact under the split: a rank holds whole norm groups (G >= T), or the
 group's sum of squares is summed over the T/G ranks that share it (G < T). Training and
-scoring forward only: no cache (generation). The conv and scan are the model module's own
+scoring forward only: no cache (generation); a forward without gradients of fewer tokens
+than ranks (``SeqSplit.replicated``) runs on every token, its GEMM local. The conv and scan are the model module's own
 functions (its torch code on CPU); the fused split-conv1d-scan kernel is not used.
 """
 
@@ -50,6 +56,13 @@ from commfuse.tp.sequence import _mesh_group, _param
 from commfuse.tp.style import _Fused
 
 MIXER = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias")
+
+
+def is_mamba2(module: nn.Module) -> bool:
+    """Whether ``module`` is a Mamba-2 mixer by its parts (`MIXER`: in_proj and out_proj
+    linears, a conv1d, A_log, D, dt_bias and a norm)."""
+    return (all(hasattr(module, n) for n in MIXER) and isinstance(module.in_proj, nn.Linear)
+            and isinstance(module.conv1d, nn.Conv1d) and isinstance(module.out_proj, nn.Linear))
 
 
 @dataclass(frozen=True)
@@ -127,15 +140,29 @@ def mixer_layout(mixer: nn.Module, T: int, where: str = "mixer") -> MixerLayout:
                          f"another (B/C groups are split, or replicated when fewer than ranks)")
     if H % G:
         raise ValueError(f"{where}: num_heads ({H}) must be divisible by n_groups ({G})")
-    if mixer.norm.group_size * G != mixer.intermediate_size:
-        raise ValueError(f"{where}: the gated norm's group_size ({mixer.norm.group_size}) must "
-                         f"be intermediate_size / n_groups ({mixer.intermediate_size} / {G})")
+    d = H * mixer.head_dim
+    if mixer.intermediate_size != d:
+        raise ValueError(f"{where}: intermediate_size ({mixer.intermediate_size}) must be "
+                         f"num_heads * head_dim ({H} * {mixer.head_dim})")
+    norm = mixer.norm
+    if isinstance(getattr(norm, "group_size", None), int):
+        if norm.group_size * G != d:
+            raise ValueError(f"{where}: the gated norm's group_size ({norm.group_size}) must "
+                             f"be intermediate_size / n_groups ({d} / {G})")
+    elif isinstance(getattr(norm, "n_groups", None), int):
+        if norm.n_groups != G:
+            raise ValueError(f"{where}: the gated norm's n_groups ({norm.n_groups}) must be "
+                             f"the mixer's ({G})")
+    elif not isinstance(norm, nn.Identity):
+        raise ValueError(f"{where}: its norm ({type(norm).__name__}) is not a gated RMSNorm "
+                         f"with group_size or n_groups, nor nn.Identity (no norm)")
     return MixerLayout(H, mixer.head_dim, G, mixer.ssm_state_size, T)
 
 
 class MambaMixerParallel(_Fused):
     """On a Mamba-2 mixer: in_proj / conv1d as assembled ``Shard(0)`` DTensors, A_log, D,
-    dt_bias and norm.weight ``Shard(0)``; its forward becomes the sequence-parallel one (the
+    dt_bias and norm.weight ``Shard(0)``, a ``mup_vector`` buffer cut to this rank's in_proj
+    rows; its forward becomes the sequence-parallel one (the
     module docstring). out_proj needs `FusedRowwiseParallel` in the same plan.
     ``save_gathered``: as for `FusedColwiseParallel`."""
 
@@ -144,7 +171,7 @@ class MambaMixerParallel(_Fused):
         self.op_kwargs["save_gathered"] = save_gathered
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _mesh_group(device_mesh)
+        group = _mesh_group(device_mesh)
         lay = mixer_layout(module, device_mesh.size())
         rows = {"in_proj": lay.in_rows(), "conv1d": lay.conv_rows()}
         for sub, idx in rows.items():
@@ -155,9 +182,15 @@ class MambaMixerParallel(_Fused):
                     m.register_parameter(name, _param(p.detach()[idx], device_mesh, Shard(0),
                                                       p.requires_grad))
             m._commfuse_rows = AssembledRows(idx)
+        mup = getattr(module, "mup_vector", None)  # Falcon-H1: a multiplier per in_proj row
+        if isinstance(mup, torch.Tensor):
+            module.register_buffer("mup_vector", mup[..., lay.in_rows(group.rank())],
+                                   persistent=False)
         for m, name in ((module, "A_log"), (module, "D"), (module, "dt_bias"),
                         (module.norm, "weight")):
-            p = getattr(m, name)
+            p = getattr(m, name, None)
+            if p is None:  # no norm (nn.Identity)
+                continue
             m.register_parameter(name, _param(p, device_mesh, Shard(0), p.requires_grad))
         module._commfuse_layout = lay
         return self._install(module, device_mesh, self._forward)
@@ -181,17 +214,28 @@ class MambaMixerParallel(_Fused):
         code = sys.modules[type(mixer).__module__]  # the model's own conv and scan functions
         b, dtype = hidden_states.shape[0], hidden_states.dtype
         c, h, gn = lay.local_heads * lay.head_dim, lay.local_heads, lay.local_groups * lay.state
+        replicated = self.split is not None and self.split.replicated
         if attention_mask is not None:  # padding: zero this rank's rows of the input
-            sizes = self.sizes or (hidden_states.shape[self.dim],) * group.size()
-            off = sum(sizes[:group.rank()])
-            hidden_states = hidden_states * attention_mask[:, off:off + sizes[group.rank()], None]
+            rows = attention_mask
+            if not replicated:
+                sizes = self.sizes or (hidden_states.shape[self.dim],) * group.size()
+                off = sum(sizes[:group.rank()])
+                rows = attention_mask[:, off:off + sizes[group.rank()]]
+            hidden_states = hidden_states * rows[:, :, None]
+        if hasattr(mixer, "ssm_in_multiplier"):  # Falcon-H1: a scalar on the input
+            hidden_states = hidden_states * mixer.ssm_in_multiplier
         # 1. in_proj: AG -> GEMM, this rank's rows z_r | x_r | B_r | C_r | dt_r of the sequence
         w = self._bc_summed(mixer.in_proj.weight.to_local(), 2 * c, lay, group)
-        _, (zxbcdt,) = fused_all_gather_matmul(hidden_states, [w.t()], self.dim, group,
-                                               return_A=False, sizes=self.sizes,
-                                               prefetch=self.prefetch, **self.op_kwargs)
+        if replicated:  # every token here (a decode step): a local GEMM
+            zxbcdt = hidden_states @ w.t()
+        else:
+            _, (zxbcdt,) = fused_all_gather_matmul(hidden_states, [w.t()], self.dim, group,
+                                                   return_A=False, sizes=self.sizes,
+                                                   prefetch=self.prefetch, **self.op_kwargs)
         if mixer.in_proj.bias is not None:
             zxbcdt = zxbcdt + self._bc_summed(mixer.in_proj.bias.to_local(), 2 * c, lay, group)
+        if getattr(mixer, "mup_vector", None) is not None:  # this rank's rows of it
+            zxbcdt = zxbcdt * mixer.mup_vector
         z, xbc, dt = zxbcdt.split([c, c + 2 * gn, h], dim=-1)
         # 2. causal depthwise conv over this rank's x | B | C channels
         cw = self._bc_summed(mixer.conv1d.weight.to_local(), c, lay, group).squeeze(1)
@@ -217,15 +261,23 @@ class MambaMixerParallel(_Fused):
     @staticmethod
     def _gated_norm(norm: nn.Module, y, z, lay: MixerLayout, group) -> torch.Tensor:
         """``norm(y, z)`` on this rank's channels: whole groups here (G >= T), or one part of
-        a group whose sum of squares is summed over the ranks that share it (G < T)."""
-        dtype = y.dtype
-        y = y.float() * nn.functional.silu(z.float())
+        a group whose sum of squares is summed over the ranks that share it (G < T). A norm
+        with ``norm_before_gate`` (Falcon-H1's) multiplies its weight in float32 and gates
+        after normalising when that is set; ``nn.Identity`` is y * silu(z)."""
+        if isinstance(norm, nn.Identity):
+            return y * nn.functional.silu(z)
+        dtype, falcon = y.dtype, hasattr(norm, "norm_before_gate")
+        gate_after = falcon and norm.norm_before_gate
+        y = y.float() if gate_after else y.float() * nn.functional.silu(z.float())
         parts = lay.local_groups if lay.replicas == 1 else 1
         yg = y.unflatten(-1, (parts, -1))
         ss = yg.pow(2).sum(-1, keepdim=True)
         if lay.replicas > 1:
             ss = all_sum(ss, group, group.rank() // lay.replicas,
                                 group.size() // lay.replicas)
-        var = ss / norm.group_size
+        var = ss / (lay.heads * lay.head_dim // lay.groups)
         y = (yg * torch.rsqrt(var + norm.variance_epsilon)).flatten(-2)
-        return norm.weight.to_local() * y.to(dtype)
+        if not falcon:
+            return norm.weight.to_local() * y.to(dtype)
+        y = norm.weight.to_local() * y
+        return (y * nn.functional.silu(z.float()) if gate_after else y).to(dtype)

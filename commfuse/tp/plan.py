@@ -23,13 +23,18 @@ sequence-sharded (``[B, s, D]``). What each module becomes, on T ranks:
                             row-parallel (`commfuse.tp.deltanet`)
     a latent attention      MLAParallel (`commfuse.tp.mla`): latents on the sequence shard,
                             gathered into the heads' up-projections; o_proj GEMM->RS
+    a Mamba-2 mixer         MambaMixerParallel: in_proj one AG->GEMM onto this rank's SSM
+                            heads and their B/C groups, conv / scan / gated norm local,
+                            out_proj row-parallel (`commfuse.tp.mamba`)
     the embedding           ReplicateParallel; tied to the head: VocabParallelEmbedding
     lm_head                 FusedColwiseParallel over the vocabulary (gathered, or kept
                             sharded with ``loss_parallel``)
     layers.0                ShardSequence: its input sliced (tied: reduce-scattered)
 
 Attention modules learn their local head counts (`commfuse.tp.attention.local_heads`).
-Mamba-2 models (``MAMBA``) go to `commfuse.tp.hf_mamba.parallelize_mamba`.
+Hybrids need nothing of their own: a layer's modules are planned by what they are, whatever
+the layer holds (Mamba-2 beside attention in one block, a mixer named ``mixer`` that is an
+attention in one layer and an MLP in the next).
 """
 
 from __future__ import annotations
@@ -46,8 +51,8 @@ from commfuse.tp.attention import (KV, halves_rows, head_counts, head_problems, 
 from commfuse.tp.deltanet import DeltaNetParallel, deltanet_layout, is_gated_deltanet
 from commfuse.tp.embedding import Partial, VocabParallelEmbedding, tie
 from commfuse.tp.experts import ExpertParallel, expert_spec, is_sparse, spec_problems
-from commfuse.tp.hf_mamba import KNOWN as MAMBA, parallelize_mamba
 from commfuse.tp.loss import head_style, install_loss_parallel
+from commfuse.tp.mamba import MambaMixerParallel, is_mamba2, mixer_layout
 from commfuse.tp.mesh import ep_mesh, tp_mesh
 from commfuse.tp.mla import is_mla, mla_plan
 from commfuse.tp.norms import SplitDimNorm, rms_norm_like
@@ -61,14 +66,20 @@ STYLES = {"colwise": "col", "colwise_gather_output": "col", "packed_colwise": "c
           "replicated_with_grad_allreduce": "norm"}
 # a linear the config's plan does not name, by its own name
 BY_NAME = {**dict.fromkeys(("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj",
-                            "gate_up_proj", "fc1", "c_fc"), "col"),
-           **dict.fromkeys(("o_proj", "down_proj", "dense", "fc2", "c_proj"), "row")}
-PACKED = {"qkv_proj": "q|k|v", "gate_up_proj": "gate|up"}  # packed colwise projections
+                            "gate_up_proj", "fc1", "c_fc", "input_linear"), "col"),
+           **dict.fromkeys(("o_proj", "down_proj", "dense", "fc2", "c_proj", "output_linear"),
+                           "row")}
+# packed colwise projections (Granite's shared MLP: input_linear's first half the gate)
+PACKED = {"qkv_proj": "q|k|v", "gate_up_proj": "gate|up", "input_linear": "gate|up"}
 ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")  # a parent with these is an attention
 ROUTER_EXTRAS = ("router_jitter_noise",)  # MoE config fields with no plan here when set
+# a sparse block's linears that run on each routed token whole (Nemotron-H's latent
+# projections around the experts): replicated, their gradients summed
+PER_TOKEN = ("fc1_latent_proj", "fc2_latent_proj")
 # modules planned as a whole: (test, the _Deriver method that plans it and returns the
 # children it covered: None for all of them)
-WHOLE = ((is_sparse, "_sparse"), (is_gated_deltanet, "_deltanet"), (is_mla, "_mla"))
+WHOLE = ((is_sparse, "_sparse"), (is_gated_deltanet, "_deltanet"), (is_mla, "_mla"),
+         (is_mamba2, "_mamba"))
 
 
 @dataclass
@@ -249,6 +260,17 @@ class _Deriver:
                                  f"{where}.out_proj": self.ps.row,
                                  f"{where}.norm": self.ps.norm})
 
+    def _mamba(self, where: str, mixer: nn.Module) -> None:
+        """A Mamba-2 mixer: `MambaMixerParallel` (in_proj AG->GEMM, conv, scan and gated norm
+        on this rank's heads), out_proj row-parallel."""
+        try:
+            mixer_layout(mixer, self.T, where)
+        except ValueError as e:
+            self.problems.append(str(e))
+            return
+        self.plan.styles.update({where: MambaMixerParallel(prefetch=self.ps.chain, **self.ps.ag),
+                                 f"{where}.out_proj": self.ps.row})
+
     def _projections(self, p: str, layer: nn.Module, parent: str, leaves: list[str]) -> None:
         """One fused all-gather for the column-parallel children of ``parent``."""
         ps, styles, T = self.ps, self.plan.styles, self.T
@@ -329,8 +351,9 @@ class _Deriver:
 
     def _sparse(self, where: str, block: nn.Module) -> list[str]:
         """The experts split over the ranks (`ExpertParallel`), the router replicated; a
-        one-output linear beside them (a shared expert's sigmoid gate) replicated per token;
-        the block's other children (shared experts) are left to the plan's walk."""
+        one-output linear beside them (a shared expert's sigmoid gate) and the `PER_TOKEN`
+        linears replicated per token; the block's other children (shared experts) are left
+        to the plan's walk."""
         spec = expert_spec(block)
         self.problems += [f"{where}: {p}" for p in spec_problems(spec, self.moe.ranks(self.T))]
         for knob in ROUTER_EXTRAS:
@@ -339,8 +362,9 @@ class _Deriver:
         self.plan.styles[where] = self.moe
         covered = ["experts", spec.router]
         for name, child in block.named_children():
-            if (isinstance(child, nn.Linear) and child.out_features == 1
-                    and not self.roles.get(f"{where.split('.', 3)[-1]}.{name}")):
+            if isinstance(child, nn.Linear) and (name in PER_TOKEN or (
+                    child.out_features == 1
+                    and not self.roles.get(f"{where.split('.', 3)[-1]}.{name}"))):
                 self.plan.styles[f"{where}.{name}"] = self.ps.norm
                 covered.append(name)
         return covered
@@ -395,12 +419,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     loss without the ``[B, S, V]`` logits moving.
     A model the plan does not cover is refused (ValueError) before any weight moves.
     """
-    if type(model).__name__ in MAMBA:
-        if ep not in (None, tp_mesh(mesh).size()):
-            raise ValueError(f"{type(model).__name__}: experts split beyond the TP group (ep="
-                             f"{ep}) are not built for the Mamba-2 plans")
-        return parallelize_mamba(model, mesh, method=method, save_gathered=save_gathered,
-                                 prefetch=prefetch, loss_parallel=loss_parallel, **opts)
     emesh = ep_mesh(mesh, ep) if ep not in (None, tp_mesh(mesh).size()) else None
     mesh = tp_mesh(mesh)
     T = mesh.size()

@@ -1,5 +1,5 @@
-"""What the whole-model plans (`commfuse.tp.parallelize` for Llama-family models, and its
-Mamba-2 and MoE siblings) share: one set of styles built from the method and its options."""
+"""What a whole-model plan (`commfuse.tp.parallelize`'s derived plan) shares across its
+modules: one set of styles built from the method and its options."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from commfuse.tp.style import FusedColwiseParallel, FusedRowwiseParallel
 
 
 class PlanStyles(NamedTuple):
-    """The styles a whole-model plan (`commfuse.tp.parallelize` and its Mamba / MoE siblings)
-    shares: one sequence split and one prefetch chain for every layer, the op options ``kw``
-    (``ag``: with ``save_gathered``, for the all-gather -> GEMM styles), and the column,
-    row and norm styles built from them."""
+    """The styles a whole-model plan (`commfuse.tp.parallelize`'s) shares: one sequence
+    split and one prefetch chain for every layer, the op options ``kw`` (``ag``: with
+    ``save_gathered``, for the all-gather -> GEMM styles), and the column, row and norm
+    styles built from them."""
 
     split: SeqSplit
     chain: Prefetcher
