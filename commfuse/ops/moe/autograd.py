@@ -148,24 +148,29 @@ def _prepare(op, a, w, counts, group, method, opts, check):
         raise ValueError(f"{op} (rank {rank}): the rows have {a.shape[0]} rows but the counts "
                          f"give this rank {rows}")
     if spec.method == "auto":
-        spec = _auto(op, counts, tuple(w.shape[1:]), a, spec)
+        spec = _auto(op, counts, tuple(w.shape[1:]), a, spec, group)
     return spec, group
 
 
 def _auto(op: str, counts: ExpertCounts, kn: tuple[int, int], like: torch.Tensor,
-          spec: MethodSpec) -> MethodSpec:
+          spec: MethodSpec, group) -> MethodSpec:
     """auto: the method (none, sliced, commfuse and its pieces m) the simulator times fastest
     for this op and its backward (`commfuse.sim.moe.choose`: per group size, experts and
     rounded total rows, cached), on the hardware model auto uses for the device
     (`commfuse.ops.auto.set_hardware`). Every rank holds the same table, so ranks with the
-    same hardware model choose alike."""
-    from commfuse.ops.auto import _hardware
+    same hardware model choose alike; `commfuse.ops.auto.agree` checks that on the first
+    call per (op, representative table, K, N, dtype, device) and raises `CommFuseError` on
+    every rank if they would not (a rank on another schedule would post other messages)."""
+    from commfuse.ops.auto import _hardware, agree
     from commfuse.sim.choose import STEP_OVERHEAD_S
-    from commfuse.sim.moe import choose
+    from commfuse.sim.moe import choose, representative
 
     dev = like.device.type
     method, opts = choose(op, counts, *kn, _hardware(dev), like.element_size(),
                           STEP_OVERHEAD_S.get(dev, 50e-6))
+    rep = representative(counts)  # what the choice depends on: the same on every rank
+    agree(group, op, (rep.world, rep.experts, rep.tokens[0][0], *kn), like, (method, opts),
+          spec.timeout)
     return replace(method_spec(method, opts), timeout=spec.timeout)
 
 
