@@ -45,14 +45,17 @@ def test_grouped_gemm_equals_one_gemm_per_expert():
             torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
         aligned = k * x.element_size() % 16 == 0 and dtype != torch.float64
         assert gemm.grouped_ok(x, w) == (aligned and hasattr(torch, "_grouped_mm"))
-    gy = torch.randn(sum(sizes), 8, generator=g, dtype=torch.float64)
-    x = torch.randn(sum(sizes), 5, generator=g, dtype=torch.float64)
-    runs = (((0, 2), (6, 1)), ((2, 0), (6, 0)), ((2, 4), (7, 2)))  # expert 1 got nothing
-    gw = gemm.weight_grads(x, gy, runs, 3)
-    for e, pieces in enumerate(runs):
-        idx = [i for s, m in pieces for i in range(s, s + m)]
-        torch.testing.assert_close(gw[e], x[idx].t() @ gy[idx], rtol=0, atol=1e-12)
-    assert not gw[1].any()
+    split = (((0, 2), (6, 1)), ((2, 0), (6, 0)), ((2, 4), (7, 2)))  # expert 1 got nothing
+    whole = (((0, 3), (3, 0)), ((3, 0), (3, 0)), ((3, 2), (5, 4)))  # expert-major already
+    for runs, k, dtype, tol in ((split, 5, torch.float64, 1e-12), (whole, 5, torch.float64, 1e-12),
+                                (split, 16, torch.float32, 1e-5), (whole, 16, torch.float32, 1e-5)):
+        gy = torch.randn(sum(sizes), 8, generator=g, dtype=dtype)
+        x = torch.randn(sum(sizes), k, generator=g, dtype=dtype)
+        gw = gemm.weight_grads(x, gy, runs, 3)
+        for e, pieces in enumerate(runs):
+            idx = [i for s, m in pieces for i in range(s, s + m)]
+            torch.testing.assert_close(gw[e], x[idx].t() @ gy[idx], rtol=tol, atol=tol)
+        assert not gw[1].any()
 
 
 @pytest.mark.parametrize("fields", [dict(top_k=2), dict(top_k=3, score="sigmoid"),
