@@ -49,3 +49,23 @@ def _agreeing(rank, world):
 def test_agreeing_ranks_exchange_once_per_shape():
     for after_first, total, same in run_local(_agreeing, 3, timeout=120):
         assert (after_first, total, same) == (1, 1, True)
+
+
+def _moe_differently_configured(rank, world):
+    from commfuse.ops.moe import moe_dispatch_matmul
+    from commfuse.schedule.moe import ExpertCounts
+
+    auto.set_hardware("cpu-testbed" if rank == 0 else "h100-nvlink")
+    counts = ExpertCounts(((3, 1, 2, 2),) * world)
+    x, w = torch.randn(8, 16), torch.randn(2, 16, 8)
+    try:
+        moe_dispatch_matmul(x, w, counts, dist.group.WORLD, method="auto", timeout=20)
+    except commfuse.CommFuseError as e:
+        return str(e)
+    return "no error"
+
+
+def test_moe_ranks_with_different_hardware_models_raise_on_every_rank():
+    for msg in run_local(_moe_differently_configured, 2, timeout=120):
+        assert "moe_dispatch (" in msg and "chosen by the cost model" in msg, msg
+        assert "ranks [0] / [1]" in msg and "set_hardware" in msg, msg

@@ -203,7 +203,7 @@ def _check_errors(mesh) -> dict[str, list[str]]:
     bad = idx.clone()
     bad[0] = 2 * world if rank == world - 1 else 0
     out["error-expert-out-of-range"] = _raises(lambda: ffn(2 * world, bad), CountsError,
-                                               "different numbers of experts")
+                                               f"ranks [{world - 1}] route to experts outside")
     return out
 
 

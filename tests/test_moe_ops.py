@@ -45,14 +45,17 @@ def test_grouped_gemm_equals_one_gemm_per_expert():
             torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
         aligned = k * x.element_size() % 16 == 0 and dtype != torch.float64
         assert gemm.grouped_ok(x, w) == (aligned and hasattr(torch, "_grouped_mm"))
-    gy = torch.randn(sum(sizes), 8, generator=g, dtype=torch.float64)
-    x = torch.randn(sum(sizes), 5, generator=g, dtype=torch.float64)
-    runs = (((0, 2), (6, 1)), ((2, 0), (6, 0)), ((2, 4), (7, 2)))  # expert 1 got nothing
-    gw = gemm.weight_grads(x, gy, runs, 3)
-    for e, pieces in enumerate(runs):
-        idx = [i for s, m in pieces for i in range(s, s + m)]
-        torch.testing.assert_close(gw[e], x[idx].t() @ gy[idx], rtol=0, atol=1e-12)
-    assert not gw[1].any()
+    split = (((0, 2), (6, 1)), ((2, 0), (6, 0)), ((2, 4), (7, 2)))  # expert 1 got nothing
+    whole = (((0, 3), (3, 0)), ((3, 0), (3, 0)), ((3, 2), (5, 4)))  # expert-major already
+    for runs, k, dtype, tol in ((split, 5, torch.float64, 1e-12), (whole, 5, torch.float64, 1e-12),
+                                (split, 16, torch.float32, 1e-5), (whole, 16, torch.float32, 1e-5)):
+        gy = torch.randn(sum(sizes), 8, generator=g, dtype=dtype)
+        x = torch.randn(sum(sizes), k, generator=g, dtype=dtype)
+        gw = gemm.weight_grads(x, gy, runs, 3)
+        for e, pieces in enumerate(runs):
+            idx = [i for s, m in pieces for i in range(s, s + m)]
+            torch.testing.assert_close(gw[e], x[idx].t() @ gy[idx], rtol=tol, atol=tol)
+        assert not gw[1].any()
 
 
 @pytest.mark.parametrize("fields", [dict(top_k=2), dict(top_k=3, score="sigmoid"),
@@ -229,3 +232,104 @@ def test_expert_parallel_layer_equals_reference(world):
     results = run_local(_all_cases, world, timeout=240, pg_timeout_s=30)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures)
+
+
+class _CountingTransport:
+    """A transport that adds the off-rank rows each op sends to ``sent[op]``."""
+
+    def __init__(self, inner, sent, op, rank):
+        self.inner, self.sent, self.op, self.rank = inner, sent, op, rank
+
+    def post(self, transfers):
+        self.sent[self.op[0]] += sum(b.shape[0] for t, b in transfers if t.kind == "send")
+        return self.inner.post(transfers)
+
+    def launch(self, kind, out, inp, tag, **parts):
+        sizes = parts["in_sizes"]
+        self.sent[self.op[0]] += sum(sizes) - sizes[self.rank]
+        return self.inner.launch(kind, out, inp, tag, **parts)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _dedup_traffic(rank, world):
+    """Per method: (off-rank rows the dispatch and the combine sent, in the forward and in
+    the backward, this rank's distinct off-rank (token, rank) pairs, its off-rank (token,
+    expert) rows, host reads during forward + backward)."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from commfuse.moe.parallel import expert_ffn
+    from commfuse.ops.moe import bindings
+
+    group, k, local = dist.group.WORLD, 3, 2
+    experts = local * world
+    g = torch.Generator().manual_seed(rank)
+    T = 40 + rank
+    ex = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=g, dtype=torch.float64).requires_grad_()
+    x = torch.randn(T, 8, generator=g, dtype=torch.float64).requires_grad_()
+    w_in = torch.randn(local, 8, 6, generator=g, dtype=torch.float64).requires_grad_()
+    w_out = torch.randn(local, 6, 8, generator=g, dtype=torch.float64).requires_grad_()
+    dest = ex // local
+    pairs = len({(t, int(q)) for t in range(T) for q in dest[t] if q != rank})
+    rows = int((dest != rank).sum())
+    real_run, real_transport, real_tolist = bindings._run, bindings.executor.make_transport, \
+        torch.Tensor.tolist
+    sent, op, host = {}, [None], [0]
+
+    class Syncs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("_local_scalar_dense", "nonzero", "_unique2",
+                                               "masked_select", "bincount"):
+                host[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    def run(name, *args, **kw):
+        op[0] = f"{'backward ' * backward[0]}{name}"
+        sent.setdefault(op[0], 0)
+        return real_run(name, *args, **kw)
+
+    def tolist(t):
+        host[0] += 1
+        return real_tolist(t)
+
+    # the first call per layer also checks that the ranks count the same experts
+    expert_ffn(x, wts, ex, w_in, w_out, torch.nn.functional.silu, group, experts, timeout=30)
+    bindings._run = run
+    bindings.executor.make_transport = lambda *a, **kw: _CountingTransport(
+        real_transport(*a, **kw), sent, op, rank)
+    torch.Tensor.tolist = tolist
+    out = {}
+    try:
+        for method, opts in (("none", {}), ("sliced", {"chunks": 3}), ("commfuse", {}),
+                             ("commfuse", {"splits": 2})):
+            sent.clear()
+            host[0], backward = 0, [False]
+            with Syncs():
+                y, _ = expert_ffn(x, wts, ex, w_in, w_out, torch.nn.functional.silu, group,
+                                  experts, method=method, timeout=30, **opts)
+                backward[0] = True
+                y.sum().backward()
+            out[f"{method}{opts}"] = (dict(sent), pairs, rows, host[0])
+    finally:
+        bindings._run, bindings.executor.make_transport = real_run, real_transport
+        torch.Tensor.tolist = real_tolist
+    return out
+
+
+def test_dispatch_moves_each_token_once_per_rank_with_one_host_read():
+    """top-3 of 6 experts on 3 ranks: the dispatch and the combine (forward and backward)
+    move at most one row per distinct (token, other rank), fewer than the (token, expert)
+    rows, for every method; forward + backward read the device once (the counts) after
+    the layer's first call."""
+    results = run_local(_dedup_traffic, 3, timeout=120, pg_timeout_s=30)
+    for case in results[0]:
+        pairs = sum(r[case][1] for r in results)  # every rank's distinct (token, other rank)
+        rows = sum(r[case][2] for r in results)
+        assert pairs < rows, case
+        for op in ("moe_dispatch", "moe_combine", "backward moe_dispatch", "backward moe_combine"):
+            sent = sum(r[case][0][op] for r in results)  # off-rank rows, over the group
+            assert sent <= pairs, (case, op, sent, pairs, rows)
+        assert [r[case][3] for r in results] == [1, 1, 1], case

@@ -245,3 +245,38 @@ def test_serial_check_catches_a_receive_only_batch():
 
     scheds = [sched(0), sched(1)]
     assert _runs_together(scheds) and not _runs_together(scheds, serial=True)
+
+
+def _dedup_table(world: int, local: int, k: int, tokens: int, seed: int) -> ExpertCounts:
+    """The table `commfuse.ops.moe.routing.plan` makes for random top-k routing (pure)."""
+    rng = random.Random(seed)
+    e_all = world * local
+    tabs = [[[0] * e_all for _ in range(world)] for _ in range(4)]
+    for p in range(world):
+        for _ in range(tokens):
+            chosen = rng.sample(range(e_all), k)
+            for e in chosen:
+                here = sorted(x for x in chosen if x // local == e // local)
+                first, last = e == here[0], e == here[-1]
+                for i, flag in enumerate((True, first, last, first and last)):
+                    tabs[i][p][e] += flag
+    return ExpertCounts(*(tuple(map(tuple, t)) for t in tabs))
+
+
+@pytest.mark.parametrize("world,local,k", [(2, 2, 3), (3, 2, 2), (4, 4, 4), (4, 1, 2)])
+def test_dedup_moves_each_pair_once_and_schedules_run(world, local, k):
+    c = _dedup_table(world, local, k, 9, world * 10 + k)
+    for p in range(world):  # pieces of any count tile the pairs, in both orders
+        for q in range(world):
+            for op in OPS:
+                for n in (1, 2, 3, 5):
+                    got = [c.moved_piece(op, p, q, n, j) for j in range(n)]
+                    assert sum(m for _, m in got) == c.pairs[p][q]
+                    assert all(o == sum(m for _, m in got[:j]) for j, (o, _) in enumerate(got))
+    assert (sum(map(sum, c.pairs)) < sum(map(sum, c.rows))) == (local > 1)  # one expert per rank: no repeats
+    for op in OPS:
+        for m in (1, 2, 3):
+            scheds = [build(op, "commfuse", c, r, splits=m) for r in range(world)]
+            assert _runs_together(scheds) and _runs_together(scheds, serial=True), (op, m)
+        for method in ("none", "sliced"):
+            assert all(build(op, method, c, r, chunks=3).steps for r in range(world))

@@ -3,15 +3,20 @@ E/W of the experts and routes its own tokens; the fused ops move them.
 
 Per step, on every rank of the group (its own tokens, any number, zero included):
 
-1. route the tokens (the replicated router, `commfuse.moe.layer.route`), one row per
-   (token, chosen expert), sorted by global expert: the send layout;
-2. exchange the per-expert counts (`commfuse.ops.moe.counts.exchange_counts`: validated, the
-   same table on every rank, before any token moves);
-3. ``h = moe_dispatch_matmul(rows, w_gate_up)``: dispatch fused with the gate|up GEMM;
-4. ``a = swiglu(h)``; ``y = moe_matmul_combine(a, w_down)``: the down GEMM fused with the
-   combine, which returns each row to its token's rank in dispatch order;
-5. the token's output is the weighted sum over its k experts, at its home rank, in top-k
-   order, as in the reference.
+1. route the tokens (the replicated router, `commfuse.moe.layer.route`): k (token, expert)
+   rows per token;
+2. plan the step (`commfuse.ops.moe.routing.plan`): the rows sorted by global expert, each
+   (token, destination rank) pair marked once, the counts exchanged (one all-gather, the
+   layer's one transfer to the host), then each row's routing and weight moved to its
+   expert rank (`commfuse.ops.moe.routing.to_experts`);
+3. ``h = moe_dispatch_matmul(pairs, w_gate_up)``: the dispatch, one row per (token,
+   destination rank), fused with the gate|up GEMM on the rows expanded there to one per
+   (token, expert);
+4. ``a = swiglu(h)``; ``y = moe_matmul_combine(a, w_down, weights)``: the down GEMM, each
+   token's expert rows on the rank weighted and summed in top-k order, fused with the
+   combine, which returns one row per (token, rank);
+5. the token's output is the sum of its rows from each rank, in top-k order of the ranks
+   (`commfuse.ops.moe.routing.home_sum`).
 
 Gradients: the local experts' weight grads are complete on their rank; the router is
 replicated, so its grad (this rank's tokens' share) is reduced over the group like any
@@ -25,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from commfuse.moe.layer import MoELayer, route, swiglu
-from commfuse.ops.moe import exchange_counts, moe_dispatch_matmul, moe_matmul_combine
+from commfuse.ops.moe import moe_dispatch_matmul, moe_matmul_combine
+from commfuse.ops.moe.routing import home_sum, plan, to_experts
 from commfuse.schedule.moe import ExpertCounts
 
 
@@ -77,16 +83,14 @@ def expert_ffn(x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.T
     ``w_out_EFD`` [E_l, F, D] this rank's experts' first and last projections (``x @ w``);
     ``act`` maps the first GEMM's [rows, N] to the last one's [rows, F] (SwiGLU: N = 2F).
     ``y[t] = sum_j weights[t, j] * expert_{e_j}(x[t])``, each product cast to x's dtype before
-    the sum (as transformers' MoE blocks add them), in top-k order.
+    the sum (as transformers' MoE blocks add them), in top-k order on each expert rank, then
+    the ranks' sums in the order of their first expert.
     """
-    k = experts_Tk.shape[-1]
-    flat = experts_Tk.reshape(-1)  # row t*k + j: token t's j-th expert
-    order = torch.sort(flat, stable=True).indices  # the send layout: by global expert
-    hist = torch.bincount(flat, minlength=experts)
-    counts = exchange_counts(hist, group, rows=flat.numel(), timeout=opts.get("timeout"))
-    h = moe_dispatch_matmul(x_TD[order // k], w_in_EDN, counts, group, method=method, **opts)
-    y = moe_matmul_combine(act(h), w_out_EFD, counts, group, method=method, **opts)
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
-    y_TkD = y[back].reshape(*experts_Tk.shape, y.shape[-1])  # row (t, j) back in place
-    return (y_TkD * weights_Tk.unsqueeze(-1)).to(x_TD.dtype).sum(1), counts
+    route = plan(experts_Tk, experts, group, opts.get("timeout"),
+                 (tuple(w_in_EDN.shape), tuple(w_out_EFD.shape)))
+    weights_R, routing = to_experts(route, weights_Tk, group, opts.get("timeout"))
+    h = moe_dispatch_matmul(x_TD[route.first_tokens], w_in_EDN, route.counts, group,
+                            method=method, routing=routing, **opts)
+    y = moe_matmul_combine(act(h), w_out_EFD, route.counts, group, method=method,
+                           routing=routing, weights=weights_R, **opts)
+    return home_sum(route, y).to(x_TD.dtype), route.counts

@@ -17,6 +17,15 @@ Layouts (the rows of the ops' tensors):
   from rank p) at `ExpertCounts.recv_offsets`, sorted by local expert inside it, so each
   (source slot, local expert) group is contiguous and one GEMM with that expert's weight.
 
+Dedup (the table's ``firsts`` / ``lasts`` / ``singles``, `commfuse.ops.moe.routing`): the
+GEMMs still run on one row per (token, expert), the expanded rows above, but the transfers
+move one row per (token, rank), `ExpertCounts.pairs`. Inside each (source, expert) group
+the rows run middle (neither the token's first nor its last expert on that rank), first
+only, single (first and last), last only, each by token; the dispatch moves a pair with
+its first row's piece, the combine with its last row's (`ExpertCounts.moved_piece`), so a
+piece's GEMMs need only rows moved with it or before it, and a piece may compute without
+moving anything. Without dedup every row is its own pair and moves with its piece.
+
 The one rule both sides of a transfer apply: a message from p to q exists iff it moves rows;
 a slot with no rows is neither sent, received nor computed. Both read the same table, so a
 send and its receive always agree on the size (gloo aborts a receiver on a mismatch).
@@ -66,9 +75,36 @@ class ExpertCounts:
     """
 
     tokens: tuple[tuple[int, ...], ...]
+    firsts: tuple[tuple[int, ...], ...] | None = None
+    lasts: tuple[tuple[int, ...], ...] | None = None
+    singles: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
-        table = self.tokens
+        self._check(self.tokens)
+        extra = (self.firsts, self.lasts, self.singles)
+        if any(t is None for t in extra) != all(t is None for t in extra):
+            raise ValueError("firsts, lasts and singles come together (the deduplicated "
+                             "dispatch) or not at all")
+        if self.firsts is None:
+            return
+        for t in extra:
+            self._check(t)
+            if len(t) != self.world or len(t[0]) != self.experts:
+                raise ValueError("firsts, lasts and singles must have the shape of tokens")
+        for p in range(self.world):
+            for e in range(self.experts):
+                n, f, la, s = (t[p][e] for t in (self.tokens, *extra))
+                if s > min(f, la) or f + la - s > n:
+                    raise ValueError(f"rank {p}, expert {e}: {n} rows cannot hold {f} firsts, "
+                                     f"{la} lasts and {s} singles")
+            for q in range(self.world):
+                cut = slice(q * self.local, (q + 1) * self.local)
+                if sum(self.firsts[p][cut]) != sum(self.lasts[p][cut]):
+                    raise ValueError(f"rank {p} -> {q}: the firsts and the lasts count "
+                                     f"different tokens")
+
+    @staticmethod
+    def _check(table):
         if not isinstance(table, tuple) or not table or not all(
                 isinstance(row, tuple) for row in table):
             raise ValueError(f"tokens must be a non-empty tuple of tuples (ranks x experts), "
@@ -87,6 +123,48 @@ class ExpertCounts:
     @property
     def world(self) -> int:
         return len(self.tokens)
+
+    @property
+    def dedup(self) -> bool:
+        """Whether the dispatch moves one row per (token, destination rank) (module doc)."""
+        return self.firsts is not None
+
+    @cached_property
+    def pairs(self) -> tuple[tuple[int, ...], ...]:
+        """``pairs[p][q]``: the rows the dispatch moves from p to q and the combine from q
+        back to p: rank p's distinct tokens routed to rank q (``rows`` without dedup)."""
+        if not self.dedup:
+            return self.rows
+        return tuple(tuple(sum(self.firsts[p][q * self.local:(q + 1) * self.local])
+                           for q in range(self.world)) for p in range(self.world))
+
+    def dispatched(self, p: int) -> int:
+        """Rows of rank p's dispatch input and combine output (its unique rows)."""
+        return sum(self.pairs[p])
+
+    def span(self, op: str, p: int, e: int) -> tuple[int, int]:
+        """(start, rows) inside group (p, global expert e) of the rows whose token ``op``
+        moves there: the dispatch's firsts, the combine's lasts (module doc)."""
+        n, f, la, s = (t[p][e] for t in (self.tokens, self.firsts, self.lasts, self.singles))
+        middle = n - f - la + s
+        return (middle, f) if op == "moe_dispatch" else (middle + f - s, la)
+
+    def moved_piece(self, op: str, p: int, q: int, k: int, j: int) -> tuple[int, int]:
+        """(offset, rows) in slot (p -> q)'s moved rows (`pairs`, ``op``'s order) of what
+        ``op`` moves for chunk j of k of the slot's expanded rows (`piece` of ``rows``)."""
+        lo, n = piece(self.rows[p][q], k, j)
+        if not self.dedup:
+            return lo, n
+        a = self._moved_before(op, p, q, lo)
+        return a, self._moved_before(op, p, q, lo + n) - a
+
+    def _moved_before(self, op: str, p: int, q: int, end: int) -> int:
+        total, at = 0, 0
+        for e in range(q * self.local, (q + 1) * self.local):
+            start, n = self.span(op, p, e)
+            total += max(0, min(end, at + start + n) - (at + start))
+            at += self.tokens[p][e]
+        return total
 
     @property
     def experts(self) -> int:
@@ -188,11 +266,16 @@ def build(op: str, method: str, counts: ExpertCounts, rank: int, *,
         if tail and method == "sliced":
             steps = _with_tail(steps, op)
         return Schedule(op, method, w, rank, "direct", k, tuple(steps))
-    rows = counts.rows
-    if op == "moe_combine":  # the same messages, the other way: q sends rows[p][q] to p
-        rows = tuple(tuple(rows[q][p] for q in range(w)) for p in range(w))
+    if op == "moe_dispatch":  # slot (src -> dst) moves src's tokens to dst's experts
+        def sizes(src, dst, j):
+            return counts.moved_piece(op, src, dst, splits, j)[1], \
+                piece(counts.rows[src][dst], splits, j)[1]
+    else:  # the same slots, the other way: q sends slot (p -> q)'s rows back to p
+        def sizes(src, dst, j):
+            return counts.moved_piece(op, dst, src, splits, j)[1], \
+                piece(counts.rows[dst][src], splits, j)[1]
     fn = _dispatch if op == "moe_dispatch" else _combine
-    steps = fn(rows, w, rank, splits)
+    steps = fn(sizes, w, rank, splits)
     if tail:
         steps = _with_tail(steps, op)
     return Schedule(op, method, w, rank, "direct", w * splits, tuple(steps))
@@ -206,27 +289,28 @@ def _with_tail(steps: list[Step], op: str) -> list[Step]:
     return steps[:last + 1] + [Compute(TAIL)] + steps[last + 1:]
 
 
-def _pair(rows, w: int, r: int, i: int, m: int, j: int) -> list[Transfer]:
+def _pair(sizes, w: int, r: int, i: int, m: int, j: int) -> list[Transfer]:
     """Piece j of step i's transfers: to rank r+i and from rank r-i (tag i*m + j on both
-    sides), each only if that piece moves rows (``rows[src][dst]``: rows this op moves from
-    src to dst, cut into m pieces)."""
+    sides), each only if that piece moves rows (``sizes(src, dst, j)``: (rows piece j of
+    the message from src to dst moves, rows of its slot's chunk the GEMMs compute))."""
     dst, src = (r + i) % w, (r - i) % w
     out = []
-    if piece(rows[r][dst], m, j)[1]:
+    if sizes(r, dst, j)[0]:
         out.append(Transfer("send", dst * m + j, dst, i * m + j))
-    if piece(rows[src][r], m, j)[1]:
+    if sizes(src, r, j)[0]:
         out.append(Transfer("recv", src * m + j, src, i * m + j))
     return out
 
 
-def _dispatch(rows, w: int, r: int, m: int = 1) -> list[Step]:
+def _dispatch(sizes, w: int, r: int, m: int = 1) -> list[Step]:
     """Every transfer posted at the start (they move while the own slot computes); then each
-    peer's slot, r-1 first, piece by piece, each computed as soon as it is here; the sends
+    peer's slot, r-1 first, piece by piece, each computed as soon as it is here (pieces in
+    order: with dedup a piece's rows may repeat tokens an earlier piece brought); the sends
     waited at the end."""
     steps: list[Step] = []
     sends, recvs = [], {}
     for i in range(1, w):
-        batch = [t for j in range(m) for t in _pair(rows, w, r, i, m, j)]
+        batch = [t for j in range(m) for t in _pair(sizes, w, r, i, m, j)]
         if batch:
             steps.append(Post(tuple(batch)))  # hides behind the own slot's GEMMs
         sends += [t for t in batch if t.kind == "send"]
@@ -234,18 +318,21 @@ def _dispatch(rows, w: int, r: int, m: int = 1) -> list[Step]:
     for i in range(w):
         src = (r - i) % w
         for j in range(m):
-            if not piece(rows[src][r], m, j)[1]:
+            moved, rows = sizes(src, r, j)
+            if not rows:
                 continue  # nothing from src in this piece: no receive, no GEMM
-            if i:
+            if i and moved:
                 steps.append(Wait(recvs[src * m + j]))  # the piece this GEMM needs
             steps.append(Compute(src * m + j))  # hides the transfers still in flight
     return steps + [Wait(t) for t in sends]
 
 
-def _combine(rows, w: int, r: int, m: int = 1) -> list[Step]:
+def _combine(sizes, w: int, r: int, m: int = 1) -> list[Step]:
     """The rows for r+1 computed first, piece by piece, each piece sent at once with the
     receive of the same step (from r-i, tag i*m + j) and hiding behind the next piece's
-    GEMMs; then r+2, ...; the own rows last; receives, then sends, waited at the end.
+    GEMMs; then r+2, ...; the own rows last; receives, then sends, waited at the end. With
+    dedup a piece sends the tokens whose last row it computed: a piece may compute without
+    sending.
 
     Step i's receive is posted with step i's send, not before: where a rank's P2P batches
     run one after another (NCCL: one stream per group, `commfuse.runtime.cuda`), a batch of
@@ -257,17 +344,17 @@ def _combine(rows, w: int, r: int, m: int = 1) -> list[Step]:
     steps: list[Step] = []
     recvs, sends = [], []
     for i in range(1, w):
+        dst = (r + i) % w
         for j in range(m):
-            batch = _pair(rows, w, r, i, m, j)
-            for t in batch:
-                if t.kind == "send":
-                    steps.append(Compute(t.slot))  # the send hides behind the next GEMMs
+            if sizes(r, dst, j)[1]:
+                steps.append(Compute(dst * m + j))  # the send hides behind the next GEMMs
+            batch = _pair(sizes, w, r, i, m, j)
             if batch:
                 steps.append(Post(tuple(batch)))
             recvs += [t for t in batch if t.kind == "recv"]
             sends += [t for t in batch if t.kind == "send"]
     for j in range(m):
-        if piece(rows[r][r], m, j)[1]:
+        if sizes(r, r, j)[1]:
             steps.append(Compute(r * m + j))  # own rows, straight into the output
     return steps + [Wait(t) for t in recvs + sends]
 

@@ -244,7 +244,6 @@ def _compile(prog, coll_time, hw: Hardware, c: ExpertCounts, job: int, o: MoEOp,
     sched = build(o.op, o.method, c, r, chunks=o.chunks, splits=o.splits, tail=o.tail)
     w, dispatch = c.world, o.op == "moe_dispatch"
     of = [row[r] for row in c.rows]  # my receive-layout slots: rows from / for rank p
-    to = c.rows[r]  # my send-layout slots
     width = o.K if dispatch else o.N  # what a moved row holds
     m, k = o.splits, sched.chunks
 
@@ -265,10 +264,10 @@ def _compile(prog, coll_time, hw: Hardware, c: ExpertCounts, job: int, o: MoEOp,
         return sum(gemm(p, off, off + n) for p, (off, n) in
                    enumerate(piece(of[p], k, slot) for p in range(w)))
 
-    def nbytes(t):
-        sizes = to if (t.kind == "send") == dispatch else of
+    def nbytes(t):  # the rows the transfer moves: one per (token, rank) with dedup
         p, j = divmod(t.slot, m)
-        return piece(sizes[p], m, j)[1] * width * d if comm else 0.0
+        src, dst = (r, p) if (t.kind == "send") == dispatch else (p, r)  # slot (src -> dst)
+        return c.moved_piece(o.op, src, dst, m, j)[1] * width * d if comm else 0.0
 
     def key(t):
         return (job, r, t.peer, t.tag) if t.kind == "send" else (job, t.peer, r, t.tag)
@@ -310,11 +309,13 @@ def _a2a_s(hw: Hardware, c: ExpertCounts, o: MoEOp, k: int, j: int, d: float) ->
     w = c.world
     if w <= 1:
         return 0.0
-    moved = c.rows if o.op == "moe_dispatch" else tuple(
-        tuple(c.rows[q][p] for q in range(w)) for p in range(w))  # moved[src][dst]
+    def moved(src, dst):  # rows chunk j moves from src to dst
+        slot = (src, dst) if o.op == "moe_dispatch" else (dst, src)
+        return c.moved_piece(o.op, *slot, k, j)[1]
+
     width = o.K if o.op == "moe_dispatch" else o.N
-    out = [sum(piece(moved[p][q], k, j)[1] for q in range(w) if q != p) for p in range(w)]
-    inn = [sum(piece(moved[p][q], k, j)[1] for p in range(w) if p != q) for q in range(w)]
+    out = [sum(moved(p, q) for q in range(w) if q != p) for p in range(w)]
+    inn = [sum(moved(p, q) for p in range(w) if p != q) for q in range(w)]
     busiest = max(max(out), max(inn)) * width * d
     slow = max(hw.link_straggler.values(), default=1.0)
     return ((w - 1) * hw.link_latency + busiest * slow / hw.link_bandwidth) \

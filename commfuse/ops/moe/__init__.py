@@ -4,6 +4,7 @@ the experts' last GEMM feeding the combine all-to-all, with variable per-peer co
     autograd.py   moe_dispatch_matmul, moe_matmul_combine: the autograd Functions (contracts)
     bindings.py   the MoE schedules (`commfuse.schedule.moe`) bound to tensors, no autograd
     counts.py     exchange_counts: the per-step table of per-peer, per-expert rows, validated
+    routing.py    plan / to_experts / home_sum: a step's dedup routing (one row per token and rank)
     gemm.py       the experts' grouped GEMMs (torch._grouped_mm where it applies)
 """
 

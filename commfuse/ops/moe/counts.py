@@ -72,16 +72,20 @@ def agree_counts(op: str, counts: ExpertCounts, rows: int, group: dist.ProcessGr
                  timeout: float | None = None, device=torch.device("cpu")) -> None:
     """Checked mode of the MoE ops: every rank holds the same ``counts`` for this group and
     its tensor has the rows the table gives it (``rows``: this rank's, in the op's layout:
-    ``counts.sent(rank)`` for the dispatch, ``counts.received(rank)`` for the combine).
+    ``counts.dispatched(rank)`` for the dispatch, ``counts.received(rank)`` for the
+    combine).
     Two small all-gathers; `CountsError` on every rank otherwise."""
     w, me = group.size(), group.rank()
-    flat = [n for row in counts.tokens for n in row]
-    header = [counts.world, counts.experts, rows]
+    tables = (counts.tokens, counts.firsts, counts.lasts, counts.singles) if counts.dedup \
+        else (counts.tokens,)
+    flat = [n for table in tables for row in table for n in row]
+    header = [counts.world, counts.experts, rows, len(tables)]
     every = _gather(op, header, group, timeout, device)
     problems = []
-    shapes = [(a, b) for a, b, _ in every]
+    shapes = [(a, b, d) for a, b, _, d in every]
     if len(set(shapes)) > 1:
-        problems.append(f"the counts tables' shapes (ranks x experts) differ: {_by_rank(shapes)}")
+        problems.append(f"the counts tables' shapes (ranks x experts x tables) differ: "
+                        f"{_by_rank(shapes)}")
     elif shapes[0][0] != w:
         problems.append(f"the counts table has {shapes[0][0]} rows, the group {w} ranks")
     _verdict(op, problems, me, w)
@@ -91,10 +95,12 @@ def agree_counts(op: str, counts: ExpertCounts, rows: int, group: dist.ProcessGr
         problems.append(f"the counts tables differ between ranks: rank 0 has {tables[0]}, "
                         + ", ".join(f"rank {p} has {tables[p]}" for p in differ))
     else:
-        table = ExpertCounts(tuple(tuple(tables[0][p * shapes[0][1]:(p + 1) * shapes[0][1]])
-                                   for p in range(w)))
-        want = [table.sent(p) if op == "moe_dispatch" else table.received(p) for p in range(w)]
-        got = [r for _, _, r in every]
+        e = shapes[0][1]
+        table = ExpertCounts(*(tuple(tuple(tables[0][(i * w + p) * e:(i * w + p + 1) * e])
+                                     for p in range(w)) for i in range(shapes[0][2])))
+        want = [table.dispatched(p) if op == "moe_dispatch" else table.received(p)
+                for p in range(w)]
+        got = [r for _, _, r, _ in every]
         wrong = [p for p in range(w) if got[p] != want[p]]
         if wrong:
             problems.append("rows do not match the counts: " + ", ".join(
@@ -132,7 +138,7 @@ def _gather(op: str, values: list[int], group, timeout, device) -> list[list[int
     except Exception as e:
         raise CommFuseError(f"commfuse {op} (rank {group.rank()} of {group.size()}) failed "
                             f"exchanging the expert counts: {type(e).__name__}: {e}") from e
-    return [t.tolist() for t in every]
+    return torch.stack(every).tolist()  # one transfer to the host
 
 
 def _verdict(op: str, problems: list[str], rank: int, w: int) -> None:
