@@ -136,6 +136,9 @@ class _Padded:
             self.tmp = out.new_empty((longest, *out.shape[1:]))
         self.work = guarded(BACKEND[kind](self.tmp, src, group=group, async_op=True), kind, out)
 
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
     def wait(self, timeout=None) -> bool:
         """Finish the collective; ``timeout`` (a timedelta) bounds the wait, None is the
         backend's own wait (CUDA: the stream waits, the host does not)."""
@@ -189,6 +192,9 @@ class _P2PCollective:
             self.works = gloo.post(ops, out.device) if ops else []
         else:  # one by one, so that a refused post names its peer
             self.works = [self._post(op, what) for op, what in zip(ops, self.what)]
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
     @staticmethod
     def _post(op: dist.P2POp, what: str):
