@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from commfuse.runtime import gloo
+from commfuse.runtime import deadlines, gloo
 
 KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 BACKEND = {  # torch.distributed's own, by kind (the *_single names where this torch has them)
@@ -109,8 +109,7 @@ def exchange(mine: torch.Tensor, group, timeout_s: float | None) -> list[torch.T
     rank that died before it raises instead of blocking for the group's timeout."""
     every = [torch.empty_like(mine) for _ in range(group.size())]
     work = dist.all_gather(every, mine, group=group, async_op=True)
-    seconds = gloo.group_timeout(group, mine.device) if timeout_s is None else timeout_s
-    gloo.wait_work(work, time.monotonic() + seconds)
+    deadlines.wait(work, group, mine.device, timeout_s)  # CUDA: the reader's sync waits
     return every
 
 
