@@ -427,3 +427,32 @@ def test_gradient_reduce_scatter_sends_its_finished_partials(monkeypatch):
     assert {"gemm 0", "gemm 1"} <= anc, f"the batch does not wait for the partials: {anc}"
     assert "gemm 2" not in anc  # the own partial, computed after the post, is not sent
 
+
+
+@pytest.mark.parametrize("env,high", [(None, True), ("1", True), ("0", False)])
+def test_communication_streams_are_high_priority_unless_switched_off(env, high, monkeypatch):
+    """commfuse's comm stream (a fake torch.cuda.Stream noting its arguments) and the NCCL
+    options of the groups commfuse creates (a fake ProcessGroupNCCL.Options: this CPU build
+    has no NCCL) follow ``COMMFUSE_HIGH_PRIORITY_COMM``; gloo groups get no options."""
+    from types import SimpleNamespace
+
+    from commfuse.runtime import cuda as cuda_mod
+    from commfuse.testbed.spawn import pg_options
+
+    if env is None:
+        monkeypatch.delenv("COMMFUSE_HIGH_PRIORITY_COMM", raising=False)
+    else:
+        monkeypatch.setenv("COMMFUSE_HIGH_PRIORITY_COMM", env)
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda **kw: made.append(kw) or kw)
+    Backend().comm_stream(torch.device("cuda", 0))
+    assert made == [{"device": torch.device("cuda", 0), "priority": -1 if high else 0}]
+
+    class FakeOptions:  # ProcessGroupNCCL.Options, faked
+        is_high_priority_stream = False
+
+    monkeypatch.setattr(cuda_mod.dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(cuda_mod.dist, "ProcessGroupNCCL", SimpleNamespace(Options=FakeOptions),
+                        raising=False)
+    assert pg_options("nccl").is_high_priority_stream is high
+    assert pg_options("gloo") is None and cuda_mod.comm_options("gloo") is None

@@ -50,27 +50,31 @@ import torch.distributed as dist
 from commfuse.runtime import collectives, deadlines
 from commfuse.runtime.transport import Transport
 
-# COMMFUSE_HIGH_PRIORITY_COMM=0 gives communication streams (commfuse's side stream and, where
-# commfuse creates the group, NCCL's own) the default priority instead of the highest.
-HIGH_PRIORITY = os.environ.get("COMMFUSE_HIGH_PRIORITY_COMM", "1") != "0"
+PRIORITY_ENV = "COMMFUSE_HIGH_PRIORITY_COMM"
+
+
+def high_priority() -> bool:
+    """Whether communication streams run at high priority: yes unless the environment sets
+    ``COMMFUSE_HIGH_PRIORITY_COMM=0`` (then commfuse's side stream and, where commfuse creates
+    the group, NCCL's own stream get the default priority)."""
+    return os.environ.get(PRIORITY_ENV, "1") != "0"
 
 
 def comm_priority() -> int:
-    """The priority of communication streams: CUDA's highest (-1 on current GPUs; lower
-    numbers run first) unless ``COMMFUSE_HIGH_PRIORITY_COMM=0``."""
-    if not HIGH_PRIORITY:
-        return 0
-    return torch.cuda.Stream.priority_range()[1]
+    """The priority of commfuse's communication stream: -1 (a lower number runs first; torch
+    maps it to the device's highest) or, switched off, the default 0."""
+    return -1 if high_priority() else 0
 
 
-def comm_options(high_priority: bool | None = None):
-    """ProcessGroupNCCL options for a group commfuse creates: ``is_high_priority_stream``
-    (NCCL's kernels on a high-priority stream) unless switched off; None where this torch
-    has no NCCL."""
-    if not dist.is_nccl_available():
+def comm_options(backend: str):
+    """``pg_options`` for a group of ``backend`` that commfuse creates: for NCCL,
+    ``ProcessGroupNCCL.Options`` with ``is_high_priority_stream`` (NCCL's kernels on a
+    high-priority stream, so a GEMM does not hold a transfer back) as `high_priority` says;
+    None for any other backend, or where this torch has no NCCL."""
+    if backend != "nccl" or not dist.is_nccl_available():
         return None
     opts = dist.ProcessGroupNCCL.Options()
-    opts.is_high_priority_stream = HIGH_PRIORITY if high_priority is None else high_priority
+    opts.is_high_priority_stream = high_priority()
     return opts
 
 
