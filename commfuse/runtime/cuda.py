@@ -28,7 +28,7 @@ NCCL stream, which first waits for the stream that is *current* when the batch i
   timeout. Either way no wait here blocks the host.
 - Priority. The NCCL kernels run on ProcessGroupNCCL's internal stream (high priority where
   commfuse creates the group: `comm_options`); the side stream ``comm`` runs none, and is
-  created with the same priority (`COMM_PRIORITY`).
+  created with the same priority (`comm_priority`; `COMMFUSE_HIGH_PRIORITY_COMM=0`: default).
 - One NCCL stream per group: the batches of one call run one after another, in post order,
   even `direct`'s up-front ones; the simulator models that (``Hardware.serial_p2p``).
 
