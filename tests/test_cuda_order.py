@@ -9,7 +9,10 @@ stream; the checks then read, per batch and per GEMM, what it waits for.
 """
 
 import contextlib
+import re
 import gc
+import threading
+import time
 import weakref
 
 import pytest
@@ -17,8 +20,8 @@ import torch
 
 from commfuse import schedule as S
 from commfuse.errors import CommFuseError
-from commfuse.runtime import executor
-from commfuse.runtime.cuda import CudaTransport
+from commfuse.runtime import deadlines, executor
+from commfuse.runtime.cuda import Backend, CudaTransport
 
 
 class Node:
@@ -47,10 +50,10 @@ class FakeStream:
 class FakeWork:
     def __init__(self, cuda, node):
         self.cuda, self.node = cuda, node  # holds no tensor: what keeps buffers is the transport
-        self.polls, self.completes = 0, True
+        self.polls, self.completes = [], True  # polls: the thread of each is_completed
 
     def is_completed(self) -> bool:
-        self.polls += 1
+        self.polls.append(threading.get_ident())
         return self.completes
 
     def wait(self, timeout=None):
@@ -65,7 +68,7 @@ class FakeCuda:
         self.compute, self.comm, self.nccl = (FakeStream(n) for n in ("compute", "comm", "nccl"))
         self.current = self.compute
         self.batches: list[Node] = []
-        self.recorded: list[tuple] = []  # (id(tensor), stream) of record_stream
+        self.log: list[tuple] = []  # ("begin",) comm waiting for compute, ("issue",), ("alloc", t)
         self.never_complete = False
 
     def comm_stream(self, device):
@@ -86,14 +89,14 @@ class FakeCuda:
         return stream.last  # an event is the node its stream had reached
 
     def wait_event(self, stream, event):
+        if stream is self.comm and event is self.compute.last:
+            self.log.append(("begin",))
         stream.add("wait event", event)
-
-    def record_stream(self, tensor, stream):
-        self.recorded.append((id(tensor), stream))
 
     def issue(self, group, transfers):
         if not transfers:  # as dist.batch_isend_irecv([]) does
             raise IndexError("list index out of range")
+        self.log.append(("issue",))
         label = "batch " + ", ".join(f"{t.kind} {t.slot}" for t, _ in transfers)
         node = self.nccl.add(label, self.current.last)  # NCCL syncs with the current stream
         node.transfers = [t for t, _ in transfers]
@@ -123,6 +126,7 @@ class FakeBinding:
 
     def buffer(self, t):
         self.allocs.append((t, self.cuda.current))
+        self.cuda.log.append(("alloc", t))
         n = self.rows(t.slot)
         view = slice(8 * t.slot, 8 * t.slot + n)
         if self.op in ("ag_matmul", "matmul_a2a") and (t.kind == "recv") == (self.op == "matmul_a2a"):
@@ -228,12 +232,21 @@ def test_the_old_wait_stream_design_fails_the_check():
         check_order("ag_matmul", "ring", 3, 0, cls=WaitStreamDesign)
 
 
-def test_receive_buffers_are_allocated_on_comm_and_recorded_on_compute():
-    cuda, binding, transport = check_order("matmul_rs", "ring", 4, 2)
-    recvs = [(t, s) for t, s in binding.allocs if t.kind == "recv"]
-    assert recvs and all(s is cuda.comm for _, s in recvs)
-    assert len([1 for _, s in cuda.recorded if s is cuda.compute]) == len(recvs)
-    assert not transport.held  # every batch waited: nothing left referenced
+@pytest.mark.parametrize("op", S.OPS)
+def test_receive_buffers_are_allocated_on_compute_before_the_transport_begins(op):
+    """Every receive buffer is asked of the binding with the compute stream current, before
+    the comm stream waits for the compute stream's point that precedes every batch; nothing
+    calls ``record_stream`` (the Backend has none)."""
+    for topology in S.TOPOLOGIES:
+        cuda, binding, transport = check_order(op, topology, 4, 2)
+        recvs = [(t, s) for t, s in binding.allocs if t.kind == "recv"]
+        assert recvs and all(s is cuda.compute for _, s in recvs)
+        log = cuda.log
+        first_issue = log.index(("issue",))
+        last_alloc = max(i for i, e in enumerate(log) if e[0] == "alloc" and e[1].kind == "recv")
+        assert any(log[i] == ("begin",) for i in range(last_alloc + 1, first_issue)), \
+            "the transport began before a receive buffer was allocated"
+        assert not hasattr(Backend, "record_stream") and not transport.held
 
 
 def test_buffers_stay_referenced_until_their_work_is_waited():
@@ -252,15 +265,97 @@ def test_buffers_stay_referenced_until_their_work_is_waited():
     assert all(r() is None for r in refs), "buffers outlive the wait of their transfer"
 
 
-def test_dead_peer_ends_in_commfuse_error_naming_step_and_peer():
-    cuda = FakeCuda()
+class FakeGroup:
+    """A communicator's group, labelled as a fake: ``abort()`` notes when it is called."""
+
+    def __init__(self, log):
+        self.log, self.aborted = log, False
+
+    def abort(self):
+        time.sleep(0.05)  # an abort that takes a while: the error must still come after it
+        self.aborted = True
+        self.log.append("abort")
+
+
+def _late_run(timeout_s=0.05):
+    """matmul_rs on 3 ranks whose batches never complete, with a deadline: returns the fake,
+    the group, the event log and the host's time in the op."""
+    cuda, log = FakeCuda(), []
     cuda.never_complete = True
-    transport = CudaTransport(None, torch.device("cpu"), 0.05, backend=cuda)
+    group = FakeGroup(log)
+    transport = CudaTransport(group, torch.device("cpu"), timeout_s, backend=cuda)
     sched = S.build("ag_matmul", "commfuse", 3, 0)
-    with pytest.raises(CommFuseError, match=r"ag_matmul \(method=commfuse, rank 0 of 3\) failed "
-                                            r"at step \d+ waiting for recv of slot 2 from rank 2"
-                                            r".*did not complete within 0.05 s"):
-        executor.run(sched, FakeBinding(cuda, sched.op), transport)
+    t0 = time.monotonic()
+    executor.run(sched, FakeBinding(cuda, sched.op), transport)
+    return cuda, group, log, time.monotonic() - t0
+
+
+def _raised(group, log):
+    """The next op on ``group`` (a transport made for it): its CommFuseError, noted in ``log``."""
+    with pytest.raises(CommFuseError) as err:
+        CudaTransport(group, torch.device("cpu"), 1.0, backend=FakeCuda())
+    log.append("raise")
+    return err.value
+
+
+def test_a_deadline_never_blocks_the_host():
+    """With a timeout, every wait is stream-ordered: the op returns at once, every poll of a
+    work is the watchdog thread's, never the host's."""
+    cuda, group, log, took = _late_run(timeout_s=5.0)
+    assert took < 1.0 and cuda.batches
+    me = threading.get_ident()
+    assert all(me not in b.work.polls for b in cuda.batches)
+    cuda.never_complete = False
+    for b in cuda.batches:
+        b.work.completes = True
+    end = time.monotonic() + 5
+    while deadlines.WATCHDOG.pending() and time.monotonic() < end:
+        time.sleep(0.01)
+    assert deadlines.WATCHDOG.pending() == 0  # completed works are let go (their buffers too)
+    assert any(b.work.polls for b in cuda.batches) and log == []  # polled; nothing aborted
+
+
+def test_a_late_transfer_aborts_the_communicator_before_the_error():
+    """Past its deadline a transfer's group is aborted (the fake's ``abort``), and only then
+    does the host's next op on that group raise `CommFuseError` naming the op, step and peer."""
+    cuda, group, log, took = _late_run(timeout_s=0.05)
+    assert took < 1.0
+    end = time.monotonic() + 5
+    while not group.aborted and time.monotonic() < end:
+        time.sleep(0.01)
+    err = _raised(group, log)
+    assert log == ["abort", "raise"]
+    assert err.op == "ag_matmul" and err.rank == 0 and err.peer is not None
+    assert re.search(r"ag_matmul \(method=commfuse, rank 0 of 3\) failed at step \d+ waiting "
+                     r"for (send|recv) of slot \d+ (to|from) rank \d.*did not complete within "
+                     r"0.05 s.*aborted", str(err))
+    _raised(group, log)  # the communicator is gone: every later op on it raises too
+    ok = FakeGroup([])  # another group is not touched
+    CudaTransport(ok, torch.device("cpu"), 1.0, backend=FakeCuda())
+
+
+def test_the_error_waits_for_a_slow_abort():
+    """An op that starts while the abort is still running does not raise early: the error
+    exists only once the abort returned."""
+    cuda, log = FakeCuda(), []
+    group = FakeGroup(log)
+    dog = deadlines.Watchdog(poll_s=0.001)
+    dog.watch(FakeWork(cuda, cuda.nccl.add("x")), group, 0.0)
+    dog.entries[0].work.completes = False
+    end = time.monotonic() + 5
+    while group.log == [] and time.monotonic() < end:
+        try:
+            dog.raise_failed(group)
+        except CommFuseError:
+            log.append("raise")
+        time.sleep(0.001)
+    assert log[0] == "abort"
+
+
+def test_deadlines_stay_below_the_group_timeout(monkeypatch):
+    monkeypatch.setattr(deadlines.gloo, "group_timeout", lambda group, device: 60.0)
+    assert deadlines.deadline_s(60.0, None, torch.device("cuda")) == pytest.approx(54.0)
+    assert deadlines.deadline_s(5.0, None, torch.device("cuda")) == 5.0
 
 
 def test_no_deadline_waits_on_the_stream_without_polling():
@@ -269,9 +364,7 @@ def test_no_deadline_waits_on_the_stream_without_polling():
     executor.run(S.build("matmul_rs", "commfuse", 3, 1), FakeBinding(cuda, "matmul_rs"),
                  transport)
     assert cuda.batches and transport.held == {}
-    assert all(b.work.polls == 0 for b in cuda.batches)
-    cuda, _, transport, _ = run("matmul_rs", "ring", 3, 1, timeout_s=5.0)
-    assert all(b.work.polls >= 1 for b in cuda.batches)  # a deadline: the host polls
+    assert all(not b.work.polls for b in cuda.batches)
 
 
 @pytest.mark.parametrize("op", S.OPS)
@@ -334,3 +427,32 @@ def test_gradient_reduce_scatter_sends_its_finished_partials(monkeypatch):
     assert {"gemm 0", "gemm 1"} <= anc, f"the batch does not wait for the partials: {anc}"
     assert "gemm 2" not in anc  # the own partial, computed after the post, is not sent
 
+
+
+@pytest.mark.parametrize("env,high", [(None, True), ("1", True), ("0", False)])
+def test_communication_streams_are_high_priority_unless_switched_off(env, high, monkeypatch):
+    """commfuse's comm stream (a fake torch.cuda.Stream noting its arguments) and the NCCL
+    options of the groups commfuse creates (a fake ProcessGroupNCCL.Options: this CPU build
+    has no NCCL) follow ``COMMFUSE_HIGH_PRIORITY_COMM``; gloo groups get no options."""
+    from types import SimpleNamespace
+
+    from commfuse.runtime import cuda as cuda_mod
+    from commfuse.testbed.spawn import pg_options
+
+    if env is None:
+        monkeypatch.delenv("COMMFUSE_HIGH_PRIORITY_COMM", raising=False)
+    else:
+        monkeypatch.setenv("COMMFUSE_HIGH_PRIORITY_COMM", env)
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda **kw: made.append(kw) or kw)
+    Backend().comm_stream(torch.device("cuda", 0))
+    assert made == [{"device": torch.device("cuda", 0), "priority": -1 if high else 0}]
+
+    class FakeOptions:  # ProcessGroupNCCL.Options, faked
+        is_high_priority_stream = False
+
+    monkeypatch.setattr(cuda_mod.dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(cuda_mod.dist, "ProcessGroupNCCL", SimpleNamespace(Options=FakeOptions),
+                        raising=False)
+    assert pg_options("nccl").is_high_priority_stream is high
+    assert pg_options("gloo") is None and cuda_mod.comm_options("gloo") is None

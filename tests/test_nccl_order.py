@@ -278,3 +278,32 @@ def test_a_combine_posting_its_receives_first_deadlocks(monkeypatch):
     with pytest.raises(CommFuseError, match="deadlock among ranks") as info:
         loopback.run(lambda r, grp: matmul_combine(x[r], w[r], c, grp, spec), 3, "cpu", 20)
     assert isinstance(info.value.__cause__, nccl_model.Deadlock)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_record_mode_batches_as_the_cuda_transport(op, monkeypatch):
+    """``record`` mode on CUDA (virtual ranks) runs the CUDA transport, which posts a pair's
+    send and receive in one batch, with the collectives noted: every method exact in NCCL's
+    order. (gloo's transport, one batch per op, could deadlock NCCL on large messages: a
+    send-only batch waiting for a receive-only one queued behind it.)"""
+    from commfuse.runtime import modes
+
+    batches = []
+    issue = nccl_model.Communicator.issue
+
+    def noted(self, rank, transfers):
+        batches.append({t.kind for t, _ in transfers})
+        return issue(self, rank, transfers)
+
+    monkeypatch.setattr(nccl_model.Communicator, "issue", noted)
+    bad = {}
+    with modes.mode("record") as recorded:
+        for label in ("none", "sliced", "commfuse", "commfuse-direct", "decompose"):
+            err = loopback.case(op, 3, loopback.spec_of(label), device="cpu", timeout_s=20)
+            if err:
+                bad[label] = err
+        cls = modes.transport_class(CPU, SimpleNamespace(commfuse_backend=object()))
+    assert not bad, bad
+    assert issubclass(cls, CudaTransport) and issubclass(cls, modes.Records)
+    assert recorded, "the collectives of none / sliced were not recorded"
+    assert any(kinds == {"send", "recv"} for kinds in batches)  # a pair's both sides batched

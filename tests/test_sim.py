@@ -258,3 +258,29 @@ def test_simulate_cli_png(tmp_path, capsys):
     assert main_simulate(["--op", "ag_matmul", "--world", "2", "--shape", "2048,512,512",
                           "--png", str(png)]) == 0
     assert png.stat().st_size > 1000 and "wrote" in capsys.readouterr().out
+
+
+def test_gpu_splits_shrink_as_the_host_cost_per_post_grows():
+    """On a GPU preset (host launches ahead: ``host_async``) the host's cost per post caps the
+    pieces: the m `best_splits` picks never grows with ``host_p2p_s``, and drops where the
+    posts would take the host longer than the op computes; `fastest` skips such candidates."""
+    from commfuse.sim import preset
+    from commfuse.sim.choose import CANDIDATES, best_splits, fastest, launch_bound
+
+    base = preset("pcie-node")
+    assert base.host_async and 50e-6 <= base.host_p2p_s <= 150e-6
+    shapes = [(op, shape, w) for op in ("ag_matmul", "matmul_rs")
+              for shape, w in (((32768, 4096, 4096), 4), ((131072, 4096, 4096), 4),
+                               ((8192, 4096, 4096), 8))]
+    costs = (0.0, 60e-6, 150e-6, 1e-3, 4e-3)
+    ms = {k: [best_splits(*k[:2], k[2], 2, base.with_(host_p2p_s=c), 10e-6) for c in costs]
+          for k in shapes}
+    for k, row in ms.items():
+        assert all(a >= b for a, b in zip(row, row[1:])), (k, row)
+    assert any(row[0] > row[-1] for row in ms.values()), ms
+    assert ms[("ag_matmul", (131072, 4096, 4096), 4)][:3] == [4, 4, 4]  # big GEMMs: no cap
+    slow = base.with_(host_p2p_s=4e-3)
+    method, opts, _ = fastest("ag_matmul", (32768, 4096, 4096), 4, 2, slow, 10e-6, CANDIDATES)
+    assert opts.get("splits", 1) == 1
+    assert not launch_bound("ag_matmul", "commfuse", 4, {"splits": 8}, 1e-9,
+                            preset("cpu-testbed"))  # charged in the simulation there instead

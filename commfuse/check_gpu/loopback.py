@@ -60,12 +60,21 @@ def spec_of(label: str):
 
 def case(op: str, world: int, spec, device: str = DEVICE, timeout_s: float = 60.0):
     """Run ``op`` under ``spec`` on ``world`` virtual ranks; None, or what differs."""
+    call, ref = make_case(op, world, spec, device)
+    return compare(run(call, world, device, timeout_s), ref)
+
+
+def make_case(op: str, world: int, spec, device: str = DEVICE, s: int = 24, k: int = 12,
+              dtype=torch.float32, uneven: bool = True):
+    """``(call(rank, group), the unsharded results)`` of ``op`` under ``spec`` on ``world``
+    ranks, slices of ``s`` rows (``uneven``: every other one 5 more), K = ``k`` * world,
+    N = K / 2 (``k`` even)."""
     from commfuse.ops import ag_matmul, all_to_all, matmul_rs
 
-    s, K, N = 24, 12 * world, 6 * world
+    K, N = k * world, k * world // 2
     g = torch.Generator().manual_seed(world)
-    rnd = lambda *shape: torch.randint(-3, 4, shape, generator=g).float().to(device)  # noqa: E731
-    sizes = tuple(s + 5 * (p % 2) for p in range(world))  # uneven slices
+    rnd = lambda *shape: torch.randint(-3, 4, shape, generator=g).to(device, dtype)  # noqa: E731
+    sizes = tuple(s + 5 * (p % 2) * uneven for p in range(world))
     S, offs = sum(sizes), [sum(sizes[:p]) for p in range(world)]
     if op == "ag_matmul":
         a, b = [rnd(n, K) for n in sizes], [rnd(K, N) for _ in range(world)]
@@ -87,7 +96,7 @@ def case(op: str, world: int, spec, device: str = DEVICE, timeout_s: float = 60.
         x = torch.cat(a, -1) @ B
         ref = [x[offs[r]:offs[r] + sizes[r]] for r in range(world)]
         call = lambda r, grp: all_to_all.a2a_matmul(a[r], B, sizes, grp, spec)[0]  # noqa: E731
-    return compare(run(call, world, device, timeout_s), ref)
+    return call, ref
 
 
 def run(call, world: int, device: str = DEVICE, timeout_s: float = 60.0) -> list:
@@ -111,7 +120,9 @@ def compare(outs, ref) -> str | None:
     return f"ranks {bad} differ from the unsharded result" if bad else None
 
 
-def check_loopback(report):
+def check_loopback(report, device: str = DEVICE):
+    """Every op under every variant on 2, 3, 4 virtual ranks, exact (``device`` "cpu": host
+    copies, `commfuse.runtime.nccl_model.CpuMover`: what runs where no GPU is)."""
     from commfuse.schedule import OPS
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -120,10 +131,11 @@ def check_loopback(report):
         for op in OPS:
             for label in VARIANT_LABELS:
                 try:
-                    err = case(op, world, spec_of(label))
+                    err = case(op, world, spec_of(label), device)
                 except Exception as e:  # a deadlock, a mismatch, a timeout: named, not hung
                     err = f"{type(e).__name__}: {str(e)[-800:]}"
                 if err:
                     failed[f"W={world} {op} {label}"] = err
+    report["loopback_cases"] = 3 * len(OPS) * len(VARIANT_LABELS)
     report["loopback_failures"] = failed
     return f"{len(failed)} failed: {next(iter(failed.items()))}" if failed else None

@@ -310,15 +310,11 @@ class InferenceLlama(nn.Module):
                   what: str) -> None:
         """The collective ``kind`` point to point (`commfuse.runtime.collectives`, "p2p"), within
         the timeout; `CommFuseError` naming ``what`` if a peer does not take part."""
-        from datetime import timedelta
-
-        from commfuse.runtime import collectives
-        from commfuse.runtime.transport import group_timeout
+        from commfuse.runtime import collectives, deadlines
 
         work = collectives.launch(kind, out, inp, self.group, tag, "p2p")
-        try:
-            work.wait(timedelta(seconds=self.opts.get("timeout") or
-                                group_timeout(self.group, inp.device)))
+        try:  # CPU: the host waits; CUDA: the stream does (NCCL's watchdog, or ours)
+            deadlines.wait(work, self.group, inp.device, self.opts.get("timeout") or None)
         except Exception as e:
             raise CommFuseError(f"{what} on rank {self.rank}: {e}") from e
 

@@ -154,14 +154,19 @@ class ParallelDims:
         dp_index, inner_index = divmod(rank, inner)
         seq_group = dp_group = None
         # every rank creates every group, in the same order (new_group is collective)
+        opts = None
+        if dist.get_backend() == "nccl":  # high-priority NCCL streams, as the default group's
+            from commfuse.runtime.cuda import comm_options  # CUDA-only code, imported lazily
+
+            opts = comm_options("nccl")
         for d in range(self.dp):
             ranks = [d * inner + i for i in range(inner)]
-            g = dist.new_group(ranks) if inner > 1 else None
+            g = dist.new_group(ranks, pg_options=opts) if inner > 1 else None
             if d == dp_index:
                 seq_group = g
         for i in range(inner):
             ranks = [d * inner + i for d in range(self.dp)]
-            g = dist.new_group(ranks) if self.dp > 1 else None
+            g = dist.new_group(ranks, pg_options=opts) if self.dp > 1 else None
             if i == inner_index:
                 dp_group = g
         for g in (seq_group, dp_group):  # members only, in the same order on every rank

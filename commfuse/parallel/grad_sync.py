@@ -27,14 +27,13 @@ In ``compute_only`` measurement mode (`commfuse.runtime.modes`) the hooks post n
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from commfuse.errors import CommFuseError
-from commfuse.runtime import modes
+from commfuse.runtime import deadlines, modes
 from commfuse.runtime.transport import group_timeout
 
 DEFAULT_BUCKET_MB = 25.0  # as torch DDP
@@ -143,12 +142,18 @@ class GradSync:
 
     def _wait(self, b: _Bucket) -> None:
         t = self.timeout_s if self.timeout_s is not None else group_timeout(b.group, b.flat.device)
-        try:
-            b.work.wait(timedelta(seconds=t))
+
+        def error(e: Exception) -> CommFuseError:
+            return CommFuseError(f"gradient sync: all-reduce of bucket {b.index} ({b.key}: "
+                                 f"{len(b.params)} parameters, {b.flat.numel()} elements) did "
+                                 f"not complete within {t:.1f} s: {e}")
+
+        try:  # CPU: the host waits; CUDA: the stream does (a timeout_s: the watchdog's)
+            deadlines.wait(b.work, b.group, b.flat.device, self.timeout_s, error=error)
+        except CommFuseError:
+            raise
         except Exception as e:
-            raise CommFuseError(f"gradient sync: all-reduce of bucket {b.index} ({b.key}: "
-                                f"{len(b.params)} parameters, {b.flat.numel()} elements) did not "
-                                f"complete within {t:.1f} s: {e}") from e
+            raise error(e) from e
 
     def reset(self) -> None:
         """Forget this round's posts (after `finish`, or to drop a failed round)."""

@@ -25,8 +25,6 @@ Shape suffixes: B batch, S sequence, s this rank's sequence shard, D model, V vo
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -34,8 +32,7 @@ from torch import nn
 
 from commfuse.errors import CommFuseError
 from commfuse.ops.fused import fused_all_gather_matmul
-from commfuse.runtime import collectives, modes
-from commfuse.runtime.transport import group_timeout
+from commfuse.runtime import collectives, deadlines, modes
 
 TAG = 7001  # P2P tag of the embedding's reduce-scatter / all-gather
 
@@ -59,8 +56,8 @@ def _collective(kind: str, out: torch.Tensor, inp: torch.Tensor, group, sizes) -
         out.narrow(0, start, sizes[r]).copy_(inp)  # out: zeros
         return fc.all_reduce(out, "sum", group)
     work = collectives.launch(kind, out, inp, group, TAG, "auto", sizes=sizes)
-    try:
-        work.wait(timedelta(seconds=group_timeout(group, out.device)))
+    try:  # CPU: within the group's timeout; CUDA: stream-ordered, NCCL's watchdog
+        deadlines.wait(work, group, out.device, None)
     except Exception as e:
         raise CommFuseError(f"vocab-parallel embedding: {kind} on rank {r}: {e}") from e
     return out

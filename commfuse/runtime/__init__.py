@@ -4,6 +4,7 @@
     transport.py    posts transfers and collectives, waits with a deadline (CPU / gloo)
     gloo.py         gloo's point-to-point posting: sender threads, one connection per direction
     cuda.py         the CUDA transport: a communication stream ordered with events (lazy)
+    deadlines.py    waits' deadlines: the host's on CPU, a watchdog thread's on CUDA
     nccl_model.py   NCCL's matching and ordering of one communicator, modelled on CPU
     virtual_ranks.py  threads of one process as ranks over that model (tests, check-gpu)
     collectives.py  the collectives behind none / sliced: the backend's, or the same bytes as P2P

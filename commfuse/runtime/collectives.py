@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from commfuse.runtime import gloo
+from commfuse.runtime import deadlines, gloo
 
 KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 BACKEND = {  # torch.distributed's own, by kind (the *_single names where this torch has them)
@@ -109,8 +109,7 @@ def exchange(mine: torch.Tensor, group, timeout_s: float | None) -> list[torch.T
     rank that died before it raises instead of blocking for the group's timeout."""
     every = [torch.empty_like(mine) for _ in range(group.size())]
     work = dist.all_gather(every, mine, group=group, async_op=True)
-    seconds = gloo.group_timeout(group, mine.device) if timeout_s is None else timeout_s
-    gloo.wait_work(work, time.monotonic() + seconds)
+    deadlines.wait(work, group, mine.device, timeout_s)  # CUDA: the reader's sync waits
     return every
 
 
@@ -135,6 +134,9 @@ class _Padded:
                 src[p * longest:p * longest + sizes[p]].copy_(part)
             self.tmp = out.new_empty((longest, *out.shape[1:]))
         self.work = guarded(BACKEND[kind](self.tmp, src, group=group, async_op=True), kind, out)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
     def wait(self, timeout=None) -> bool:
         """Finish the collective; ``timeout`` (a timedelta) bounds the wait, None is the
@@ -189,6 +191,9 @@ class _P2PCollective:
             self.works = gloo.post(ops, out.device) if ops else []
         else:  # one by one, so that a refused post names its peer
             self.works = [self._post(op, what) for op, what in zip(ops, self.what)]
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
     @staticmethod
     def _post(op: dist.P2POp, what: str):

@@ -14,9 +14,10 @@ A *transport* (`commfuse.runtime.transport`) posts the transfers. On CPU (gloo) 
 (`commfuse.runtime.cuda`) they are issued from a communication stream that waits only for
 each batch's own data (``transport.produced(slot)`` after each Compute/Reduce records it,
 where the op's sends carry what its computes wrote: not `SENDS_INPUT`'s), so
-GEMMs on the compute stream overlap them. Every wait has a deadline (on CUDA when a timeout
-is given; else NCCL's watchdog): a dead or stalled peer raises `CommFuseError` naming the op,
-step and peer instead of hanging. The measurement modes
+GEMMs on the compute stream overlap them; the op's receive buffers are allocated before the
+transport begins. Every wait has a deadline (on CUDA when a timeout is given, kept by a
+watchdog thread, not the host; else NCCL's watchdog): a dead or stalled peer raises
+`CommFuseError` naming the op, step and peer instead of hanging. The measurement modes
 (`commfuse.runtime.modes`) pick the transport and a `commfuse.trace.Tracer` receives the spans
 of a traced run.
 """
@@ -81,6 +82,14 @@ class Execution:
         self.schedule, self.binding, self.transport = schedule, binding, transport
         self.pending: dict[Any, _Handle] = {}  # transfer or ("collective", slot) -> work
         self.posted_at: dict[Any, float] = {}
+        # CUDA: every receive buffer allocated now, on the compute stream, and the transport
+        # begun after them (`commfuse.runtime.cuda`: no batch writes memory a queued GEMM reads)
+        self.received: dict[Transfer, torch.Tensor] = {}
+        if getattr(transport, "preallocates", False):
+            self.received = {t: binding.buffer(t) for step in schedule.steps
+                             if isinstance(step, Post) for t in step.transfers
+                             if t.kind == "recv"}
+            transport.begin()
 
     def run(self, indices) -> None:
         """Run the steps at ``indices`` (in that order)."""
@@ -98,8 +107,8 @@ class Execution:
                     transport.produced(step.slot)
             elif isinstance(step, Post):
                 try:
-                    with transport.allocating():
-                        bufs = [(t, binding.buffer(t)) for t in step.transfers]
+                    bufs = [(t, self.received.pop(t) if t in self.received else binding.buffer(t))
+                            for t in step.transfers]
                     # empty slices (more ranks than rows) move nothing: both sides know the
                     # sizes, and a batch with nothing left is not posted (NCCL refuses it)
                     live = [(t, b) for t, b in bufs if b.numel()]
@@ -196,7 +205,9 @@ def _wait(handle: _Handle, transport: Transport, schedule: Schedule, index: int,
     if work is None:
         return
     try:
-        transport.wait(work)
+        transport.wait(work, lambda cause: _error(schedule, index, transfer, cause))
+    except CommFuseError:
+        raise  # a late work the CUDA watchdog reported: already named
     except Exception as e:
         raise _error(schedule, index, transfer, e) from e
 

@@ -82,12 +82,20 @@ class NullTransport(Transport):
         return Done()
 
 
-class RecordingTransport(Transport):
-    """``record`` mode: runs normally and notes each collective (to replay its bytes)."""
+class Records:
+    """``record`` mode: runs as the transport it is mixed into and notes each collective (to
+    replay its bytes)."""
 
     def launch(self, kind, out, inp, tag, **parts):
         _state["recorded"].append((kind, out.shape, inp.shape, out.dtype, tag, parts))
         return super().launch(kind, out, inp, tag, **parts)
+
+
+class RecordingTransport(Records, Transport):
+    """``record`` mode on CPU (gloo)."""
+
+
+_RECORDING_CUDA: list[type] = []  # the CUDA one, made on first use (CUDA code is lazy)
 
 
 def transport_class(device: torch.device, group=None) -> type[Transport]:
@@ -96,10 +104,14 @@ def transport_class(device: torch.device, group=None) -> type[Transport]:
     virtual ranks, on any device)."""
     if _state["mode"] == "compute_only":
         return NullTransport
-    if _state["mode"] == "record":
-        return RecordingTransport
+    record = _state["mode"] == "record"
     if device.type == "cuda" or getattr(group, "commfuse_backend", None) is not None:
         from commfuse.runtime.cuda import CudaTransport  # CUDA-only code, imported lazily
 
-        return CudaTransport
-    return Transport
+        if not record:
+            return CudaTransport
+        if not _RECORDING_CUDA:  # batched as CUDA's (a pair's send and receive in one batch)
+            _RECORDING_CUDA.append(type("RecordingCudaTransport", (Records, CudaTransport),
+                                        {"__doc__": "``record`` mode on CUDA."}))
+        return _RECORDING_CUDA[0]
+    return RecordingTransport if record else Transport

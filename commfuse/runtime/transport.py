@@ -14,7 +14,6 @@ was never filled. A transfer whose post fails raises `TransferFailed`, which nam
 
 from __future__ import annotations
 
-import contextlib
 import time
 from datetime import timedelta
 from typing import Any
@@ -41,6 +40,9 @@ class Done:
     def wait(self, *args) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
 
 class Transport:
     """Posts transfers and collectives for one op call and waits on them with a deadline."""
@@ -52,11 +54,6 @@ class Transport:
         self.timeout = timedelta(seconds=group_timeout(group, device) if timeout_s is None
                                  else timeout_s)
         self.collective = collective  # see commfuse.runtime.collectives
-
-    def allocating(self):
-        """Context in which the binding allocates the buffers of a post (CUDA: on the
-        communication stream)."""
-        return contextlib.nullcontext()
 
     def produced(self, slot: int) -> None:
         """The compute queued so far finished ``slot``'s data (CUDA: records an event)."""
@@ -79,6 +76,7 @@ class Transport:
         rank where they differ (see `commfuse.runtime.collectives.launch`)."""
         return collectives.launch(kind, out, inp, self.group, tag, self.collective, **parts)
 
-    def wait(self, work: Any) -> None:
-        """Wait for ``work`` within the deadline; raise if it fails, times out or gives up."""
+    def wait(self, work: Any, error=None) -> None:
+        """Wait for ``work`` within the deadline; raise if it fails, times out or gives up
+        (``error(cause)``: the `CommFuseError` a transport that raises later would raise)."""
         gloo.wait_work(work, time.monotonic() + self.timeout.total_seconds())

@@ -42,10 +42,6 @@ class VirtualBackend(Backend):
         if not self.cpu:
             super().wait_event(stream, event)
 
-    def record_stream(self, tensor, stream) -> None:
-        if not self.cpu:
-            super().record_stream(tensor, stream)
-
     def issue(self, group, transfers) -> Op:
         return self.comm.issue(self.rank, transfers)
 

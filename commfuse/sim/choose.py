@@ -6,14 +6,16 @@ caches its choice); the whole-step simulation (`commfuse.sim.step.timing`) calls
 plans.
 
 Host time: the hardware model's host costs per launch (``Hardware.host_collective_s`` /
-``host_p2p_s``, fitted by the calibration; the `cpu-testbed` preset has them, the GPU presets
-have 0) are charged inside the simulation; ``STEP_OVERHEAD_S`` per schedule step (dispatch)
-is added to the simulated time on top.
+``host_p2p_s``, fitted by the calibration on the `cpu-testbed`) are charged inside the
+simulation, where the host is the core that computes; ``STEP_OVERHEAD_S`` per schedule step
+(dispatch) is added to the simulated time on top. On the GPU presets (``host_async``) the host
+launches ahead of the device: its cost per post caps the pieces instead (`launch_bound`: a
+P2P schedule whose posts take the host longer than the op's compute is not chosen).
 """
 
 from __future__ import annotations
 
-from commfuse.schedule import VARIANTS
+from commfuse.schedule import VARIANTS, Post
 from commfuse.sim.costs import OpSpec
 from commfuse.sim.engine import Engine
 from commfuse.sim.program import schedule
@@ -44,12 +46,25 @@ def fastest(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 
     for i, (m, o) in enumerate(candidates):
         engine = Engine(hw, world, [OpSpec(op, m, tuple(shape), attention=attention, **o)],
                         dtype_bytes, True, False, sym)
+        if o.get("splits", 1) > 1 and launch_bound(op, m, world, o, engine.work_s(), hw):
+            continue  # more pieces than the host can post while the device computes
         extra = step_s * steps(op, m, world, o)
         if engine.work_s() + extra >= best[0]:  # a lower bound of its time: it cannot win
             continue
         best = min(best, (max(engine.run()[0]) + extra, i))
     t, i = best
     return candidates[i][0], candidates[i][1], t
+
+
+def launch_bound(op: str, method: str, world: int, opts: dict, compute_s: float, hw) -> bool:
+    """Whether, on a ``host_async`` device, posting rank 0's batches of ``method`` takes the
+    host longer (``host_p2p_s`` per ``Post``) than the op's ``compute_s``: the device would
+    wait for the launches, whatever the simulated overlap. Always False where the host costs
+    are charged in the simulation (``host_async`` off)."""
+    if not hw.host_async or not hw.host_p2p_s:
+        return False
+    posts = sum(isinstance(s, Post) for s in schedule(op, method, world, 0, **opts).steps)
+    return posts * hw.host_p2p_s > compute_s
 
 
 def steps(op: str, method: str, world: int, opts: dict) -> int:
@@ -64,7 +79,9 @@ def best_splits(op: str, shape, world: int, dtype_bytes: float, hw, step_s: floa
     stopped at the first m that is not faster than the one before (ties keep the smaller m);
     an m that would cut the dim into more than `MAX_PIECES` pieces (W*m) is not tried: on
     wide groups each slice is already a small piece, and simulating them would dominate
-    the planner's time. ``attention``: as for `fastest`.
+    the planner's time; on a ``host_async`` device (the GPU presets) an m whose posts would
+    keep the host longer than the op computes is not tried either (`launch_bound`), so the m
+    shrinks as the host's cost per post grows. ``attention``: as for `fastest`.
 
     A pure function of its arguments (the simulator is deterministic), so every rank that
     passes the same shape, group size, dtype and hardware gets the same m: it sets the
@@ -77,7 +94,7 @@ def best_splits(op: str, shape, world: int, dtype_bytes: float, hw, step_s: floa
             break
         t = fastest(op, shape, world, dtype_bytes, hw, step_s,
                     [(method, {"topology": topology, "splits": m})], attention)[2]
-        if t >= best_t:
+        if t >= best_t:  # slower, or launch-bound (not simulated: inf)
             break
         best_m, best_t = m, t
     return best_m

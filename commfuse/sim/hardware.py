@@ -77,6 +77,12 @@ class Hardware:
     asynchronous and cheap next to the kernels (the GPU presets)."""
     host_p2p_s: float = 0.0
     """Host time to post one batch of P2P transfers (a schedule's ``Post``), likewise."""
+    host_async: bool = False
+    """The host launches ahead of the device (CUDA: kernels and NCCL batches are queued, the
+    host returns): the host costs above are not charged on the rank's timeline, where the
+    device would wait for them only once the host falls behind. They cap the pieces instead:
+    a P2P schedule whose posts take the host longer than the op's compute is launch-bound
+    and not chosen (`commfuse.sim.choose.launch_bound`)."""
     first_touch_bandwidth: float = 0.0
     """Bytes/s at which an op's fresh buffers of ``first_touch_bytes`` or more are first
     written (page faults: glibc hands buffers of 32 MiB and more back to the kernel, so each
@@ -232,8 +238,14 @@ LINK_FIELDS = ("link_bandwidth", "link_latency", "duplex_efficiency", "collectiv
 
 # Efficiency shape shared by the accelerator presets: large bf16 GEMMs reach about 70 % of the
 # datasheet's dense peak (typical of cuBLAS/CANN on big shapes), slices under ~128 rows lose it.
+# Host time per P2P post on CUDA, host_p2p_s = 60 us: an estimate, not a measurement (no
+# session has had a GPU): a schedule step's Python dispatch (STEP_OVERHEAD_S["cuda"], 10 us),
+# building the batch's P2POps and batch_isend_irecv through ProcessGroupNCCL (ncclGroupStart /
+# End, a CUDA event recorded and waited, a work object: some tens of us in PyTorch profiles
+# of P2P pipelines), commfuse's event record and wait per dependency (a few us each).
+# `commfuse check-gpu`'s host_vs_gpu check measures it (host_per_post_us in its report).
 _GPU = dict(gemm_max_efficiency=0.7, m0=128.0, n0=128.0, k0=128.0, link_latency=5e-6,
-            interference=0.05, serial_p2p=True)
+            interference=0.05, serial_p2p=True, host_p2p_s=60e-6, host_async=True)
 # Hopper (H100/H200 SXM) from published measurements rather than a guess:
 # - GEMM: the Maximum Achievable Matmul FLOPS table of stas00/ml-engineering
 #   (compute/accelerator/README.md, mamf-finder.py): H100 SXM bf16 792.1 TFLOP/s = 80.1 % of 989

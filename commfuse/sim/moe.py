@@ -272,7 +272,8 @@ def _compile(prog, coll_time, hw: Hardware, c: ExpertCounts, job: int, o: MoEOp,
     def key(t):
         return (job, r, t.peer, t.tag) if t.kind == "send" else (job, t.peer, r, t.tag)
 
-    host_c, host_p = (hw.host_collective_s, hw.host_p2p_s) if comm else (0.0, 0.0)
+    host_c, host_p = (hw.host_collective_s, hw.host_p2p_s) if comm and not hw.host_async \
+        else (0.0, 0.0)  # host_async: the host runs ahead (launch_bound caps the pieces)
     step = step_s if comm else 0.0
     for st in sched.steps:
         if step:

@@ -58,7 +58,8 @@ def _compile(prog, coll_time, hw, world, job, spec, sched, d, comm, symmetric) -
     gemm = hw.gemm_time(*c.gemm, rank=r)
     add = hw.add_time(c.reduce_bytes, rank=r)
     xb = c.transfer_bytes if comm else 0.0
-    host_c, host_p = (hw.host_collective_s, hw.host_p2p_s) if comm else (0.0, 0.0)
+    host_c, host_p = (hw.host_collective_s, hw.host_p2p_s) if comm and not hw.host_async \
+        else (0.0, 0.0)  # host_async: the host runs ahead (launch_bound caps the pieces)
 
     def key(t: S.Transfer) -> tuple:
         if symmetric:

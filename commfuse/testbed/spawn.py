@@ -94,7 +94,8 @@ def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, r
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+                                timeout=datetime.timedelta(seconds=pg_timeout_s),
+                                pg_options=pg_options(backend))
         duplex()  # one connection per direction between two ranks (commfuse.runtime.gloo)
         out = fn(rank, world, *args)
         results.put((rank, True, out))
@@ -103,6 +104,16 @@ def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, r
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def pg_options(backend: str):
+    """The ``pg_options`` of a group commfuse creates: high-priority NCCL streams
+    (`commfuse.runtime.cuda.comm_options`); None on gloo."""
+    if backend != "nccl":
+        return None
+    from commfuse.runtime.cuda import comm_options  # CUDA-only code, imported lazily
+
+    return comm_options(backend)
 
 
 def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0,

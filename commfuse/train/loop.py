@@ -28,8 +28,11 @@ def launch(cfg: TrainConfig, rank_fn=None):
         if not dist.is_initialized():
             if cfg.device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo",
-                                    timeout=datetime.timedelta(seconds=cfg.timeout))
+            from commfuse.testbed.spawn import pg_options
+
+            backend = "nccl" if cfg.device == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout),
+                                    pg_options=pg_options(backend))
             duplex()  # one connection per direction between two ranks (commfuse.runtime.gloo)
         return rank_fn(dist.get_rank(), dist.get_world_size(), cfg)
     if cfg.world == 1:

@@ -12,12 +12,11 @@ when every header agrees do they gather the counts themselves. Any problem raise
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
 from commfuse.errors import CommFuseError
+from commfuse.runtime import deadlines
 from commfuse.schedule.moe import ExpertCounts
 
 _LOCAL = {1: "counts that are not a 1-D list of ints", 2: "negative counts",
@@ -132,9 +131,9 @@ def _gather(op: str, values: list[int], group, timeout, device) -> list[list[int
     every = [torch.empty_like(mine) for _ in range(group.size())]
     try:
         work = dist.all_gather(every, mine, group=group, async_op=True)
-        done = work.wait() if timeout is None else work.wait(timedelta(seconds=timeout))
-        if done is False:
-            raise RuntimeError("the backend gave up the wait before the all-gather completed")
+        deadlines.wait(work, group, mine.device, timeout)  # CUDA: the .tolist() below syncs
+    except CommFuseError:
+        raise
     except Exception as e:
         raise CommFuseError(f"commfuse {op} (rank {group.rank()} of {group.size()}) failed "
                             f"exchanging the expert counts: {type(e).__name__}: {e}") from e
