@@ -1,4 +1,4 @@
-"""Gated DeltaNet mixers under `commfuse.tp.parallelize` (`commfuse.tp.deltanet`), beyond the
+"""Gated DeltaNet mixers under `commfuse.tp.parallelize` (`commfuse.tp.mixers.deltanet`), beyond the
 Qwen3.5 and Qwen3-Next families of tests/test_tp_families.py: the rows each rank owns in both
 in_proj layouts (Qwen3.5's separate linears, Qwen3-Next's packed per key head) against the
 model's own split, with no processes; what the plan refuses; and on 2 and 4 gloo ranks
@@ -33,7 +33,7 @@ def _parts(mixer, x):
 @pytest.mark.parametrize("T", [1, 2, 4])
 def test_each_rank_gets_its_heads_rows(family, T):
     from commfuse.tp.attention import AssembledRows, unpack_rows
-    from commfuse.tp.deltanet import deltanet_layout
+    from commfuse.tp.mixers.deltanet import deltanet_layout
     model = build(family)
     mixer = model.model.layers[0].linear_attn
     lay = deltanet_layout(mixer, T)
@@ -62,7 +62,7 @@ def test_each_rank_gets_its_heads_rows(family, T):
 
 
 def test_a_gated_deltanet_is_planned_as_a_whole():
-    from commfuse.tp.deltanet import DeltaNetParallel
+    from commfuse.tp.mixers.deltanet import DeltaNetParallel
     from commfuse.tp.plan import derive_plan
     from commfuse.tp.sequence import SequenceParallelNorm
     from commfuse.tp.style import FusedRowwiseParallel

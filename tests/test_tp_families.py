@@ -160,9 +160,9 @@ def test_refuses_latent_attention_with_parts_it_does_not_know():
 
 
 def test_plan_covers_every_parameter_of_each_family():
-    from commfuse.tp.deltanet import DeltaNetParallel
+    from commfuse.tp.mixers.deltanet import DeltaNetParallel
     from commfuse.tp.experts import ExpertParallel
-    from commfuse.tp.mamba import MambaMixerParallel
+    from commfuse.tp.mixers.mamba import MambaMixerParallel
     from commfuse.tp.plan import derive_plan
     for name in FAMILIES:
         model = build(name)

@@ -302,7 +302,7 @@ def test_matches_unsharded_model(world, case):
 # --- no processes: the layout, and what parallelize refuses --------------------------------
 
 def test_layout_rows_are_each_ranks_heads_and_groups():
-    from commfuse.tp.mamba import MixerLayout
+    from commfuse.tp.mixers.mamba import MixerLayout
     # H=4 heads of P=1, G=2 groups of N=1: in_proj rows z 0-3, x 4-7, B 8-9, C 10-11, dt 12-15;
     # with G=1: B 8, C 9, dt 10-13
     split = MixerLayout(heads=4, head_dim=1, groups=2, state=1, world=2)
@@ -343,7 +343,7 @@ def test_plan_rejects_hybrid(over, T, match):
 
 
 def test_plan_names_what_is_missing():
-    from commfuse.tp.mamba import is_mamba2, mixer_layout
+    from commfuse.tp.mixers.mamba import is_mamba2, mixer_layout
     model = build("g2")
     del model.backbone.layers[1].mixer.chunk_size  # its parts, but not its sizes
     _refused(model, 2, r"backbone\.layers\.1\.mixer \(Mamba2Mixer\) is not a Mamba-2 mixer: "

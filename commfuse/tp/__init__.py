@@ -32,7 +32,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                              "SeqSplit"),
     "commfuse.tp.plan": ("parallelize", "derive_plan"),
     "commfuse.tp.mesh": ("tp_mesh",),
-    "commfuse.tp.mamba": ("MambaMixerParallel", "MixerLayout"),
+    "commfuse.tp.mixers.mamba": ("MambaMixerParallel", "MixerLayout"),
     "commfuse.tp.embedding": ("VocabParallelEmbedding",),
     "commfuse.tp.norms": ("SplitDimNorm",),
     "commfuse.tp.experts": ("ExpertParallel",),

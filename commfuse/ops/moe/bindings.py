@@ -19,6 +19,7 @@ from commfuse.runtime import executor
 from commfuse.schedule import Transfer
 from commfuse.schedule import moe as moe_schedule
 from commfuse.schedule.moe import TAIL, ExpertCounts, clip, piece
+from commfuse.schedule.expert_counts import starts
 
 
 class _Slots:
@@ -36,7 +37,7 @@ class _Slots:
         self.roff = counts.recv_offsets(rank)
         self.u_to = counts.pairs[rank]  # moved rows of my send slot q (mine for / from q)
         self.u_of = tuple(row[rank] for row in counts.pairs)  # moved rows of receive slot p
-        self.usoff, self.uroff = _starts(self.u_to), _starts(self.u_of)
+        self.usoff, self.uroff = starts(self.u_to), starts(self.u_of)
         n = k or m
         # every GEMM's group ends in one copy to the device: (p, j) -> (sizes, offs)
         self.groups, flat, at = {}, [], []
@@ -272,10 +273,3 @@ def matmul_combine(a_RK, w_EKN, counts, group, spec, tail=None, routing=None, we
              routing=routing, weights=weights)
     return b.y_TN, b.tail_out, b.raw
 
-
-def _starts(lengths) -> tuple[int, ...]:
-    out, off = [], 0
-    for n in lengths:
-        out.append(off)
-        off += n
-    return tuple(out)

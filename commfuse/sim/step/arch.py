@@ -59,7 +59,7 @@ class MoESpec:
 
 @dataclass(frozen=True)
 class MambaSpec:
-    """A Mamba-2 mixer (`commfuse.tp.mamba`): in_proj [z | x | B | C | dt], a causal depthwise
+    """A Mamba-2 mixer (`commfuse.tp.mixers.mamba`): in_proj [z | x | B | C | dt], a causal depthwise
     conv1d over x | B | C, the SSD scan per head, a gated group RMSNorm, out_proj."""
 
     heads: int
@@ -105,7 +105,7 @@ class MambaSpec:
         return h, g, 2 * h * self.head_dim + 2 * g * self.d_state + h
 
     def check(self, tp: int) -> None:
-        """ValueError when the mixer cannot be split over ``tp`` ranks (as `commfuse.tp.mamba`
+        """ValueError when the mixer cannot be split over ``tp`` ranks (as `commfuse.tp.mixers.mamba`
         refuses it)."""
         if self.heads % tp:
             raise ValueError(f"Mamba heads ({self.heads}) must be divisible by tp={tp} "

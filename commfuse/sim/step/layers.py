@@ -29,7 +29,7 @@ hybrid model has one group per layer kind present (module doc of `commfuse.sim.s
   reduce-scatter of their gradients. Under tp > 1 experts are replicated over the TP group
   (their gradients all-reduced there, `hybrid_grad_sync_ops`). Not modelled: the per-step
   exchange of per-peer counts (a few bytes), routing skew, token dropping.
-- ``M`` Mamba-2 mixer (`commfuse.tp.mamba`): under TPSP in_proj's AG->GEMM (this rank's z,
+- ``M`` Mamba-2 mixer (`commfuse.tp.mixers.mamba`): under TPSP in_proj's AG->GEMM (this rank's z,
   x, B, C, dt rows: `commfuse.sim.step.arch.MambaSpec.local`) and out_proj's GEMM->RS, backward
   their duals as for q|k|v and down; without TP two Linears (local or ZeRO-3). The conv1d,
   the scan and the gated norm are local memory-bound work (`commfuse.sim.step.work`).
