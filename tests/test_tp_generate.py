@@ -129,8 +129,7 @@ def test_cli_generates_other_families_through_transformers(tmp_path, command):
     """``commfuse generate --hf-model`` on a family its own Llama does not model (Gemma 3:
     tied embeddings, windows) runs transformers' generate on the sharded model: the same text
     on 1 and 2 ranks (a batch of two prompts); --bench times every method's prefill and
-    decode; a Mamba-2 model and the built-in path's flags are refused before any rank
-    starts."""
+    decode; the built-in path's flags are refused before any rank starts."""
     from commfuse.tp.families import tiny_config
     import transformers
     cfg = tiny_config("gemma3", vocab_size=4096, max_position_embeddings=128)
@@ -156,23 +155,26 @@ def test_cli_generates_other_families_through_transformers(tmp_path, command):
     assert [(r["prompt_tokens"], r["method"]) for r in rows] == [
         (n, m) for n in (16, 24) for m in ("none", "sliced", "commfuse", "auto")]
     assert all(r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
-    transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
-        vocab_size=4096, hidden_size=16, num_heads=8, head_dim=4, num_hidden_layers=1,
-        n_groups=1, state_size=8)).save_pretrained(tmp_path / "m")
-    p = command("generate", "--hf-model", str(tmp_path / "m"), "--prompt", "a", "--tp", "2",
-                "--link", "loopback")
-    assert p.returncode == 2 and "do not generate yet" in p.stderr
 
 
-def test_moe_train_then_generate_round_trip(tmp_path, command):
-    """``commfuse train --hf-config gpt-oss-tiny --tp 2 --checkpoint-dir D`` then ``commfuse
-    generate --checkpoint D --tp 2``: transformers' greedy tokens of the saved model (experts
-    and sinks gathered back into the model's layout)."""
+# a shipped config per kind of cache: gpt-oss-tiny (MoE, sinks: KV caches of this rank's
+# heads), nemotron-h-tiny (Mamba-2 and attention: conv and SSM states), qwen3.5-tiny (Gated
+# DeltaNet and gated attention: conv and recurrent states)
+ROUND_TRIP = ("gpt-oss-tiny", "nemotron-h-tiny", "qwen3.5-tiny")
+
+
+@pytest.mark.parametrize("config", ROUND_TRIP)
+def test_train_then_generate_round_trip(tmp_path, command, config):
+    """``commfuse train --hf-config CONFIG --tp 2 --checkpoint-dir D`` then ``commfuse generate
+    --checkpoint D --tp 2``: transformers' greedy tokens of the saved model (experts, sinks,
+    the mixers' assembled in_proj / conv1d rows gathered back into the model's layout;
+    generate's cache on even where the shipped config turns it off, as nemotron-h-tiny's
+    does)."""
     import transformers
 
     from commfuse.data import load_tokenizer
     root = str(tmp_path / "run")
-    p = command("train", "--hf-config", "gpt-oss-tiny", "--tp", "2", "--steps", "2",
+    p = command("train", "--hf-config", config, "--tp", "2", "--steps", "2",
                 "--seq-len", "16", "--batch-size", "2", "--link", "loopback",
                 "--checkpoint-dir", root)
     assert p.returncode == 0, p.stderr[-2000:]
