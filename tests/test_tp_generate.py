@@ -90,7 +90,7 @@ def _check(family: str, mesh) -> dict[str, list[str]]:
     if family in STATES:
         with torch.no_grad():
             caches = [m(ids, attention_mask=kw["attention_mask"], use_cache=True)
-                      .past_key_values for m in (ref, model)]
+                      .cache for m in (ref, model)]
         out[f"cache-{family}"] = _states(model, *caches, mesh.get_local_rank())
     torch.manual_seed(11)
     sampled = model.generate(ids, do_sample=True, top_k=8, **{**kw, "max_new_tokens": 8})
