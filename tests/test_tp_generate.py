@@ -1,9 +1,11 @@
 """transformers' own ``model.generate`` on a model sharded by `commfuse.tp.parallelize`,
 against the unsharded model's (tiny configs, float32, gloo, 2 and 4 ranks): greedy, 32 new
-tokens, a batch of two prompts of different lengths (left padding). The prompt is longer than
-the sliding windows of the families that have them; prefill runs the fused sequence-sharded
-path, each decode step (one token, fewer than the ranks) the replicated one. Also: sampling
-gives every rank the same tokens.
+tokens, a batch of two prompts of different lengths (left padding), the tokens equal and every
+step's logits within 1e-4. The prompt is longer than the sliding windows of the families that
+have them; prefill runs the fused sequence-sharded path, each decode step (one token, fewer
+than the ranks) the replicated one. The Mamba-2 and Gated DeltaNet mixers' caches hold this
+rank's conv channels and heads: after the prefill, the unsharded cache's rows of them. Also:
+sampling gives every rank the same tokens.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ import pytest
 import torch
 
 from commfuse.testbed.spawn import run_local
-from commfuse.tp.families import GENERATE, build
+from commfuse.tp.families import FAMILIES as REGISTRY, GENERATE, build
 
 # family -> parallelize options: tied embeddings and windows (gemma3), packed projections
 # (phi3), loss_parallel (qwen3: generate gathers the head's columns), MoE (mixtral; gpt-oss:
 # sinks and expert biases; llama4: shared expert, chunked attention; deepseek-v3: latent
-# attention, its cache holding the latents)
+# attention, its cache holding the latents; mamba2 and the hybrids: conv and SSM states of this
+# rank's heads; qwen3.5, qwen3-next: Gated DeltaNet's conv and recurrent states)
 FAMILIES = {f: {"loss_parallel": True} if f == "qwen3" else {} for f in GENERATE}
+# the families with Mamba-2 or Gated DeltaNet mixers: their caches' states checked
+STATES = [f for f in FAMILIES if f in REGISTRY and any(
+    m.startswith(("Mamba-2", "gated DeltaNet")) for m in REGISTRY[f].mechanisms)]
 
 
 def _model(family: str):
@@ -44,6 +50,31 @@ def _prompts():
     return ids, dict(attention_mask=mask, max_new_tokens=32, pad_token_id=0)
 
 
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+def _states(model, ref_cache, cache, rank: int) -> list[str]:
+    """Each sharded mixer's conv and recurrent state in ``cache`` against ``ref_cache``'s rows
+    of this rank's conv channels and heads (its `MixerLayout` / `DeltaNetLayout`)."""
+    out, seen = [], 0
+    for name, mixer in model.named_modules():
+        lay = getattr(mixer, "_commfuse_layout", None) or getattr(mixer, "_commfuse_deltanet",
+                                                                  None)
+        if lay is None:
+            continue
+        seen += 1
+        heads = lay.local_heads if hasattr(lay, "local_heads") else lay.local_v_heads
+        i = mixer.layer_idx
+        want = (ref_cache.layers[i].conv_states[0][:, lay.conv_rows(rank)],
+                ref_cache.layers[i].recurrent_states[0][:, rank * heads:(rank + 1) * heads])
+        got = (cache.layers[i].conv_states[0], cache.layers[i].recurrent_states[0])
+        for what, g, w in zip(("conv", "recurrent"), got, want):
+            if g.shape != w.shape or _rel(g, w) > 1e-5:
+                out.append(f"{name} {what} state {tuple(g.shape)} vs {tuple(w.shape)}")
+    return out if seen else ["no sharded mixer"]
+
+
 def _check(family: str, mesh) -> dict[str, list[str]]:
     import torch.distributed as dist
 
@@ -51,9 +82,16 @@ def _check(family: str, mesh) -> dict[str, list[str]]:
     ref = _model(family)
     model = tp.parallelize(copy.deepcopy(ref), mesh, method="commfuse", **FAMILIES[family])
     ids, kw = _prompts()
-    want, got = ref.generate(ids, do_sample=False, **kw), model.generate(ids, do_sample=False,
-                                                                        **kw)
-    out = {f"greedy-{family}": [] if torch.equal(got, want) else [f"{got} vs {want}"]}
+    gen = dict(do_sample=False, return_dict_in_generate=True, output_logits=True, **kw)
+    want, got = ref.generate(ids, **gen), model.generate(ids, **gen)
+    rel = max(_rel(g, w) for g, w in zip(got.logits, want.logits))
+    out = {f"greedy-{family}": [] if torch.equal(got.sequences, want.sequences) and rel < 1e-4
+           else [f"{got.sequences} vs {want.sequences}, logits rel {rel:.1e}"]}
+    if family in STATES:
+        with torch.no_grad():
+            caches = [m(ids, attention_mask=kw["attention_mask"], use_cache=True)
+                      .cache for m in (ref, model)]
+        out[f"cache-{family}"] = _states(model, *caches, mesh.get_local_rank())
     torch.manual_seed(11)
     sampled = model.generate(ids, do_sample=True, top_k=8, **{**kw, "max_new_tokens": 8})
     every = [torch.empty_like(sampled) for _ in range(mesh.size())]
@@ -78,6 +116,7 @@ def results(world: int) -> list[dict]:
 
 
 CASES = [(w, f"{k}-{f}") for w in (2, 4) for f in FAMILIES for k in ("greedy", "sampled")]
+CASES += [(w, f"cache-{f}") for w in (2, 4) for f in STATES]
 
 
 @pytest.mark.parametrize("world,case", CASES, ids=[f"{w}-{c}" for w, c in CASES])
@@ -90,8 +129,7 @@ def test_cli_generates_other_families_through_transformers(tmp_path, command):
     """``commfuse generate --hf-model`` on a family its own Llama does not model (Gemma 3:
     tied embeddings, windows) runs transformers' generate on the sharded model: the same text
     on 1 and 2 ranks (a batch of two prompts); --bench times every method's prefill and
-    decode; a Mamba-2 model and the built-in path's flags are refused before any rank
-    starts."""
+    decode; the built-in path's flags are refused before any rank starts."""
     from commfuse.tp.families import tiny_config
     import transformers
     cfg = tiny_config("gemma3", vocab_size=4096, max_position_embeddings=128)
@@ -117,23 +155,26 @@ def test_cli_generates_other_families_through_transformers(tmp_path, command):
     assert [(r["prompt_tokens"], r["method"]) for r in rows] == [
         (n, m) for n in (16, 24) for m in ("none", "sliced", "commfuse", "auto")]
     assert all(r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
-    transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
-        vocab_size=4096, hidden_size=16, num_heads=8, head_dim=4, num_hidden_layers=1,
-        n_groups=1, state_size=8)).save_pretrained(tmp_path / "m")
-    p = command("generate", "--hf-model", str(tmp_path / "m"), "--prompt", "a", "--tp", "2",
-                "--link", "loopback")
-    assert p.returncode == 2 and "do not generate yet" in p.stderr
 
 
-def test_moe_train_then_generate_round_trip(tmp_path, command):
-    """``commfuse train --hf-config gpt-oss-tiny --tp 2 --checkpoint-dir D`` then ``commfuse
-    generate --checkpoint D --tp 2``: transformers' greedy tokens of the saved model (experts
-    and sinks gathered back into the model's layout)."""
+# a shipped config per kind of cache: gpt-oss-tiny (MoE, sinks: KV caches of this rank's
+# heads), nemotron-h-tiny (Mamba-2 and attention: conv and SSM states), qwen3.5-tiny (Gated
+# DeltaNet and gated attention: conv and recurrent states)
+ROUND_TRIP = ("gpt-oss-tiny", "nemotron-h-tiny", "qwen3.5-tiny")
+
+
+@pytest.mark.parametrize("config", ROUND_TRIP)
+def test_train_then_generate_round_trip(tmp_path, command, config):
+    """``commfuse train --hf-config CONFIG --tp 2 --checkpoint-dir D`` then ``commfuse generate
+    --checkpoint D --tp 2``: transformers' greedy tokens of the saved model (experts, sinks,
+    the mixers' assembled in_proj / conv1d rows gathered back into the model's layout;
+    generate's cache on even where the shipped config turns it off, as nemotron-h-tiny's
+    does)."""
     import transformers
 
     from commfuse.data import load_tokenizer
     root = str(tmp_path / "run")
-    p = command("train", "--hf-config", "gpt-oss-tiny", "--tp", "2", "--steps", "2",
+    p = command("train", "--hf-config", config, "--tp", "2", "--steps", "2",
                 "--seq-len", "16", "--batch-size", "2", "--link", "loopback",
                 "--checkpoint-dir", root)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -1,16 +1,17 @@
 """``commfuse generate`` for the transformers families its own Llama does not model (Gemma,
 Phi-3, OLMo, Mixtral, ... : `commfuse.tp.families`): the saved model sharded by
 `commfuse.tp.parallelize` and run by transformers' own ``model.generate`` (prefill on the
-fused sequence-sharded path, decode steps replicated, caches of this rank's heads).
+fused sequence-sharded path, decode steps replicated, caches of this rank's heads: KV caches,
+and the conv and recurrent states of Mamba-2 and Gated DeltaNet mixers).
 
 `transformers_family` tells `commfuse.infer.cli` which models go here; `check_args`
 refuses the flags of the built-in path (--query-split, --prefill-chunks, --decode-method);
 `rank_main` is one rank: load, shard, generate; rank 0 prints the text. A batch of prompts
-is left-padded. ``--bench``: the model sharded once per method of `BENCH`, rounds
-interleaved after a warm-up; per prompt length the prefill (a forward of the prompt that
-fills the cache) and decode tokens/s (``max_new_tokens`` - 1 tokens: a generate of them all
-less one of a single token), each the slowest rank's. Mamba-2 models and the hybrids do not
-generate yet.
+is left-padded; generation uses the cache even where the saved config turns it off (a
+training run's ``use_cache: false``). ``--bench``: the model sharded once per method of
+`BENCH`, rounds interleaved after a warm-up; per prompt length the prefill (a forward of the
+prompt that fills the cache) and decode tokens/s (``max_new_tokens`` - 1 tokens: a generate
+of them all less one of a single token), each the slowest rank's.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ import torch
 
 UNSUPPORTED = ("--query-split", "--prefill-chunks", "--decode-method")
 BENCH = ("none", "sliced", "commfuse", "auto")  # --bench: the methods, each its own sharding
-# conv and recurrent-state caches (Mamba-2's SSM, Gated DeltaNet's) not split yet
-NO_GENERATE = ("mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "qwen3_5_text",
-               "qwen3_next")
 
 
 def model_dir(args) -> Path | None:
@@ -53,9 +51,6 @@ def transformers_family(args) -> str | None:
 
 def check_args(args, kind: str) -> None:
     """ValueError for what this path does not take, for a model of type ``kind``."""
-    if kind in NO_GENERATE:
-        raise ValueError(f"{model_dir(args)}: {kind} models do not generate yet (their conv and "
-                         f"recurrent-state caches are not split over the ranks)")
     given = [flag for flag, on in (("--query-split", args.query_split is not None),
                                    ("--prefill-chunks", args.prefill_chunks is not None),
                                    ("--decode-method", args.decode_method is not None)) if on]
@@ -98,7 +93,7 @@ def rank_main(rank: int, world: int, args) -> int:
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
-                             pad_token_id=pad, **kw)
+                             pad_token_id=pad, use_cache=True, **kw)
     dt = time.perf_counter() - t0
     if rank == 0:
         for i, (p, o) in enumerate(zip(prompts, out[:, longest:].tolist())):
@@ -152,7 +147,8 @@ def bench(model, args, rank: int, world: int) -> int:
     rows = []
     for n in lengths:
         ids = corpus.repeat(-(-n // len(corpus)))[:n].view(1, n).long()
-        gen = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+        gen = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                   use_cache=True)
         times = {m: ([], []) for m in methods}
         for it in range(args.iters + 1):
             for m in methods:

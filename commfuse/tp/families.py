@@ -188,7 +188,8 @@ OTHERS = {"mixtral": ("mixtral", "tests/test_moe_hf.py"),
           "qwen3-moe": ("qwen3_moe", "tests/test_moe_hf.py")}
 COMPILED = ("llama", "qwen2")  # tests/test_tp_compile.py
 GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "gpt-oss", "llama4",
-            "deepseek-v3")  # tests/test_tp_generate.py
+            "deepseek-v3", "mamba2", "bamba", "nemotron-h", "falcon-h1", "granite-4-h",
+            "qwen3.5", "qwen3-next")  # tests/test_tp_generate.py
 FSDP2 = ("llama", "mixtral")  # tests/test_tp.py, tests/test_moe_hf.py
 
 
@@ -234,7 +235,6 @@ def _shipped() -> dict[tuple[str, bool], list[str]]:
 
 def support_matrix() -> str:
     """docs/support.md's table: each family against what takes it."""
-    from commfuse.infer.hf_generate import NO_GENERATE
     from commfuse.models.llama import HF_TYPES
     from commfuse.sim.plan.hf_config import PLANNED_TYPES
     shipped = _shipped()
@@ -248,10 +248,9 @@ def support_matrix() -> str:
         cfgs = [c for (k, t), cs in shipped.items() if k == kind and tied in (None, t)
                 for c in cs]
         cfgs = ", ".join(f"`{c}`" for c in cfgs) or "a config.json of it"
-        gen = [w for w, ok in (("`commfuse generate`" + (" (own Llama)" if kind in HF_TYPES
-                                                          else ""), kind not in NO_GENERATE),
-                                ("`model.generate` tested", name in GENERATE)) if ok]
-        lines.append(f"| {name} | `{kind}` | yes ({test}) | {cfgs} | {', '.join(gen) or '-'} "
+        gen = "`commfuse generate`" + (" (own Llama)" if kind in HF_TYPES else "")
+        gen += ", `model.generate` tested" if name in GENERATE else ""
+        lines.append(f"| {name} | `{kind}` | yes ({test}) | {cfgs} | {gen} "
                      f"| {yes(kind in PLANNED_TYPES)} | {yes(name in COMPILED)} "
                      f"| {yes(name in FSDP2)} |")
     return "\n".join(lines) + "\n"

@@ -33,14 +33,22 @@ that share it, so its copies stay equal. A_log and dt_bias are ``Shard(0)`` in t
 layout; the norm's weight (one per head dim, shared by every head) is the plan's
 `SequenceParallelNorm`: replicated, its gradient summed over TP.
 
-Training and scoring forwards only: no cache (generation). The conv and the rule are the
-model module's own torch functions (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``).
+The conv and the rule are the model module's own torch functions (``causal_conv1d_forward``,
+``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``) on this rank's
+channels and heads. With a generation cache (transformers' lazily allocated linear-attention
+layers, shaped by what is first written) the cache therefore holds this rank's conv channels
+q_r | k_r | v_r and the recurrent states of its value heads: a prefill on the
+sequence-sharded path writes them from the whole sequence (the chunked rule's final state), a
+decode step (fewer tokens than ranks, no gradients: ``SeqSplit.replicated``) is the recurrent
+rule's single step from them, in_proj local GEMMs and out_proj a local GEMM closed by an
+all-reduce. A cache that records past states (assisted generation) is refused.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -242,12 +250,15 @@ class DeltaNetParallel(_Fused):
 
     def _forward(self, mixer: nn.Module, group, hidden_states: torch.Tensor, cache=None,
                  attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        if cache is not None:
-            raise ValueError("commfuse.tp's Gated DeltaNet mixer runs training/scoring forwards "
-                             "only: call the model with use_cache=False (no generation cache)")
         lay: DeltaNetLayout = mixer._commfuse_deltanet
         code = sys.modules[type(mixer).__module__]  # the model's own conv and rule functions
         replicated = self.split is not None and self.split.replicated
+        state = None
+        if cache is not None:
+            if cache.get_recurrent_states_to_keep(mixer.layer_idx):
+                raise ValueError("commfuse.tp's Gated DeltaNet mixer does not record past "
+                                 "recurrent states (assisted generation's cache)")
+            state = cache.get_recurrent_state(mixer.layer_idx, state_idx=0)
         if attention_mask is not None:  # padding: zero this rank's rows of the input
             if not replicated:
                 sizes = self.sizes or (hidden_states.shape[self.dim],) * group.size()
@@ -268,22 +279,30 @@ class DeltaNetParallel(_Fused):
                                             **self.op_kwargs)
         y = torch.cat([y if b is None else y + b for y, b in zip(ys, bs)], -1)
         q, k, v, z, b, a = y.split(lay.local_sizes(), -1)
-        # 2. causal depthwise conv over this rank's q | k | v channels
+        # 2. causal depthwise conv over this rank's q | k | v channels (the cache's conv state:
+        # these channels' last inputs)
         n = lay.shared_rows("qkv")
-        conv = mixer.conv1d
-        qkv = code.causal_conv1d_fn(torch.cat([q, k, v], -1).transpose(1, 2),
-                                    self._local(conv.weight, n, lay, group).squeeze(1),
-                                    self._local(conv.bias, n, lay, group),
-                                    activation=mixer.activation).transpose(1, 2)
+        conv = SimpleNamespace(weight=self._local(mixer.conv1d.weight, n, lay, group),
+                               bias=self._local(mixer.conv1d.bias, n, lay, group),
+                               kernel_size=mixer.conv1d.kernel_size)
+        qkv = code.causal_conv1d_forward(conv, torch.cat([q, k, v], -1).transpose(1, 2), cache,
+                                         mixer.layer_idx,
+                                         activation=mixer.activation).transpose(1, 2)
         q, k, v = qkv.split(lay.local_sizes("qkv"), -1)
-        # 3. the gated delta rule, local per value head, over the whole sequence
+        # 3. the gated delta rule, local per value head, over the whole sequence (chunked), or
+        # one step from the cache's recurrent state of this rank's heads
         B, S = q.shape[:2]
         g = -mixer.A_log.to_local().float().exp() * F.softplus(
             a.float() + mixer.dt_bias.to_local())
-        out, _ = code.torch_chunk_gated_delta_rule(
+        rule = code.torch_recurrent_gated_delta_rule if state is not None and S == 1 else \
+            code.torch_chunk_gated_delta_rule
+        out, state = rule(
             q.reshape(B, S, -1, lay.k_dim), k.reshape(B, S, -1, lay.k_dim),
-            v.reshape(B, S, -1, lay.v_dim), g=g, beta=b.sigmoid(), initial_state=None,
-            output_final_state=False, use_qk_l2norm_in_kernel=True)
-        # 4. the gated norm per head, 5. out_proj: GEMM -> RS (FusedRowwiseParallel)
+            v.reshape(B, S, -1, lay.v_dim), g=g, beta=b.sigmoid(), initial_state=state,
+            output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
+        if cache is not None:
+            cache.update_recurrent_state(state, mixer.layer_idx)
+        # 4. the gated norm per head, 5. out_proj: GEMM -> RS (FusedRowwiseParallel), or a
+        # local GEMM and an all-reduce on a replicated split
         out = mixer.norm(out.reshape(-1, lay.v_dim), z.reshape(-1, lay.v_dim))
         return mixer.out_proj(out.reshape(B, S, -1))

@@ -33,16 +33,23 @@ copy: `MixerLayout.to_model`, or `commfuse.tp.attention.unpack_rows` with the mo
 The other parameters are plain ``Shard(0)`` / ``Shard(1)`` DTensors in the model's layout.
 
 The gated norm is exact under the split: a rank holds whole norm groups (G >= T), or the
-group's sum of squares is summed over the T/G ranks that share it (G < T). Training and
-scoring forward only: no cache (generation); a forward without gradients of fewer tokens
-than ranks (``SeqSplit.replicated``) runs on every token, its GEMM local. The conv and scan are the model module's own
-functions (its torch code on CPU); the fused split-conv1d-scan kernel is not used.
+group's sum of squares is summed over the T/G ranks that share it (G < T). The conv and scan
+are the model module's own cache-aware functions (``causal_conv1d_forward``,
+``mamba2_scan_forward``; its torch code on CPU) run on this rank's channels, the scan on a
+local view of the mixer (its heads, groups, A_log, D, dt_bias); the fused split-conv1d-scan
+kernel is not used. With a generation cache (transformers' lazily allocated linear-attention
+layers, shaped by what is first written) the cache therefore holds this rank's conv channels
+x_r | B_r | C_r and the SSM states of its heads: a prefill on the sequence-sharded path writes
+them from the whole sequence, and a decode step (fewer tokens than ranks, no gradients:
+``SeqSplit.replicated``, every token on every rank) is the model's single-step conv and state
+update on them, in_proj a local GEMM and out_proj a local GEMM closed by an all-reduce.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -207,12 +214,9 @@ class MambaMixerParallel(_Fused):
 
     def _forward(self, mixer: nn.Module, group, hidden_states: torch.Tensor, cache=None,
                  attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        if cache is not None:
-            raise ValueError("commfuse.tp's Mamba mixer runs training/scoring forwards only: "
-                             "call the model with use_cache=False (no generation cache)")
         lay: MixerLayout = mixer._commfuse_layout
         code = sys.modules[type(mixer).__module__]  # the model's own conv and scan functions
-        b, dtype = hidden_states.shape[0], hidden_states.dtype
+        dtype = hidden_states.dtype
         c, h, gn = lay.local_heads * lay.head_dim, lay.local_heads, lay.local_groups * lay.state
         replicated = self.split is not None and self.split.replicated
         if attention_mask is not None:  # padding: zero this rank's rows of the input
@@ -237,24 +241,28 @@ class MambaMixerParallel(_Fused):
         if getattr(mixer, "mup_vector", None) is not None:  # this rank's rows of it
             zxbcdt = zxbcdt * mixer.mup_vector
         z, xbc, dt = zxbcdt.split([c, c + 2 * gn, h], dim=-1)
-        # 2. causal depthwise conv over this rank's x | B | C channels
-        cw = self._bc_summed(mixer.conv1d.weight.to_local(), c, lay, group).squeeze(1)
+        # 2. causal depthwise conv over this rank's x | B | C channels (the cache's conv state:
+        # these channels' last inputs)
         cb = mixer.conv1d.bias
-        cb = None if cb is None else self._bc_summed(cb.to_local(), c, lay, group)
-        xbc = code.causal_conv1d_fn(xbc.transpose(1, 2), cw, cb,
-                                    activation=mixer.activation).transpose(1, 2)
+        conv = SimpleNamespace(
+            weight=self._bc_summed(mixer.conv1d.weight.to_local(), c, lay, group),
+            bias=None if cb is None else self._bc_summed(cb.to_local(), c, lay, group),
+            kernel_size=mixer.conv1d.kernel_size)
+        xbc = code.causal_conv1d_forward(conv, xbc.transpose(1, 2), cache, mixer.layer_idx,
+                                         activation=mixer.activation).transpose(1, 2)
         if attention_mask is not None:
             xbc = (xbc * attention_mask[:, :, None]).to(xbc.dtype)
         x, B, C = xbc.split([c, gn, gn], dim=-1)
-        # 3. the scan, local per head, over the whole sequence
-        S = x.shape[1]
-        y = code.mamba2_chunk_scan(
-            x.reshape(b, S, h, lay.head_dim), dt, -torch.exp(mixer.A_log.to_local().float()),
-            B.reshape(b, S, lay.local_groups, lay.state),
-            C.reshape(b, S, lay.local_groups, lay.state), chunk_size=mixer.chunk_size,
-            D=mixer.D.to_local(), z=None, dt_bias=mixer.dt_bias.to_local(), dt_softplus=True,
-            dt_limit=mixer.time_step_limit).reshape(b, S, c)
-        # 4. gated RMS norm per group, 5. out_proj: GEMM -> RS (FusedRowwiseParallel)
+        # 3. the scan, local per head, over the whole sequence (or one step from the cache's
+        # SSM state of this rank's heads), by the model's own function on a local view
+        local = SimpleNamespace(
+            A_log=mixer.A_log.to_local(), D=mixer.D.to_local(), dt_bias=mixer.dt_bias.to_local(),
+            num_heads=h, head_dim=lay.head_dim, n_groups=lay.local_groups,
+            ssm_state_size=lay.state, intermediate_size=c, chunk_size=mixer.chunk_size,
+            time_step_limit=mixer.time_step_limit, layer_idx=mixer.layer_idx)
+        y = code.mamba2_scan_forward(local, x, B, C, dt, cache)
+        # 4. gated RMS norm per group, 5. out_proj: GEMM -> RS (FusedRowwiseParallel), or a
+        # local GEMM and an all-reduce on a replicated split
         y = self._gated_norm(mixer.norm, y, z, lay, group)
         return mixer.out_proj(y.to(dtype))
 
