@@ -23,7 +23,8 @@ backward, as DTensor keeps them: the same activation memory as ``dtensor``);
 ``none`` = the plan of ``commfuse`` with method="none"; ``dtensor`` = torch's ColwiseParallel /
 RowwiseParallel / SequenceParallel / PrepareModuleInput plan (torchtitan's, on HF's module
 names; ``transformers`` = the model loaded with transformers' ``tp_plan="auto"`` (its config's
-``base_model_tp_plan`` in DTensor: no sequence parallelism, outputs it does not split gathered);
+``base_model_tp_plan`` in DTensor: no sequence parallelism, outputs it does not split gathered;
+it needs accelerate, the ``bench`` extra);
 ``dtensor``: Llama only: transformers' tp_plans for Nemotron-H and Bamba cover their attention (and
 Bamba's MLP) layers, not the Mamba-2 mixers, so there is no DTensor plan for the whole model). Every variant starts from the same weights and trains on the same batches with AdamW;
 their steps are interleaved, the order rotating every step, after ``--warmup`` untimed steps,
