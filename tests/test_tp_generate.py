@@ -21,8 +21,8 @@ from commfuse.testbed.spawn import run_local
 from commfuse.tp.families import FAMILIES as REGISTRY, GENERATE, build
 
 # family -> parallelize options: tied embeddings and windows (gemma3), packed projections
-# (phi3), loss_parallel (qwen3: generate gathers the head's columns), MoE (mixtral; gpt-oss:
-# sinks and expert biases; llama4: shared expert, chunked attention; deepseek-v3: latent
+# (phi3), loss_parallel (qwen3: generate gathers the head's columns), MoE (mixtral, qwen3-moe;
+# gpt-oss: sinks and expert biases; llama4: shared expert, chunked attention; deepseek-v3: latent
 # attention, its cache holding the latents; mamba2 and the hybrids: conv and SSM states of this
 # rank's heads; qwen3.5, qwen3-next: Gated DeltaNet's conv and recurrent states)
 FAMILIES = {f: {"loss_parallel": True} if f == "qwen3" else {} for f in GENERATE}
@@ -32,15 +32,7 @@ STATES = [f for f in FAMILIES if f in REGISTRY and any(
 
 
 def _model(family: str):
-    if family != "mixtral":
-        return build(family, max_position_embeddings=128).eval()
-    import transformers
-    cfg = transformers.MixtralConfig(vocab_size=63, hidden_size=32, intermediate_size=32,
-                                     num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(cfg).float().eval()
+    return build(family, max_position_embeddings=128).eval()
 
 
 def _prompts():

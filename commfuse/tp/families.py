@@ -130,6 +130,12 @@ FAMILIES = {
                           "shared experts", "shared-expert gate"), redraw=SMALL_DECAY),
     "apertus": Family("ApertusConfig", "ApertusForCausalLM", "apertus", {"head_dim": 8},
                       ("activation parameters", "per-head norms")),
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM", "mixtral",
+                      {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+                      ("sparse MoE",), test="tests/test_moe_hf.py"),
+    "qwen3-moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3_moe",
+                        {**MOE, "num_experts": 4, "head_dim": 8, "mlp_only_layers": [0]},
+                        ("sparse MoE", "dense layers"), test="tests/test_moe_hf.py"),
     "qwen2-moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen2_moe",
                         {**MOE, "num_experts": 4, "shared_expert_intermediate_size": 24},
                         ("sparse MoE", "shared experts", "shared-expert gate", "q/k/v biases")),
@@ -184,10 +190,8 @@ FAMILIES = {
                            "packed gate|up", "no-rope layers", "multipliers")),
 }
 # families under their own plans, with their own tests
-OTHERS = {"mixtral": ("mixtral", "tests/test_moe_hf.py"),
-          "qwen3-moe": ("qwen3_moe", "tests/test_moe_hf.py")}
 COMPILED = ("llama", "qwen2")  # tests/test_tp_compile.py
-GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "gpt-oss", "llama4",
+GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "qwen3-moe", "gpt-oss", "llama4",
             "deepseek-v3", "mamba2", "bamba", "nemotron-h", "falcon-h1", "granite-4-h",
             "qwen3.5", "qwen3-next")  # tests/test_tp_generate.py
 FSDP2 = ("llama", "mixtral")  # tests/test_tp.py, tests/test_moe_hf.py
@@ -240,7 +244,6 @@ def support_matrix() -> str:
     shipped = _shipped()
     rows = [(n, f.model_type, f.test, bool(tiny_config(n).tie_word_embeddings))
             for n, f in FAMILIES.items()]
-    rows += [(n, t, test, None) for n, (t, test) in OTHERS.items()]
     yes = lambda ok: "yes" if ok else "-"  # noqa: E731
     lines = ["| family | model_type | `parallelize` | `train --hf-config` | generate | `plan` "
              "| `torch.compile` | FSDP2 |", "|---|---|---|---|---|---|---|---|"]
