@@ -106,17 +106,9 @@ def check_nccl(report):
 
 
 def _time(fn, iters=10) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    """Median GPU seconds of ``fn`` (`commfuse.check_gpu.perf.events_ms`)."""
+    from commfuse.check_gpu.perf import events_ms
+    return events_ms(fn, iters, warm=2) / 1e3
 
 
 def check_split_gemm(report):

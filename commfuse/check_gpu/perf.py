@@ -72,7 +72,7 @@ class SelfLoopGroup:
         return 0
 
 
-def _events_ms(fn, iters: int = 10, warm: int = 3) -> float:
+def events_ms(fn, iters: int = 10, warm: int = 3) -> float:
     """Median GPU time of ``fn`` (ms), CUDA events on the current stream."""
     for _ in range(warm):
         fn()
@@ -200,8 +200,8 @@ def _overlap(rank, world):
             torch.matmul(a, b, out=y)
             t.wait(works[0])
 
-        gemm_ms = _events_ms(lambda: torch.matmul(a, b, out=y))
-        comm_ms, both_ms = _events_ms(comm), _events_ms(both)
+        gemm_ms = events_ms(lambda: torch.matmul(a, b, out=y))
+        comm_ms, both_ms = events_ms(comm), events_ms(both)
         out["high" if high else "default"] = {
             "gemm_ms": gemm_ms, "comm_ms": comm_ms, "both_ms": both_ms,
             "overlap": overlap_fraction(gemm_ms, comm_ms, both_ms)}

@@ -57,7 +57,7 @@ from torch.distributed.tensor import Shard
 from torch.nn import functional as F
 
 from commfuse.ops.fused import fused_all_gather_matmul
-from commfuse.tp.attention import AssembledRows
+from commfuse.tp.mixers import assemble
 from commfuse.tp.functional import sum_grad
 from commfuse.tp.sequence import _mesh_group, _param
 from commfuse.tp.style import _Fused
@@ -222,14 +222,7 @@ class DeltaNetParallel(_Fused):
         lay = deltanet_layout(module, device_mesh.size())
         rows = {name: lay.rows(parts) for name, parts in lay.linears}
         rows["conv1d"] = lay.conv_rows()
-        for sub, idx in rows.items():
-            m = getattr(module, sub)
-            for name in ("weight", "bias"):
-                p = getattr(m, name)
-                if p is not None:
-                    m.register_parameter(name, _param(p.detach()[idx], device_mesh, Shard(0),
-                                                      p.requires_grad))
-            m._commfuse_rows = AssembledRows(idx)
+        assemble(module, rows, device_mesh)
         for name in ("A_log", "dt_bias"):
             p = getattr(module, name)
             module.register_parameter(name, _param(p, device_mesh, Shard(0), p.requires_grad))

@@ -58,6 +58,7 @@ from torch.distributed.tensor import Shard
 
 from commfuse.ops.fused import fused_all_gather_matmul
 from commfuse.tp.attention import AssembledRows, unpack_rows
+from commfuse.tp.mixers import assemble
 from commfuse.tp.functional import all_sum, sum_grad
 from commfuse.tp.sequence import _mesh_group, _param
 from commfuse.tp.style import _Fused
@@ -181,14 +182,7 @@ class MambaMixerParallel(_Fused):
         group = _mesh_group(device_mesh)
         lay = mixer_layout(module, device_mesh.size())
         rows = {"in_proj": lay.in_rows(), "conv1d": lay.conv_rows()}
-        for sub, idx in rows.items():
-            m = getattr(module, sub)
-            for name in ("weight", "bias"):
-                p = getattr(m, name)
-                if p is not None:
-                    m.register_parameter(name, _param(p.detach()[idx], device_mesh, Shard(0),
-                                                      p.requires_grad))
-            m._commfuse_rows = AssembledRows(idx)
+        assemble(module, rows, device_mesh)
         mup = getattr(module, "mup_vector", None)  # Falcon-H1: a multiplier per in_proj row
         if isinstance(mup, torch.Tensor):
             module.register_buffer("mup_vector", mup[..., lay.in_rows(group.rank())],
