@@ -10,8 +10,8 @@ refuses the flags of the built-in path (--query-split, --prefill-chunks, --decod
 is left-padded; generation uses the cache even where the saved config turns it off (a
 training run's ``use_cache: false``). ``--bench``: the model sharded once per method of
 `BENCH`, rounds interleaved after a warm-up; per prompt length the prefill (a forward of the
-prompt that fills the cache) and decode tokens/s (``max_new_tokens`` - 1 tokens: a generate
-of them all less one of a single token), each the slowest rank's.
+prompt that fills the cache) and decode tokens/s (the tokens after the first new one, timed
+as they arrive), each the slowest rank's.
 """
 
 from __future__ import annotations
@@ -126,6 +126,27 @@ def _timed(fn, world: int) -> float:
     return dt.item()
 
 
+class _Clock:
+    """A ``generate`` streamer that notes when each token arrives (the prompt first)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, _):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def decode_tokens_per_s(self, world: int) -> float:
+        """Tokens per second after the first new one, on the slowest rank."""
+        import torch.distributed as dist
+        dt = torch.tensor(self.times[-1] - self.times[1])
+        if world > 1:
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        return (len(self.times) - 2) / max(dt.item(), 1e-9)
+
+
 def bench(model, args, rank: int, world: int) -> int:
     """``--bench``: `BENCH`'s methods, each its own copy of ``model`` sharded with it; per
     ``--prompt-tokens`` length (prompts from the shipped corpus, batch 1) the median over
@@ -136,9 +157,9 @@ def bench(model, args, rank: int, world: int) -> int:
     import statistics
 
     from commfuse.data import load_corpus_tokens
-    if args.max_new_tokens < 2:
-        raise ValueError("--bench needs --max-new-tokens of at least 2 (decode is timed as "
-                         "the tokens after the first)")
+    if args.max_new_tokens < 3:
+        raise ValueError("--bench needs --max-new-tokens of at least 3 (decode is timed from "
+                         "the first new token to the last)")
     lengths = [int(n) for n in str(args.prompt_tokens or "128").split(",")]
     corpus = load_corpus_tokens()
     methods = BENCH if world > 1 else ("none",)
@@ -152,15 +173,14 @@ def bench(model, args, rank: int, world: int) -> int:
         times = {m: ([], []) for m in methods}
         for it in range(args.iters + 1):
             for m in methods:
+                clock = _Clock()
                 with torch.no_grad():
                     pre = _timed(lambda: models[m](ids, use_cache=True), world)
-                    one = _timed(lambda: models[m].generate(ids, max_new_tokens=1, **gen), world)
-                    full = _timed(lambda: models[m].generate(
-                        ids, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
-                        **gen), world)
+                    models[m].generate(ids, max_new_tokens=args.max_new_tokens,
+                                       min_new_tokens=args.max_new_tokens, streamer=clock, **gen)
                 if it:
                     times[m][0].append(pre)
-                    times[m][1].append((args.max_new_tokens - 1) / max(full - one, 1e-9))
+                    times[m][1].append(clock.decode_tokens_per_s(world))
         base = statistics.median(times["none"][0]), statistics.median(times["none"][1])
         for m, (pre, dec) in times.items():
             rows.append({"prompt_tokens": n, "method": m,
