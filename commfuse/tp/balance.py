@@ -28,9 +28,10 @@ class ExpertLoad:
     layers' order."""
 
     def __init__(self, model: nn.Module):
-        self.blocks = [m for m in model.modules() if _routed(m)]
-        self.routers = [getattr(b, expert_spec(b).router) for b in self.blocks]
-        self.experts = [expert_spec(b).experts for b in self.blocks]
+        specs = [(m, s) for m in model.modules() if (s := expert_spec(m)) is not None and s.routed]
+        self.blocks = [m for m, _ in specs]
+        self.routers = [getattr(m, s.router) for m, s in specs]
+        self.experts = [s.experts for _, s in specs]
         self._counts = [torch.zeros(E, dtype=torch.long) for E in self.experts]
         for i, block in enumerate(self.blocks):
             block.experts.register_forward_pre_hook(self._hook(i), with_kwargs=True)
@@ -40,19 +41,22 @@ class ExpertLoad:
             index = args[1] if len(args) > 1 else next(
                 v for k, v in kwargs.items() if "index" in k or "indices" in k)
             if torch.is_grad_enabled():  # training forwards only, not generation
-                self._counts[i] += torch.bincount(index.reshape(-1).cpu(),
-                                                  minlength=self.experts[i])
+                # on the routing's device: no host sync in the forward, `take` reads them
+                c = torch.bincount(index.reshape(-1), minlength=self.experts[i])
+                self._counts[i] = self._counts[i].to(c.device) + c
         return count
 
     def take(self, group=None) -> list[torch.Tensor]:
         """Each block's per-expert counts since the last call, summed over ``group`` (None:
         the default group when one is initialized; every rank must call)."""
-        counts = torch.stack(self._counts) if self._counts else torch.zeros(0, dtype=torch.long)
-        if len(self._counts) and dist.is_available() and dist.is_initialized():
+        if not self._counts:
+            return []
+        counts = torch.stack([c.to(self._counts[0].device) for c in self._counts])
+        if dist.is_available() and dist.is_initialized():
             dist.all_reduce(counts, group=group)
         for c in self._counts:
             c.zero_()
-        return list(counts)
+        return list(counts.cpu())
 
     def update_bias(self, counts: list[torch.Tensor], rate: float) -> int:
         """``b_e += rate * sign(mean - load_e)`` on each router with a score-correction bias;
@@ -78,7 +82,3 @@ def imbalance(counts: list[torch.Tensor]) -> list[dict]:
                     "imbalance": c.max().item() / mean if mean else 0.0})
     return out
 
-
-def _routed(block: nn.Module) -> bool:
-    spec = expert_spec(block)
-    return spec is not None and spec.routed
