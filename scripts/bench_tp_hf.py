@@ -174,7 +174,7 @@ VARIANTS = ("commfuse", "commfuse-keep", "dtensor", "transformers", "none", "aut
             "decompose")
 
 
-def transformers_tp(model, mesh, a):
+def transformers_tp(model, mesh):
     """The model under transformers' own tensor parallelism: its ``tp_plan="auto"`` (the
     config's ``base_model_tp_plan``, DTensor), loaded from a copy of the same weights that
     rank 0 writes to a temporary directory."""
@@ -201,7 +201,7 @@ def make(variant: str, a, mesh):
     if variant == "dtensor":
         return dtensor_tp(model, mesh)
     if variant == "transformers":
-        return transformers_tp(model, mesh, a)
+        return transformers_tp(model, mesh)
     method = variant if variant in ("none", "auto", "sliced", "decompose") else a.method
     return commfuse.tp.parallelize(model, mesh, method=method,
                                    save_gathered=variant == "commfuse-keep",
