@@ -10,7 +10,10 @@ file or directory, or a Hugging Face hub name (its config only). ``--tp`` ranks 
 An MoE config (``mixtral-tiny``, ``qwen3-moe-tiny``, ``gpt-oss-tiny``, ``deepseek-v3-tiny``,
 ``nemotron-h-moe-tiny``) splits its experts over the ``--tp`` ranks, or over ``--ep`` ranks
 drawn from the ``--dp`` ones (`commfuse.tp.experts`); the loss adds the router's auxiliary loss
-where the config computes it (``output_router_logits``), times ``router_aux_loss_coef``.
+where the config computes it (``output_router_logits``), times ``router_aux_loss_coef``, and
+with ``--moe-seq-aux-coef`` / ``--moe-z-loss-coef`` the sequence-level aux loss and router
+z-loss (`commfuse.tp.router_loss`); ``--moe-capacity-factor`` caps each expert's rows
+(`commfuse.moe.capacity`; one process applies it to the whole batch).
 ``--checkpoint-dir D`` saves the whole model as a transformers model directory (config.json,
 model.safetensors: `save_hf_checkpoint`) at D/step-N, named by D/latest, which ``commfuse
 generate --checkpoint D`` and ``from_pretrained`` read. The loss is the next-token
