@@ -28,7 +28,7 @@ from commfuse.moe.capacity import check_factor, count_dropped, within_capacity
 from commfuse.moe.parallel import expert_ffn
 from commfuse.ops.methods import method_spec
 from commfuse.tp.functional import gather_cols, scale_grad
-from commfuse.tp.sequence import SeqSplit, SequenceParallelNorm
+from commfuse.tp.sequence import SeqSplit, SequenceParallelNorm, as_sequence
 
 ROUTERS = ("gate", "router")  # the names a block's router goes by
 
@@ -211,7 +211,7 @@ class ExpertParallel(ParallelStyle):
         skip = {"experts", spec.router}
         for name, child in module.named_children():
             if name not in skip and next(child.parameters(), None) is not None:
-                _as_sequence(child, shape)
+                as_sequence(child, shape)
         router.forward = functools.partial(self._route, router.forward, shape, group)
         experts.forward = functools.partial(self._experts, experts, spec, emesh.get_group(),
                                             _params(experts))
@@ -306,27 +306,3 @@ def _swiglu(experts: nn.Module):
         g, up = h.chunk(2, dim=-1)
         return experts.act_fn(g) * up
     return gate
-
-
-def _as_sequence(child: nn.Module, shape: dict) -> None:
-    """``child`` called with the block's tokens flattened, ``[B*s, D]``, sees them as the
-    block's ``[B, s, D]`` (before any other hook: the fused styles split dim 1) and returns
-    them flat again."""
-    flat = {}
-
-    def pre(_, args, kwargs):
-        tokens = shape.get("tokens")
-        x = args[0] if args else None
-        flat["on"] = (tokens is not None and x is not None and x.dim() == 2
-                      and len(tokens) == 2 and x.shape[0] == tokens[0] * tokens[1])
-        if flat["on"]:
-            return (x.reshape(*tokens, x.shape[-1]), *args[1:]), kwargs
-        return None
-
-    def post(_, args, kwargs, out):
-        if flat.pop("on", False) and isinstance(out, torch.Tensor):
-            return out.reshape(-1, out.shape[-1])
-        return None
-
-    child.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-    child.register_forward_hook(post, with_kwargs=True, prepend=True)
