@@ -11,7 +11,8 @@
 Each is summed over the model's sparse blocks (as Megatron-LM adds its per-layer terms).
 `RouterLosses` hooks each block's router (``gate`` / ``router``: `commfuse.tp.experts`; a
 router that returns a tuple gives its logits at transformers' recorded index) and its
-experts (the top-k routed). On a model parallelized by `commfuse.tp.parallelize`, each rank
+experts (the top-k routed: the router's choices, before any capacity drops them,
+`commfuse.moe.capacity`). On a model parallelized by `commfuse.tp.parallelize`, each rank
 sees its sequence shard: the per-sequence score sums, the squared log-sum-exps and the
 counts are summed over the TP group (`commfuse.tp.functional.sum_ranks`: its backward
 passes each rank's gradient through, so the gradient is the unsharded loss's), so every TP
