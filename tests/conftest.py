@@ -31,7 +31,7 @@ LONGEST_FIRST = ("test_moe_hf.py", "test_tp_families.py", "test_tp_generate.py",
                  "test_doc_commands.py", "test_llama.py", "test_probe.py", "test_cluster.py",
                  "test_faults.py", "test_examples.py", "test_compile.py", "test_bench_train.py",
                  "test_memory.py", "test_train_cli.py", "test_infer.py", "test_tp.py",
-                 "test_regather_prefetch.py", "test_bench.py", "test_tp_compile.py",
+                 "test_regather_prefetch.py", "test_moe_balance.py", "test_bench.py", "test_tp_compile.py",
                  "test_train.py", "test_infer_hf.py")
 
 

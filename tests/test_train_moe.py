@@ -88,3 +88,21 @@ def test_flops_count_the_active_experts():
         d, q, H, G = hf.hidden_size, hf.head_dim, hf.num_attention_heads, hf.num_key_value_heads
         layer = d * q * (2 * H + 2 * G) + d * 8 + 3 * d * getattr(hf, f) * 2
         assert matmul_weights(hf) == d * hf.vocab_size + hf.num_hidden_layers * layer, name
+
+
+def test_router_losses_and_capacity_flags():
+    """--moe-seq-aux-coef / --moe-z-loss-coef on tp 2: the losses of one process (the terms
+    completed over the TP group), the terms logged; --moe-capacity-factor logs the dropped
+    fraction (none at factor 8: the drops themselves are tests/test_moe_balance.py's)."""
+    kw = dict(moe_seq_aux_coef=0.5, moe_z_loss_coef=0.05, steps=2)
+    one = launch(TrainConfig(**{**BASE, **kw, "tp": 1}))
+    two = launch(TrainConfig(**{**BASE, **kw, "tp": 2, "moe_capacity_factor": 8.0}))
+    for a, b in zip(two, one):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-4, (two, one)
+        assert a["moe"]["seq_aux"] > 0 and a["moe"]["z"] > 0
+        assert abs(a["moe"]["z"] - b["moe"]["z"]) / b["moe"]["z"] < 1e-4
+    assert [m["moe"]["dropped"] for m in two] == [0.0, 0.0]  # factor 8: room for every row
+    with pytest.raises(ValueError, match="--moe-capacity-factor takes a finite number > 0"):
+        TrainConfig(**{**BASE, "moe_capacity_factor": 0.0})
+    with pytest.raises(ValueError, match="--moe-z-loss-coef takes a finite number >= 0"):
+        TrainConfig(**{**BASE, "moe_z_loss_coef": -1.0})

@@ -74,7 +74,7 @@ class ExpertParallelMoE(nn.Module):
 
 def expert_ffn(x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.Tensor,
                w_in_EDN: torch.Tensor, w_out_EFD: torch.Tensor, act, group: dist.ProcessGroup,
-               experts: int, *, method: str = "commfuse",
+               experts: int, *, method: str = "commfuse", keep_Tk: torch.Tensor | None = None,
                **opts) -> tuple[torch.Tensor, ExpertCounts]:
     """Steps 2-5 of the module docstring for routed tokens: ``(y [T, D], the step's counts)``.
 
@@ -84,10 +84,12 @@ def expert_ffn(x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.T
     ``act`` maps the first GEMM's [rows, N] to the last one's [rows, F] (SwiGLU: N = 2F).
     ``y[t] = sum_j weights[t, j] * expert_{e_j}(x[t])``, each product cast to x's dtype before
     the sum (as transformers' MoE blocks add them), in top-k order on each expert rank, then
-    the ranks' sums in the order of their first expert.
+    the ranks' sums in the order of their first expert. ``keep_Tk`` (bool [T, k], None: all):
+    the (token, expert) rows that move; the others are dropped from the sum (and from the
+    dispatch: `commfuse.ops.moe.routing.plan`), their weights' gradients zero.
     """
     route = plan(experts_Tk, experts, group, opts.get("timeout"),
-                 (tuple(w_in_EDN.shape), tuple(w_out_EFD.shape)))
+                 (tuple(w_in_EDN.shape), tuple(w_out_EFD.shape)), keep_Tk)
     weights_R, routing = to_experts(route, weights_Tk, group, opts.get("timeout"))
     h = moe_dispatch_matmul(x_TD[route.first_tokens], w_in_EDN, route.counts, group,
                             method=method, routing=routing, **opts)

@@ -8,6 +8,10 @@ data-parallel x expert-parallel x tensor-parallel world, not through the gradien
 Works on a model parallelized by `commfuse.tp.parallelize` (each rank counts its own tokens:
 its sequence shard of its batch) and on the unsharded model alike: the counts are taken
 where the block hands its routed tokens to its experts.
+
+With an expert capacity (`commfuse.moe.capacity`): `limit_capacity` applies it to an unsharded
+model as `commfuse.tp.parallelize` does over its ranks, `take_dropped` reads the fraction of
+rows dropped.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from commfuse.moe.capacity import check_factor, count_dropped, within_capacity
 from commfuse.tp.experts import expert_spec
 
 BIAS = "e_score_correction_bias"  # the router buffer DeepSeek-V3's balancing updates
@@ -82,3 +87,63 @@ def imbalance(counts: list[torch.Tensor]) -> list[dict]:
                     "imbalance": c.max().item() / mean if mean else 0.0})
     return out
 
+
+
+def limit_capacity(model: nn.Module, factor: float, ranks: int = 1) -> int:
+    """The expert capacity of `commfuse.moe.capacity` on an unsharded ``model``, as
+    ``parallelize(..., capacity_factor=factor)`` over ``ranks`` TP ranks applies it: each
+    block's ``[B, S]`` tokens cut into the ranks' sequence chunks (`commfuse.even_sizes` of
+    S), the rule applied to each chunk's ``B x S_r`` tokens, a dropped row's weight set to
+    zero (so it adds nothing, and gets no gradient). Returns the blocks it covers."""
+    from commfuse.schedule import even_sizes
+
+    factor = check_factor(factor)
+    n = 0
+    for block in model.modules():
+        spec = expert_spec(block)
+        if spec is None or not spec.routed:
+            continue
+        shape = {}
+
+        def remember(_, args, kwargs, shape=shape):
+            x = args[0] if args else kwargs.get("hidden_states")
+            shape["BS"] = tuple(x.shape[:-1]) if x is not None and x.dim() == 3 else None
+
+        def limit(experts, args, kwargs, shape=shape, E=spec.experts):
+            index, weights = args[1], args[2]
+            B, S = shape.get("BS") or (1, index.shape[0])
+            keep = torch.empty_like(index, dtype=torch.bool).view(B, S, -1)
+            at = 0
+            for s in even_sizes(S, ranks):
+                rows = slice(at, at + s)
+                keep[:, rows] = within_capacity(index.view(B, S, -1)[:, rows].reshape(B * s, -1),
+                                                weights.view(B, S, -1)[:, rows].reshape(B * s, -1),
+                                                E, factor).view(B, s, -1)
+                at += s
+            keep = keep.view_as(index)
+            count_dropped(experts, keep)
+            return (args[0], index, weights * keep, *args[3:]), kwargs
+
+        block.register_forward_pre_hook(remember, with_kwargs=True)
+        block.experts.register_forward_pre_hook(limit, with_kwargs=True)
+        n += 1
+    return n
+
+
+def take_dropped(model: nn.Module, group=None) -> float | None:
+    """The fraction of (token, expert) rows the expert capacity dropped in the training
+    forwards since the last call, over every sparse block and every rank of ``group`` (None:
+    the default group when one is initialized; every rank must call); None when no block
+    has a capacity."""
+    counted = [m._commfuse_dropped for m in model.modules()
+               if isinstance(getattr(m, "_commfuse_dropped", None), torch.Tensor)]
+    if not counted:
+        return None
+    total = torch.stack([c.to(counted[0].device) for c in counted]).sum(0)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, group=group)
+    for m in model.modules():
+        if hasattr(m, "_commfuse_dropped"):
+            m._commfuse_dropped = torch.zeros_like(total)
+    dropped, rows = total.tolist()
+    return dropped / rows if rows else 0.0

@@ -13,7 +13,7 @@ from torch import nn
 from commfuse.tp.attention import (KV, halves_rows, head_counts, head_problems, kv_replicas,
                                    packed_qkv_rows)
 from commfuse.tp.embedding import Partial, VocabParallelEmbedding
-from commfuse.tp.experts import ExpertParallel, expert_spec, is_sparse, spec_problems
+from commfuse.tp.experts import ExpertParallel, expert_spec, is_sparse
 from commfuse.tp.loss import head_style
 from commfuse.tp.mixers.deltanet import DeltaNetParallel, deltanet_layout, is_gated_deltanet
 from commfuse.tp.mixers.mamba import MambaMixerParallel, is_mamba2, mixer_layout
@@ -313,7 +313,7 @@ class _Deriver:
         linears replicated per token; the block's other children (shared experts) are left
         to the plan's walk."""
         spec = expert_spec(block)
-        self.problems += [f"{where}: {p}" for p in spec_problems(spec, self.moe.ranks(self.T))]
+        self.problems += [f"{where}: {p}" for p in self.moe.problems(spec, self.T)]
         for knob in ROUTER_EXTRAS:
             if getattr(self.cfg, knob, 0):
                 self.problems.append(f"unsupported config: {knob}={getattr(self.cfg, knob)}")

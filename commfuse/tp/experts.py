@@ -24,10 +24,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from commfuse.moe.capacity import check_factor, count_dropped, within_capacity
 from commfuse.moe.parallel import expert_ffn
 from commfuse.ops.methods import method_spec
 from commfuse.tp.functional import gather_cols, scale_grad
-from commfuse.tp.sequence import SeqSplit, SequenceParallelNorm
+from commfuse.tp.sequence import SeqSplit, SequenceParallelNorm, as_sequence
 
 ROUTERS = ("gate", "router")  # the names a block's router goes by
 
@@ -142,12 +143,16 @@ class ExpertParallel(ParallelStyle):
     children (shared experts, their gates), planned by the model's plan, see a token-flat
     ``[B*s, D]`` input as ``[B, s, D]`` (the fused styles split dim 1). ``split``: the
     `SeqSplit` of the model's plan (recorded router logits are gathered in its order).
+    ``capacity_factor`` (None: dropless): each expert takes at most ceil(N k / E * factor)
+    of the rows of this rank's N tokens, the rest dropped (`commfuse.moe.capacity`).
     """
 
     def __init__(self, *, split: SeqSplit | None = None, method: str = "auto",
-                 logits_index: int = 0, ep_mesh: DeviceMesh | None = None, **opts):
+                 logits_index: int = 0, ep_mesh: DeviceMesh | None = None,
+                 capacity_factor: float | None = None, **opts):
         method_spec(method, opts)  # a bad method or option fails here, before any forward
         self.split, self.method, self.opts = split, method, opts
+        self.capacity_factor = check_factor(capacity_factor)
         self.logits_index = logits_index
         if ep_mesh is not None and tuple(ep_mesh.mesh_dim_names or ()) != ("ep_replicate", "ep"):
             raise ValueError("ep_mesh is commfuse.tp.mesh.ep_mesh's (ep_replicate, ep) mesh")
@@ -158,6 +163,15 @@ class ExpertParallel(ParallelStyle):
         group's ``tp``."""
         return tp if self.ep_mesh is None else self.ep_mesh["ep"].size()
 
+    def problems(self, spec: ExpertsSpec, tp: int) -> list[str]:
+        """Why this style cannot split the experts of ``spec`` (`spec_problems` over
+        `ranks`); empty: it can."""
+        problems = spec_problems(spec, self.ranks(tp))
+        if self.capacity_factor is not None and not spec.routed:
+            problems.append("an expert capacity for experts that take every token scaled by "
+                            "its router score (Llama 4's layout): not built")
+        return problems
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         spec = expert_spec(module)
         if spec is None:
@@ -166,7 +180,7 @@ class ExpertParallel(ParallelStyle):
                             f"with a weight [E, D]), got {type(module).__name__}")
         experts = module.experts
         emesh = device_mesh if self.ep_mesh is None else self.ep_mesh["ep"]
-        problems = spec_problems(spec, emesh.size())
+        problems = self.problems(spec, device_mesh.size())
         if problems:
             raise ValueError(f"{type(module).__name__}: " + "; ".join(problems))
         for name, p in list(experts.named_parameters(recurse=False)):
@@ -187,6 +201,7 @@ class ExpertParallel(ParallelStyle):
         router = getattr(module, spec.router)
         parallelize_module(router, device_mesh, SequenceParallelNorm())
         group, shape = device_mesh.get_group(), {}  # the TP group: this layer's sequence
+        module._commfuse_seq_group = group  # for `commfuse.tp.router_loss`
 
         def remember(_, args, kwargs):  # the block's [B, s, D] input, for its children
             x = args[0] if args else kwargs.get("hidden_states")
@@ -196,7 +211,7 @@ class ExpertParallel(ParallelStyle):
         skip = {"experts", spec.router}
         for name, child in module.named_children():
             if name not in skip and next(child.parameters(), None) is not None:
-                _as_sequence(child, shape)
+                as_sequence(child, shape)
         router.forward = functools.partial(self._route, router.forward, shape, group)
         experts.forward = functools.partial(self._experts, experts, spec, emesh.get_group(),
                                             _params(experts))
@@ -245,8 +260,13 @@ class ExpertParallel(ParallelStyle):
             w_out = torch.cat([w_out, b_out.unsqueeze(1)], 1)
             x_TD = _ones_column(x_TD)
             act = lambda h: _ones_column(apply_gate(h))  # noqa: E731
+        keep = None
+        if self.capacity_factor is not None:
+            keep = within_capacity(index, weights, spec.experts, self.capacity_factor)
+            count_dropped(experts, keep)
         y_TD, experts.last_counts = expert_ffn(x_TD, weights, index, w_in, w_out, act, group,
-                                               spec.experts, method=self.method, **self.opts)
+                                               spec.experts, method=self.method, keep_Tk=keep,
+                                               **self.opts)
         return y_TD
 
     def __repr__(self) -> str:
@@ -286,27 +306,3 @@ def _swiglu(experts: nn.Module):
         g, up = h.chunk(2, dim=-1)
         return experts.act_fn(g) * up
     return gate
-
-
-def _as_sequence(child: nn.Module, shape: dict) -> None:
-    """``child`` called with the block's tokens flattened, ``[B*s, D]``, sees them as the
-    block's ``[B, s, D]`` (before any other hook: the fused styles split dim 1) and returns
-    them flat again."""
-    flat = {}
-
-    def pre(_, args, kwargs):
-        tokens = shape.get("tokens")
-        x = args[0] if args else None
-        flat["on"] = (tokens is not None and x is not None and x.dim() == 2
-                      and len(tokens) == 2 and x.shape[0] == tokens[0] * tokens[1])
-        if flat["on"]:
-            return (x.reshape(*tokens, x.shape[-1]), *args[1:]), kwargs
-        return None
-
-    def post(_, args, kwargs, out):
-        if flat.pop("on", False) and isinstance(out, torch.Tensor):
-            return out.reshape(-1, out.shape[-1])
-        return None
-
-    child.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-    child.register_forward_hook(post, with_kwargs=True, prepend=True)

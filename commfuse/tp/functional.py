@@ -8,6 +8,7 @@ Each is a Megatron-style conjugate pair (forward / backward) over one ProcessGro
     scatter_sum   reduce-scatter partial sums          all-gather the shards' gradients
     all_sum       all-reduce (sum)                     all-reduce (sum) the gradient
     scale_grad    identity                             scale, then all-reduce (sum)
+    sum_ranks     all-reduce (sum)                     identity
 
 ``sum_grad`` is how a replicated parameter that sees only part of the work on each rank (a
 norm on a sequence shard, a bias added to a shard, q_norm/k_norm on a head group) gets the
@@ -174,3 +175,22 @@ def all_sum(x: torch.Tensor, group, slot: int = 0, slots: int = 1) -> torch.Tens
     default: every rank), an all-reduce; its gradient is summed the same way (each rank's
     output read every such rank's ``x``)."""
     return _AllSum.apply(x, group, slot, slots)
+
+
+class _SumRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def sum_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of ``group`` (an all-reduce); the backward passes the
+    gradient through unchanged (what follows ran the same on every rank, so each rank's
+    gradient of the sum is already the whole one: Megatron's reduce-from-region)."""
+    return _SumRanks.apply(x, group)

@@ -64,7 +64,8 @@ def _router_logits_index(model: nn.Module) -> int:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
                 save_gathered: bool = False, prefetch: bool = True, loss_parallel: bool = False,
-                ep: int | None = None, **opts) -> nn.Module:
+                ep: int | None = None, capacity_factor: float | None = None,
+                **opts) -> nn.Module:
     """Shard ``model`` (a transformers causal LM, the same on every rank) for commfuse TPSP
     over ``mesh`` (1-D, or the "tp" dim of a larger one), in place; returns it.
 
@@ -90,6 +91,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     to the group's experts, and the expert gradients come out as the data-parallel mean, so
     data parallelism over the other weights leaves them out
     (`commfuse.tp.experts.expert_parameters`).
+    ``capacity_factor`` (None: dropless): each sparse block's experts take at most
+    ceil(N k / E * factor) rows of a rank's N tokens, those of the highest routing weight,
+    the rest dropped (Megatron's capacity and "probs" policy: `commfuse.moe.capacity`).
     ``loss_parallel=True``: the output head keeps this rank's vocabulary columns (``logits``
     is ``[B, S, V/T]``) and ``model.loss_function`` becomes the vocabulary-parallel
     cross-entropy (`commfuse.tp.loss`), so ``model(..., labels=...).loss`` is the unsharded
@@ -101,7 +105,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     T = mesh.size()
     ps = plan_styles(method, save_gathered, prefetch, opts)
     moe = ExpertParallel(split=ps.split, method=method, logits_index=_router_logits_index(model),
-                         ep_mesh=emesh, **opts)
+                         ep_mesh=emesh, capacity_factor=capacity_factor, **opts)
     plan = derive_plan(model, T, ps, loss_parallel, moe)
     duplex(mesh.get_group())
     for attn in plan.attention:

@@ -9,6 +9,8 @@
     ShardSequence          slices a module's replicated input to this rank's sequence shard;
                            without gradients and with fewer tokens than ranks (a decode step)
                            it leaves every token on every rank (``replicated``)
+    as_sequence            a sparse block's child, called on the flattened tokens, sees them
+                           as the block's [B, s, D]
 """
 
 from __future__ import annotations
@@ -168,3 +170,28 @@ def gather_final(base: nn.Module, split: SeqSplit, group, dim: int = 1) -> None:
         return out
 
     base.register_forward_hook(hook)
+
+
+def as_sequence(child: nn.Module, shape: dict) -> None:
+    """``child`` called with its block's tokens flattened, ``[B*s, D]`` (``shape["tokens"]``:
+    the block's ``(B, s)``, kept by its pre-hook: `commfuse.tp.experts.ExpertParallel`),
+    sees them as the block's ``[B, s, D]`` (before any other hook: the fused styles split
+    dim 1) and returns them flat again."""
+    flat = {}
+
+    def pre(_, args, kwargs):
+        tokens = shape.get("tokens")
+        x = args[0] if args else None
+        flat["on"] = (tokens is not None and x is not None and x.dim() == 2
+                      and len(tokens) == 2 and x.shape[0] == tokens[0] * tokens[1])
+        if flat["on"]:
+            return (x.reshape(*tokens, x.shape[-1]), *args[1:]), kwargs
+        return None
+
+    def post(_, args, kwargs, out):
+        if flat.pop("on", False) and isinstance(out, torch.Tensor):
+            return out.reshape(-1, out.shape[-1])
+        return None
+
+    child.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    child.register_forward_hook(post, with_kwargs=True, prepend=True)

@@ -12,6 +12,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import sys
 import textwrap
 import typing
@@ -48,6 +49,19 @@ class TrainConfig:
     auxiliary-loss-free balancing): after each step every such bias moves by U toward the
     experts that got fewer tokens than the mean, from the counts over every rank
     (`commfuse.tp.balance`; DeepSeek-V3 used 0.001). 0: the bias stays."""
+    moe_seq_aux_coef: float = field(default=0.0, metadata={"metavar": "A"})
+    """MoE --hf-config: add A x DeepSeek-V3's sequence-level balance loss, per sequence
+    sum_i f_i P_i (f_i: E/(kT) x its tokens routed to expert i, P_i: their mean normalized
+    score), averaged over sequences, summed over layers (`commfuse.tp.router_loss`; logged
+    as seq_aux). DeepSeek-V3 used 0.0001. 0: off."""
+    moe_z_loss_coef: float = field(default=0.0, metadata={"metavar": "B"})
+    """MoE --hf-config: add B x the router z-loss (ST-MoE), the mean over tokens of
+    logsumexp(router logits)^2, summed over layers (logged as z; ST-MoE used 0.001). 0: off."""
+    moe_capacity_factor: float | None = field(default=None, metadata={"metavar": "F"})
+    """MoE --hf-config: each expert takes at most ceil(N k / E x F) of the rows of a rank's
+    N tokens (its sequence shard), keeping the highest routing weights; the rest are dropped
+    (Megatron's capacity factor, "probs" policy: `commfuse.moe.capacity`; the fraction
+    logged as dropped). Not given: dropless."""
     method: str = field(default="commfuse", metadata={"choices": tuple(OPTIONS)})
     """Schedule of every fused op (auto: the cost model picks one per op shape)."""
     topology: str = field(default="ring", metadata={"choices": TOPOLOGIES})
@@ -160,6 +174,13 @@ class TrainConfig:
         if self.expert_bias_rate < 0 or (self.expert_bias_rate and self.hf_config is None):
             raise ValueError(f"--expert-bias-rate takes a non-negative rate and an MoE "
                              f"--hf-config, got {self.expert_bias_rate!r}")
+        for flag, v, least in (("--moe-seq-aux-coef", self.moe_seq_aux_coef, ">= 0"),
+                               ("--moe-z-loss-coef", self.moe_z_loss_coef, ">= 0"),
+                               ("--moe-capacity-factor", self.moe_capacity_factor, "> 0")):
+            ok = v is None or (math.isfinite(v) and (v > 0 or (v == 0 and least == ">= 0")))
+            if not ok or (v and self.hf_config is None):
+                raise ValueError(f"{flag} takes a finite number {least} and an MoE "
+                                 f"--hf-config, got {v!r}")
         if self.query_split and self.no_query_split:
             raise ValueError("--query-split and --no-query-split contradict each other")
         for f in dataclasses.fields(self):

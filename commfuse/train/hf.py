@@ -10,7 +10,10 @@ file or directory, or a Hugging Face hub name (its config only). ``--tp`` ranks 
 An MoE config (``mixtral-tiny``, ``qwen3-moe-tiny``, ``gpt-oss-tiny``, ``deepseek-v3-tiny``,
 ``nemotron-h-moe-tiny``) splits its experts over the ``--tp`` ranks, or over ``--ep`` ranks
 drawn from the ``--dp`` ones (`commfuse.tp.experts`); the loss adds the router's auxiliary loss
-where the config computes it (``output_router_logits``), times ``router_aux_loss_coef``.
+where the config computes it (``output_router_logits``), times ``router_aux_loss_coef``, and
+with ``--moe-seq-aux-coef`` / ``--moe-z-loss-coef`` the sequence-level aux loss and router
+z-loss (`commfuse.tp.router_loss`); ``--moe-capacity-factor`` caps each expert's rows
+(`commfuse.moe.capacity`; one process applies it to the whole batch).
 ``--checkpoint-dir D`` saves the whole model as a transformers model directory (config.json,
 model.safetensors: `save_hf_checkpoint`) at D/step-N, named by D/latest, which ``commfuse
 generate --checkpoint D`` and ``from_pretrained`` read. The loss is the next-token
@@ -27,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from commfuse.data import DATA_DIR, VOCAB_SIZE, batches, load_corpus_tokens
-from commfuse.tp.balance import ExpertLoad, imbalance
+from commfuse.tp.balance import ExpertLoad, imbalance, limit_capacity, take_dropped
+from commfuse.tp.router_loss import RouterLosses
 from commfuse.train.config import DTYPES, TrainConfig
 from commfuse.train.hf_flops import EXPERTS, num_experts
 from commfuse.train.report import finish, measure_matmul_flops, progress
@@ -58,8 +62,11 @@ def _check(cfg: TrainConfig, hf) -> None:
                          f"tokenizer's ({VOCAB_SIZE})")
     if cfg.batch_size % cfg.dp:
         raise ValueError(f"global batch size ({cfg.batch_size}) must be divisible by dp ({cfg.dp})")
-    if cfg.ep is not None and not has_experts(hf):
-        raise ValueError(f"--ep needs a mixture-of-experts config (one with "
+    moe = [f for f, on in (("--ep", cfg.ep is not None), ("--moe-seq-aux-coef", cfg.moe_seq_aux_coef),
+                           ("--moe-z-loss-coef", cfg.moe_z_loss_coef),
+                           ("--moe-capacity-factor", cfg.moe_capacity_factor)) if on]
+    if moe and not has_experts(hf):
+        raise ValueError(f"{', '.join(moe)} needs a mixture-of-experts config (one with "
                          f"{' / '.join(EXPERTS)}), got {hf.model_type}")
     if cfg.ep is not None and (cfg.ep % cfg.tp or (cfg.tp * cfg.dp) % cfg.ep):
         raise ValueError(f"--ep ({cfg.ep}) must be a multiple of --tp ({cfg.tp}) that divides "
@@ -79,13 +86,15 @@ def build(cfg: TrainConfig, world: int):
         model = AutoModelForCausalLM.from_config(hf, attn_implementation="eager")
     model = model.to(DTYPES[cfg.dtype])
     if world == 1:
+        if cfg.moe_capacity_factor is not None:  # one rank: its tokens are the whole batch
+            limit_capacity(model, cfg.moe_capacity_factor)
         return model, None
     import commfuse.tp
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     # loss_parallel: the head keeps its vocabulary columns; the loss needs no [B, S, V] gather
     commfuse.tp.parallelize(model, mesh, method=cfg.method, loss_parallel=True, ep=cfg.ep,
-                            **cfg.method_opts())
+                            capacity_factor=cfg.moe_capacity_factor, **cfg.method_opts())
     if cfg.dp == 1:
         return model, None
     from torch.distributed.fsdp import fully_shard
@@ -127,6 +136,7 @@ def train_hf_rank(rank: int, world: int, cfg: TrainConfig, lr_at, seq_len_at) ->
               f"dp={cfg.dp} method={cfg.method} {cfg.method_opts()}, batch "
               f"{cfg.batch_size}x{cfg.seq_len}, {cfg.steps} steps", flush=True)
     load = ExpertLoad(model)  # per-expert token counts of the MoE layers (none: dense)
+    router = RouterLosses(model, seq_aux=cfg.moe_seq_aux_coef, z=cfg.moe_z_loss_coef)
     metrics: list[dict] = []
     for step in range(min(cfg.steps, cfg.stop_after or cfg.steps)):
         t0 = time.perf_counter()
@@ -142,10 +152,16 @@ def train_hf_rank(rank: int, world: int, cfg: TrainConfig, lr_at, seq_len_at) ->
                                    shift_labels=targets)
         if getattr(out, "aux_loss", None) is not None:  # MoE: the router's, as the model adds it
             loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+        loss = loss + router.take()  # the sequence-level aux loss and z-loss (0: off)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         counts = load.take()  # over every rank: each counted its own tokens
+        moe = {}
+        if cfg.moe_seq_aux_coef or cfg.moe_z_loss_coef:  # this dp rank's batch's terms
+            moe = {k: v.item() for k, v in router.last.items()}
+        if (dropped := take_dropped(model)) is not None:
+            moe["dropped"] = dropped
         if cfg.expert_bias_rate:
             load.update_bias(counts, cfg.expert_bias_rate)
         loss = loss.detach()
@@ -158,7 +174,8 @@ def train_hf_rank(rank: int, world: int, cfg: TrainConfig, lr_at, seq_len_at) ->
                         "tokens_per_s": tps, "lr": lr_at(cfg, step), "seq_len": tokens.shape[1],
                         "mfu": _flops_per_token(model.config, tokens.shape[1]) * tps
                         / (peak * world),
-                        **({"experts": imbalance(counts)} if counts else {})})
+                        **({"experts": imbalance(counts)} if counts else {}),
+                        **({"moe": moe} if moe else {})})
         if show:
             progress(metrics, cfg.steps)
         if cfg.checkpoint_dir and (step + 1 in (cfg.steps, cfg.stop_after) or (

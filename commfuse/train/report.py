@@ -54,6 +54,8 @@ def progress(metrics: list[dict], steps: int) -> None:
             f"MFU {100 * m['mfu']:5.1f}%  {m['step_s'] * 1e3:6.1f} ms/step")
     if m.get("experts"):  # MoE: the busiest expert over the mean, the worst layer
         line += f"  experts max/mean {max(e['imbalance'] for e in m['experts']):.2f}"
+    for name, v in m.get("moe", {}).items():  # router loss terms, dropped fraction
+        line += f"  {name} {v:.4g}"
     last = m["step"] % every == 0 or m["step"] == steps
     if sys.stdout.isatty():
         print("\r" + line, end="\n" if last else "", flush=True)

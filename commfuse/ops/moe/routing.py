@@ -66,9 +66,12 @@ class Plan:
 
 
 def plan(experts_Tk: torch.Tensor, experts: int, group: dist.ProcessGroup,
-         timeout: float | None = None, layer: tuple = ()) -> Plan:
+         timeout: float | None = None, layer: tuple = (),
+         keep_Tk: torch.Tensor | None = None) -> Plan:
     """Sort this rank's (token, expert) rows and exchange the counts: one all-gather of
-    3 + 4E ints per rank (``experts`` = E), read on the host once; the first call per group,
+    3 + 4E ints per rank (``experts`` = E), read on the host once. ``keep_Tk`` (bool, None:
+    every row): the rows that move; the others are dropped (not sent, not counted; a token
+    whose every row is dropped sums to zero). The first call per group,
     E and ``layer`` (what identifies the layer alike on every rank: its weights' shapes)
     checks first that every rank has that E (`_agree_experts`). `CountsError` on every
     rank if the ranks' E differ or a rank routed to an expert outside [0, E);
@@ -81,21 +84,24 @@ def plan(experts_Tk: torch.Tensor, experts: int, group: dist.ProcessGroup,
     T, k = experts_Tk.shape
     bad = ((experts_Tk < 0) | (experts_Tk >= experts)).any()
     e = experts_Tk.clamp(0, experts - 1).long()
+    kept = torch.ones_like(e, dtype=torch.bool) if keep_Tk is None else keep_Tk.bool()
     q, li = e // local, e % local
-    same = q.unsqueeze(2) == q.unsqueeze(1)  # [T, k, k]: j and j' on one rank
-    first = ~(same & (li.unsqueeze(1) < li.unsqueeze(2))).any(-1)
-    last = ~(same & (li.unsqueeze(1) > li.unsqueeze(2))).any(-1)
+    # [T, k, k]: j and j' kept and on one rank
+    same = (q.unsqueeze(2) == q.unsqueeze(1)) & kept.unsqueeze(2) & kept.unsqueeze(1)
+    first = kept & ~(same & (li.unsqueeze(1) < li.unsqueeze(2))).any(-1)
+    last = kept & ~(same & (li.unsqueeze(1) > li.unsqueeze(2))).any(-1)
     before = torch.ones(k, k, dtype=torch.bool, device=dev).tril(-1)  # [j, j']: j' < j
     ordinal = (same & before).sum(-1)  # place among the token's experts on that rank
-    lead = ordinal == 0  # the pair's first row in top-k order
+    lead = kept & (ordinal == 0)  # the pair's first row in top-k order
     rank_ord = (lead.unsqueeze(1) & before).sum(-1)  # the pair's place among the token's ranks
-    # expanded order: by expert, then middle / first-only / single / last-only, then token
+    # expanded order: by expert (dropped rows after every expert), then middle / first-only /
+    # single / last-only, then token
     cls = torch.where(first & last, 2, torch.where(first, 1, torch.where(last, 3, 0)))
     tok = torch.arange(T, device=dev).unsqueeze(1).expand(T, k)
-    order = torch.sort(((e * 4 + cls) * max(T, 1) + tok).reshape(-1), stable=True).indices
-    ones = torch.ones_like(e)
+    e_sort = torch.where(kept, e, experts)
+    order = torch.sort(((e_sort * 4 + cls) * max(T, 1) + tok).reshape(-1), stable=True).indices
     tables = torch.zeros(4, experts, dtype=torch.long, device=dev)
-    for i, v in enumerate((ones, first.long(), last.long(), (first & last).long())):
+    for i, v in enumerate((kept.long(), first.long(), last.long(), (first & last).long())):
         tables[i].index_add_(0, e.reshape(-1), v.reshape(-1))
     header = torch.stack([bad.long(), torch.tensor(T * k, device=dev), torch.tensor(k, device=dev)])
     try:
@@ -113,6 +119,7 @@ def plan(experts_Tk: torch.Tensor, experts: int, group: dist.ProcessGroup,
     counts = ExpertCounts(*(tuple(t) for t in cut))
     kmax = max(row[2] for row in every)
     t_u = counts.dispatched(me)
+    order = order[:sum(counts.tokens[me])]  # the kept rows (the dropped sort last)
     flat_first = order[torch.sort((~first.reshape(-1)[order]).to(torch.int8),
                                   stable=True).indices[:t_u]]
     flat_last = order[torch.sort((~last.reshape(-1)[order]).to(torch.int8),
