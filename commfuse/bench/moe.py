@@ -115,7 +115,8 @@ def predict(name: str, world: int, seq: int, d: int, ffn: int | None, dtype_byte
     """The simulator's seconds for MoE workload ``name`` under ``variant`` (method, options),
     on ``hw``, with the same routing table as the run."""
     o, f = opts or MoEOptions(), ffn or d
-    counts = sim_moe.counts_of(o.assignment(world, seq), o.experts)
+    # the layer deduplicates its dispatch (expert_ffn); the single ops run the plain table
+    counts = sim_moe.counts_of(o.assignment(world, seq), o.experts, dedup=name == "moe")
     method, vopts = variant
     vopts = {k: v for k, v in vopts.items() if k in ("chunks", "splits")}
     if name == "moe":

@@ -80,11 +80,7 @@ def plan(experts_Tk: torch.Tensor, experts: int, group: dist.ProcessGroup,
     local, dev = experts // w, experts_Tk.device
     T, k = experts_Tk.shape
     bad = ((experts_Tk < 0) | (experts_Tk >= experts)).any()
-    e = experts_Tk.clamp(0, experts - 1).long()
-    q, li = e // local, e % local
-    same = q.unsqueeze(2) == q.unsqueeze(1)  # [T, k, k]: j and j' on one rank
-    first = ~(same & (li.unsqueeze(1) < li.unsqueeze(2))).any(-1)
-    last = ~(same & (li.unsqueeze(1) > li.unsqueeze(2))).any(-1)
+    e, q, same, first, last = marks(experts_Tk, experts, w)
     before = torch.ones(k, k, dtype=torch.bool, device=dev).tril(-1)  # [j, j']: j' < j
     ordinal = (same & before).sum(-1)  # place among the token's experts on that rank
     lead = ordinal == 0  # the pair's first row in top-k order
@@ -128,6 +124,20 @@ def plan(experts_Tk: torch.Tensor, experts: int, group: dist.ProcessGroup,
     home.scatter_(1, torch.where(lead, rank_ord, kw), pair_last)  # column kw: discarded
     return Plan(counts, kmax, flat_first // k, order, meta.reshape(-1, 3)[order],
                 home[:, :kw], pair_last.reshape(-1)[flat_first])
+
+
+def marks(experts_Tk: torch.Tensor, experts: int, world: int):
+    """Each (token, j)'s expert ``e`` [T, k] (clamped into [0, E)), its rank ``q``, ``same``
+    [T, k, k] (j and j' on one rank), and whether it is the token's ``first`` / ``last``
+    expert on that rank by local index: the dispatch moves the first rows (one per (token,
+    destination rank)), the combine returns on the last."""
+    local = experts // world
+    e = experts_Tk.clamp(0, experts - 1).long()
+    q, li = e // local, e % local
+    same = q.unsqueeze(2) == q.unsqueeze(1)  # [T, k, k]: j and j' on one rank
+    first = ~(same & (li.unsqueeze(1) < li.unsqueeze(2))).any(-1)
+    last = ~(same & (li.unsqueeze(1) > li.unsqueeze(2))).any(-1)
+    return e, q, same, first, last
 
 
 _AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> E agreed on
