@@ -87,3 +87,29 @@ def test_planner_moves_one_row_per_token_and_rank():
     assert all(o.shape[0] == ep * seq * 4 for o in ops)
     plain = dataclasses.replace(ops[0], moved=1.0)
     assert wire_bytes(ops[0], ep, 2) < wire_bytes(plain, ep, 2)
+
+
+def test_bench_counts_the_dedup_of_its_routing_table():
+    from commfuse.bench.moe import MoEOptions, dedup_saving
+
+    uniform = MoEOptions(16, 4, "zipf", zipf_s=0.0)  # popularity flat: uniform routing
+    dd = dedup_saving(4, 4096, 512, 4, uniform)
+    assert dd["rows"] < dd["rows_plain"] and dd["bytes"] == dd["rows"] * 2 * 512 * 4
+    assert dd["saving"] == pytest.approx(dd["expected_saving"], abs=0.03)
+    c = counts_of(uniform.assignment(4, 4096), 16, dedup=True)
+    assert dd["rows"] == sum(c.pairs[p][q] for p in range(4) for q in range(4) if p != q)
+
+
+def test_pool_takes_the_median_of_every_runs_paired_ratios():
+    from commfuse.bench.pool import markdown, pool
+
+    def run(none, auto):
+        return [{"workload": "moe", "seq": 8, "pass": "forward+backward", "routing": "r",
+                 "d_model": 4, "ffn": 4, "world": 4, "dedup": None,
+                 "methods": [{"method": "none", "samples_ms": none, "median_ms": 0.0},
+                             {"method": "auto", "samples_ms": auto, "median_ms": 0.0}]}]
+    got = pool([run([10, 20, 10], [8, 10, 9]), run([10, 10, 10], [7, 7, 11])])
+    (auto,) = [m for m in got[0]["methods"] if m["method"] == "auto"]
+    assert auto["per_run"] == [0.8, 0.7]  # medians of 0.8, 0.5, 0.9 and 0.7, 0.7, 1.1
+    assert auto["pooled"] == pytest.approx(0.75)  # of 0.5, 0.7, 0.7, 0.8, 0.9, 1.1
+    assert "2 runs pooled" in markdown(got)
