@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 
 from commfuse.bench.report import dedup_line
 
@@ -66,13 +65,19 @@ def markdown(pooled: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main(paths: list[str]) -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m commfuse.bench.pool", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", metavar="RUN.json",
+                   help="the JSON of each run of one commfuse bench command")
     runs = []
-    for path in paths:
+    for path in p.parse_args(argv).runs:
         with open(path) as f:
             runs.append(json.load(f)["results"])
     print(markdown(pool(runs)))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
