@@ -10,6 +10,7 @@ import pytest
 
 from commfuse.parallel.config import ParallelDims
 from commfuse.sim import preset as hw_preset
+from commfuse.sim.routing import expected_ranks
 from commfuse.sim.step.arch import HybridConfig, MambaSpec, MoESpec, check_layout, sublayers
 from commfuse.sim.step.arch import preset as arch_preset
 from commfuse.sim.plan.hf_config import from_hf
@@ -34,11 +35,15 @@ def _dispatch_bytes(cfg, ep, seq=512, mb=1, tp=1):
 
 
 def test_dispatch_bytes_are_uniform_routings_expectation():
-    """Each rank sends tokens x top_k x (W-1)/W rows of D elements (bf16)."""
+    """Each rank sends one row of D elements (bf16) per token and remote destination rank:
+    tokens x expected_ranks x (W-1)/W (the dedup; tests/test_moe_dedup_cost.py checks the
+    expectation against the routing code)."""
     for ep in (2, 4, 8):
-        assert _dispatch_bytes(MOE, ep) == pytest.approx(512 * 2 * (ep - 1) / ep * 256 * 2)
+        assert _dispatch_bytes(MOE, ep) == pytest.approx(
+            512 * expected_ranks(8, ep, 2) * (ep - 1) / ep * 256 * 2)
     top4 = dataclasses.replace(MOE, moe=dataclasses.replace(MOE.moe, top_k=4))
-    assert _dispatch_bytes(top4, 4) == pytest.approx(2 * _dispatch_bytes(MOE, 4))
+    assert _dispatch_bytes(top4, 4) == pytest.approx(
+        expected_ranks(8, 4, 4) / expected_ranks(8, 4, 2) * _dispatch_bytes(MOE, 4))
     f, _ = moe_ops(MOE, 1, 1, 1, 1, 512, 1)  # ep=1: the same GEMMs, nothing on the wire
     assert all(wire_bytes(o, 1, 2) == 0 for o in f)
     assert _dispatch_bytes(MOE, 4, tp=2) == pytest.approx(_dispatch_bytes(MOE, 4) / 2)

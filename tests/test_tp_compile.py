@@ -7,9 +7,15 @@ graph break) in which each fused projection is one `commfuse.ag_matmul` and each
 linear one `commfuse.matmul_rs` custom op, in the forward and the backward, with no
 point-to-point op of theirs beside them (the styles' plain collectives, such as the norms'
 gradient all-reduce, are functional collectives); and test_tp's STEPS AdamW steps of the
-compiled model give the reference's losses.
+compiled model give the reference's losses. A tiny Qwen3-MoE (tests/test_moe_hf.py's, float64,
+method auto: resolved inside the op once the counts are known) compiles to one graph too, in
+which each sparse layer's experts are one ``commfuse.moe_expert_ffn`` forward and one
+``commfuse.moe_expert_ffn_backward`` (`commfuse.ops.moe.library`): logits, loss, auxiliary loss
+and every gradient equal the unsharded eager model's, the step's counts are left on the
+experts' module, and no forward graph stays stashed after the backward.
 """
 
+import copy
 import functools
 
 import pytest
@@ -79,12 +85,52 @@ def _check_train(arch, method, mesh) -> list[str]:
     return [f"step {i}: loss {b} vs {a}" for i, a, b in bad[:3]]
 
 
+def _check_moe(mesh) -> list[str]:
+    import commfuse.tp as tp
+    from commfuse.ops.moe import library
+    from test_moe_hf import SEQ, TOL as MOE_TOL, build as build_moe
+    from transformers.utils.output_capturing import maybe_install_capturing_hooks
+
+    ref = build_moe("qwen3", mesh.size())  # layer 0 a dense MLP, layer 1 sparse
+    ids = torch.randint(ref.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, 1)
+    out = ref(ids, labels=labels)
+    out.loss.backward()
+    model = copy.deepcopy(ref)
+    tp.parallelize(model, mesh, method="auto", timeout=60)
+    maybe_install_capturing_hooks(model.model)  # transformers' once-only setup (a lock), eager
+    rec = Recorder()
+    got = torch.compile(model, backend=rec, fullgraph=True)(ids, labels=labels)
+    got.loss.backward()
+    problems = [f"{n} rel {_rel(getattr(got, n).detach(), getattr(out, n).detach()):.1e}"
+                for n in ("logits", "loss", "aux_loss")
+                if _rel(getattr(got, n).detach(), getattr(out, n).detach()) > MOE_TOL]
+    want = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g, bad = _full_grad(name, p, want[name].grad.shape, mesh.size())
+        problems += bad
+        if _rel(g, want[name].grad) > MOE_TOL:
+            problems.append(f"grad {name} rel {_rel(g, want[name].grad):.1e}")
+    moe = {k: [t for t in rec.ops(k) if "moe" in t] for k in ("forward", "backward")}
+    if moe != {"forward": ["commfuse.moe_expert_ffn"],
+               "backward": ["commfuse.moe_expert_ffn_backward"]}:
+        problems.append(f"the graphs' MoE ops: {moe}")
+    if len(rec.graphs["dynamo"]) != 1:
+        problems.append(f"{len(rec.graphs['dynamo'])} Dynamo graphs (graph breaks)")
+    if model.model.layers[1].mlp.experts.last_counts is None:
+        problems.append("no counts left on the experts")
+    if library._STASH:
+        problems.append(f"{len(library._STASH)} forward graphs still stashed")
+    return problems
+
+
 def _run(rank: int, world: int) -> dict[str, list[str]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     out = {f"exact-{a}-{m}": _check_exact(a, m, mesh) for a, m in CASES}
     out["train-llama-commfuse"] = _check_train("llama", "commfuse", mesh)
+    out["exact-qwen3-moe-auto"] = _check_moe(mesh)
     return out
 
 
@@ -93,7 +139,8 @@ def results() -> list[dict]:
     return run_local(_run, 2, timeout=600, pg_timeout_s=60)
 
 
-@pytest.mark.parametrize("case", [f"exact-{a}-{m}" for a, m in CASES] + ["train-llama-commfuse"])
+@pytest.mark.parametrize("case", [f"exact-{a}-{m}" for a, m in CASES]
+                         + ["train-llama-commfuse", "exact-qwen3-moe-auto"])
 def test_compiled_parallel_hf_model_matches_unsharded(case):
     problems = {r: res[case] for r, res in enumerate(results()) if res[case]}
     assert not problems, problems

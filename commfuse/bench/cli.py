@@ -146,11 +146,13 @@ def run(args) -> int:
 
 def _predict_moe(result: dict, world: int, hw, dtype, moe) -> None:
     """The simulator's time beside each method of an MoE result (same table, same hardware
-    model as auto's), and the routing it ran."""
+    model as auto's), the routing it ran, and for the layer the dedup's saving."""
     from commfuse.schedule import VARIANTS as V
 
     r = result
     r["routing"] = moe.label()
+    if r["workload"] == "moe":
+        r["dedup"] = bench_moe.dedup_saving(world, r["seq"], r["d_model"], dtype.itemsize, moe)
     for row in r["methods"]:
         row["predicted_ms"] = 1e3 * bench_moe.predict(
             r["workload"], world, r["seq"], r["d_model"], r["ffn"], dtype.itemsize,

@@ -13,7 +13,8 @@ Routing (`MoEOptions.routing`): the tokens' experts come from
 `commfuse.sim.moe.route_tokens` (balanced, or Zipf-skewed expert popularity), seeded, so
 every method of a run moves the same rows; the ``moe`` layer's router still runs (its
 logits, softmax and gradient), its scores read at those experts. The simulator times the
-same table (`predict`).
+same table (`predict`); `dedup_saving` counts what the layer's deduplicated dispatch moves
+against one row per (token, expert).
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def predict(name: str, world: int, seq: int, d: int, ffn: int | None, dtype_byte
     """The simulator's seconds for MoE workload ``name`` under ``variant`` (method, options),
     on ``hw``, with the same routing table as the run."""
     o, f = opts or MoEOptions(), ffn or d
-    counts = sim_moe.counts_of(o.assignment(world, seq), o.experts)
+    # the layer deduplicates its dispatch (expert_ffn); the single ops run the plain table
+    counts = sim_moe.counts_of(o.assignment(world, seq), o.experts, dedup=name == "moe")
     method, vopts = variant
     vopts = {k: v for k, v in vopts.items() if k in ("chunks", "splits")}
     if name == "moe":
@@ -130,3 +132,24 @@ def predict(name: str, world: int, seq: int, d: int, ffn: int | None, dtype_byte
         ops.append(sim_moe.MoEOp(dual[0], method, *dual[1:], vopts.get("chunks", 4),
                                  vopts.get("splits", 1), True))
     return sim_moe.simulate_moe(ops, counts, hw, dtype_bytes, step_s).total_s
+
+
+def dedup_saving(world: int, seq: int, d: int, dtype_bytes: float,
+                 opts: MoEOptions | None) -> dict:
+    """What the ``moe`` layer's all-to-alls carry off-rank in one forward, summed over the
+    ranks, for the run's routing table: ``rows`` / ``bytes`` one per (token, destination
+    rank) as `commfuse.moe.parallel.expert_ffn` moves them (the dispatch's rows, and as many
+    back in the combine, D wide), ``rows_plain`` / ``bytes_plain`` one per (token, expert);
+    ``saving`` the fraction of bytes the dedup saves; ``expected_saving`` the same under
+    uniform routing (`commfuse.sim.routing.expected_ranks`). The backward moves as much
+    again."""
+    from commfuse.sim.routing import expected_ranks
+
+    o = opts or MoEOptions()
+    c = sim_moe.counts_of(o.assignment(world, seq), o.experts, dedup=True)
+    off = lambda table: sum(table[p][q] for p in range(world) for q in range(world) if p != q)
+    rows, plain = off(c.pairs), off(c.rows)
+    per_row = 2 * d * dtype_bytes  # dispatch and combine
+    return {"rows": rows, "rows_plain": plain, "bytes": rows * per_row,
+            "bytes_plain": plain * per_row, "saving": 1 - rows / plain if plain else 0.0,
+            "expected_saving": 1 - expected_ranks(o.experts, world, o.top_k) / o.top_k}

@@ -38,7 +38,19 @@ def table(result: dict) -> str:
         lines.append(f"{m['method']:<16}{m['median_ms']:10.2f}{m['p10_ms']:8.2f}-{m['p90_ms']:<7.2f}"
                      f"{m['compute_ms']:9.2f}{m['exposed_ms']:9.2f}{pct(m.get('hidden')):>8}"
                      f"{pct(m.get('of_limit')):>9}{m.get('vs_none', float('nan')):9.3f}{sim}")
+    if r.get("dedup"):
+        lines.append(dedup_line(r["dedup"]))
     return "\n".join(lines)
+
+
+def dedup_line(dd: dict) -> str:
+    """An MoE layer's off-rank all-to-all rows and bytes (one forward, all ranks) with the
+    dedup and with one row per (token, expert) (`commfuse.bench.moe.dedup_saving`)."""
+    return (f"dedup: {dd['rows']:,} rows / {dd['bytes'] / 2 ** 20:.1f} MiB off-rank per forward "
+            f"(dispatch + combine, all ranks) against {dd['rows_plain']:,} / "
+            f"{dd['bytes_plain'] / 2 ** 20:.1f} MiB one per (token, expert): "
+            f"{100 * dd['saving']:.1f} % saved (uniform routing's expectation "
+            f"{100 * dd['expected_saving']:.1f} %)")
 
 
 def write_json(results: list[dict], meta: dict, path: str) -> None:
@@ -147,6 +159,8 @@ def markdown(results: list[dict]) -> str:
                        f"| {m['compute_ms']:.1f} | {m['exposed_ms']:.1f} | {pct(m.get('hidden'))} "
                        f"| {pct(m.get('of_limit'))} | {m.get('vs_none', float('nan')):.3f} |"
                        + extra)
+        if r.get("dedup"):
+            out += ["", dedup_line(r["dedup"])]
         out.append("")
     return "\n".join(out)
 

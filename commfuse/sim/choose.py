@@ -36,15 +36,18 @@ MAX_PIECES = 256  # best_splits: at most this many pieces (group size x m) along
 
 
 def fastest(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 50e-6,
-            candidates=CANDIDATES, attention: tuple = ()) -> tuple[str, dict, float]:
+            candidates=CANDIDATES, attention: tuple = (),
+            moved: float = 1.0) -> tuple[str, dict, float]:
     """(method, options, predicted seconds) of the fastest of ``candidates`` on ``hw`` (a
     `commfuse.sim.Hardware`), ``step_s`` added per schedule step. Ties go to the earlier
     candidate. A candidate whose compute alone already loses is not simulated further.
-    ``attention``: the op's slots also run attention (`OpSpec.attention`: query-split)."""
+    ``attention``: the op's slots also run attention (`OpSpec.attention`: query-split);
+    ``moved``: the share of its rows the transfers carry (`OpSpec.moved`)."""
     sym = not (hw.compute_straggler or hw.link_straggler)
     best = (float("inf"), -1)
     for i, (m, o) in enumerate(candidates):
-        engine = Engine(hw, world, [OpSpec(op, m, tuple(shape), attention=attention, **o)],
+        engine = Engine(hw, world, [OpSpec(op, m, tuple(shape), attention=attention,
+                                           moved=moved, **o)],
                         dtype_bytes, True, False, sym)
         if o.get("splits", 1) > 1 and launch_bound(op, m, world, o, engine.work_s(), hw):
             continue  # more pieces than the host can post while the device computes
@@ -73,7 +76,8 @@ def steps(op: str, method: str, world: int, opts: dict) -> int:
 
 
 def best_splits(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 50e-6,
-                topology: str = "ring", method: str = "commfuse", attention: tuple = ()) -> int:
+                topology: str = "ring", method: str = "commfuse", attention: tuple = (),
+                moved: float = 1.0) -> int:
     """The m of `SPLITS` with which ``method`` runs ``op`` of ``shape`` fastest on ``hw``
     (``step_s`` per schedule step added, as for `fastest`), searched upwards from m=1 and
     stopped at the first m that is not faster than the one before (ties keep the smaller m);
@@ -81,7 +85,7 @@ def best_splits(op: str, shape, world: int, dtype_bytes: float, hw, step_s: floa
     wide groups each slice is already a small piece, and simulating them would dominate
     the planner's time; on a ``host_async`` device (the GPU presets) an m whose posts would
     keep the host longer than the op computes is not tried either (`launch_bound`), so the m
-    shrinks as the host's cost per post grows. ``attention``: as for `fastest`.
+    shrinks as the host's cost per post grows. ``attention``, ``moved``: as for `fastest`.
 
     A pure function of its arguments (the simulator is deterministic), so every rank that
     passes the same shape, group size, dtype and hardware gets the same m: it sets the
@@ -93,7 +97,7 @@ def best_splits(op: str, shape, world: int, dtype_bytes: float, hw, step_s: floa
         if m > 1 and world * m > MAX_PIECES:
             break
         t = fastest(op, shape, world, dtype_bytes, hw, step_s,
-                    [(method, {"topology": topology, "splits": m})], attention)[2]
+                    [(method, {"topology": topology, "splits": m})], attention, moved)[2]
         if t >= best_t:  # slower, or launch-bound (not simulated: inf)
             break
         best_m, best_t = m, t

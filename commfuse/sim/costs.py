@@ -22,6 +22,10 @@ class OpSpec:
     """(head_dim, order, factor[, batch]): every Compute slot also runs causal attention of its
     query rows, ``factor`` times the forward's, for each of ``batch`` sequences (default 1;
     M = batch x sequence) (query-split, `commfuse.sim.attention`); () none."""
+    moved: float = 1.0
+    """The share of the GEMM's rows that the transfers carry: an all-to-all op of the
+    deduplicated MoE dispatch moves one row per (token, destination rank), its GEMM one per
+    (token, expert) (`commfuse.sim.routing.expected_ranks` / top_k); 1 elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,18 @@ def op_costs(spec: OpSpec, world: int, slots: int, dtype_bytes: float) -> Costs:
 
     P2P methods (``slots`` = W*m): a slot is a W*m-th of the gathered/scattered dim M.
     none/sliced (``slots`` = chunks): a chunk is 1/chunks of every rank's slice.
+    The bytes are scaled by ``spec.moved`` (the deduplicated MoE dispatch).
     """
     op, (M, K, N), w, d = spec.op, spec.shape, world, dtype_bytes
-    if spec.method in ("none", "sliced"):
+    c = _costs(op, spec.method, M, K, N, w, slots, d)
+    if spec.moved == 1.0:
+        return c
+    return Costs(c.gemm, c.transfer_bytes * spec.moved, c.reduce_bytes, c.collective,
+                 c.collective_bytes * spec.moved)
+
+
+def _costs(op, method, M, K, N, w, slots, d) -> Costs:
+    if method in ("none", "sliced"):
         c = slots
         if op == "ag_matmul":
             return Costs((M / c, K, N), 0, 0, "all_gather", M / c * K * d)

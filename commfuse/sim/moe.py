@@ -130,7 +130,8 @@ def layer_ops(counts: ExpertCounts, dim: int, ffn: int, hw, method: str = "commf
     # elementwise bytes, kernel by kernel (each reads its inputs, writes its output once):
     # the rows' gather (read, write), SwiGLU (silu 2, mul 3, of F-wide rows), the weighted
     # sum (un-permute 2, scale 2, sum over k 1.5 + 1 of D-wide rows)
-    ops = [router, mem([n * dim * d * 2 for n in k_rows], "gather rows"),
+    moved = [counts.dispatched(p) for p in range(w)]  # one per (token, rank) with dedup
+    ops = [router, mem([n * dim * d * 2 for n in moved], "gather rows"),
            op("moe_dispatch", dim, 2 * ffn, False, ("moe_combine", 2 * ffn, dim)),
            mem([n * ffn * d * 5 for n in recv], "swiglu"),
            op("moe_combine", ffn, dim, False, ("moe_dispatch", dim, ffn)),
@@ -155,7 +156,8 @@ def moe_layer_time(counts: ExpertCounts, dims: tuple[int, int], hw, method: str 
                    dtype_bytes: float = 4, *, top_k: int = 2, backward: bool = True,
                    step_s: float = 0.0, **opts) -> MoESim:
     """Predicted time of one expert-parallel MoE layer (`layer_ops`): ``counts`` the routed
-    rows (`routing_counts` for an expected balanced or skewed table), ``dims`` = (model width
+    rows (`routing_counts` for an expected balanced or skewed table; ``dedup=True`` for the
+    one `commfuse.moe.parallel.expert_ffn` moves), ``dims`` = (model width
     D, expert hidden width F), ``top_k`` experts per token, ``method`` for both MoE ops
     ("auto": each op's fastest; ``opts``: ``chunks`` / ``splits``), forward and
     (``backward``) backward. The planner's entry point."""
@@ -197,10 +199,11 @@ def choose(op: str, counts: ExpertCounts, K: int, N: int, hw, dtype_bytes: float
     backward) on `representative(counts)`, cached. The counts change every step and timing
     every candidate on them costs tens of ms, so the choice is made once per group size,
     experts per rank and total rows (within a factor of 2^(1/4)), shape, dtype and
-    hardware; a skewed table gets its balanced equivalent's choice (which method hides more
-    depends on how the transfers compare to the GEMMs, which the totals set)."""
+    hardware, and share of moved rows (the dedup); a skewed table gets its balanced
+    equivalent's choice (which method hides more depends on how the transfers compare to the
+    GEMMs, which the totals set)."""
     rep = representative(counts)
-    key = (op, rep.tokens, K, N, dtype_bytes, step_s, repr(resolve_hw(hw)))
+    key = (op, rep.tokens, rep.firsts, K, N, dtype_bytes, step_s, repr(resolve_hw(hw)))
     if key not in _CHOICES:
         if len(_CHOICES) > 1024:
             _CHOICES.clear()
@@ -212,13 +215,23 @@ def choose(op: str, counts: ExpertCounts, K: int, N: int, hw, dtype_bytes: float
 
 def representative(counts: ExpertCounts) -> ExpertCounts:
     """The balanced table whose total rows are ``counts``' rounded to a power of 2^(1/4):
-    what `choose` decides on (the same for every rank holding ``counts``)."""
+    what `choose` decides on (the same for every rank holding ``counts``). A deduplicated
+    table keeps its share of moved rows (pairs / rows, rounded to 1/16): every cell's first
+    and last rows that share, each token's only expert on a rank where the cell's rows
+    cannot hold a first and a last apart."""
     total = sum(map(sum, counts.tokens))
     cells = counts.world * counts.experts
     if total:
         total = 2 ** (round(4 * math.log2(total)) / 4)
     per = round(total / cells)
-    return ExpertCounts(((per,) * counts.experts,) * counts.world)
+    rows = ((per,) * counts.experts,) * counts.world
+    if not counts.dedup:
+        return ExpertCounts(rows)
+    moved = sum(map(sum, counts.pairs)) / max(1, sum(map(sum, counts.tokens)))
+    f = min(per, round(per * round(16 * moved) / 16))
+    single = max(0, 2 * f - per)
+    return ExpertCounts(rows, *(((n,) * counts.experts,) * counts.world
+                                for n in (f, f, single)))
 
 
 class _MoEEngine(Engine):

@@ -1,10 +1,13 @@
 """Seeded routing tables for the MoE benchmarks and predictions: which experts each rank's
 tokens go to, balanced or with Zipf-skewed expert popularity, and the `ExpertCounts` of such
-an assignment. Pure (no torch); `commfuse.sim.moe` re-exports these names.
+an assignment, deduplicated as the ops run it (one moved row per (token, destination rank));
+`expected_ranks`, the destination ranks a token reaches under uniform routing. Pure (no
+torch); `commfuse.sim.moe` re-exports these names.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 from commfuse.schedule.moe import ExpertCounts
@@ -51,19 +54,45 @@ def route_tokens(routing: str, tokens: int, experts: int, top_k: int, world: int
 
 
 def routing_counts(routing: str, tokens: int, experts: int, top_k: int, world: int,
-                   seed: int = 0, zipf_s: float = 1.2) -> ExpertCounts:
-    """The `ExpertCounts` of `route_tokens`' assignment (the same arguments)."""
+                   seed: int = 0, zipf_s: float = 1.2, dedup: bool = False) -> ExpertCounts:
+    """The `ExpertCounts` of `route_tokens`' assignment (the same arguments; ``dedup`` as
+    for `counts_of`)."""
     return counts_of(route_tokens(routing, tokens, experts, top_k, world, seed, zipf_s),
-                     experts)
+                     experts, dedup)
 
 
-def counts_of(assignment, experts: int) -> ExpertCounts:
-    """The table of an assignment (per rank, per token, its experts)."""
-    table = []
-    for mine in assignment:
-        hist = [0] * experts
+def counts_of(assignment, experts: int, dedup: bool = False) -> ExpertCounts:
+    """The table of an assignment (per rank, per token, its experts; the EP group is one
+    rank per entry): rows per (rank, expert), what the MoE ops take without routing. With
+    ``dedup`` also, among them, the token's first and last expert on that expert's rank (by
+    local index) and its only one there, as `commfuse.ops.moe.routing.plan` marks them: the
+    table of the deduplicated dispatch (one moved row per (token, destination rank)) that
+    `commfuse.moe.parallel.expert_ffn` runs."""
+    world = len(assignment)
+    local = experts // world
+    tables = [[[0] * experts for _ in range(world)] for _ in range(4)]  # rows, f, l, single
+    for p, mine in enumerate(assignment):
         for chosen in mine:
+            by_rank: dict[int, list[int]] = {}
             for e in chosen:
-                hist[e] += 1
-        table.append(tuple(hist))
-    return ExpertCounts(tuple(table))
+                tables[0][p][e] += 1
+                by_rank.setdefault(e // local, []).append(e)
+            for on in by_rank.values():
+                lo, hi = min(on), max(on)
+                tables[1][p][lo] += 1
+                tables[2][p][hi] += 1
+                tables[3][p][lo] += lo == hi
+    return ExpertCounts(*(tuple(tuple(row) for row in t) for t in tables[:4 if dedup else 1]))
+
+
+def expected_ranks(experts: int, world: int, top_k: int) -> float:
+    """Expected distinct destination ranks of a token whose ``top_k`` distinct experts are
+    drawn uniformly from ``experts`` split evenly over ``world`` ranks:
+    ``W * (1 - C(E - E/W, k) / C(E, k))`` (rank q is missed when all k experts lie among the
+    other ranks' E - E/W). Of these, ``(W - 1) / W`` are remote on average. The deduplicated
+    dispatch moves one row per such rank, not ``top_k``."""
+    if experts % world or not 0 < top_k <= experts:
+        raise ValueError(f"bad routing shape: top-{top_k} of {experts} experts on {world} "
+                         f"ranks")
+    missed = math.comb(experts - experts // world, top_k) / math.comb(experts, top_k)
+    return world * (1 - missed)

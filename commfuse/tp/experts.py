@@ -27,6 +27,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from commfuse.moe.capacity import check_factor, count_dropped, within_capacity
 from commfuse.moe.parallel import expert_ffn
 from commfuse.ops.methods import method_spec
+from commfuse.ops.moe import library as moe_library
+from commfuse.ops.moe.library import Act, register_act
 from commfuse.tp.functional import gather_cols, scale_grad
 from commfuse.tp.sequence import SeqSplit, SequenceParallelNorm, as_sequence
 
@@ -153,6 +155,7 @@ class ExpertParallel(ParallelStyle):
         method_spec(method, opts)  # a bad method or option fails here, before any forward
         self.split, self.method, self.opts = split, method, opts
         self.capacity_factor = check_factor(capacity_factor)
+        self._opts_str = moe_library.opts_str(opts)
         self.logits_index = logits_index
         if ep_mesh is not None and tuple(ep_mesh.mesh_dim_names or ()) != ("ep_replicate", "ep"):
             raise ValueError("ep_mesh is commfuse.tp.mesh.ep_mesh's (ep_replicate, ep) mesh")
@@ -213,6 +216,10 @@ class ExpertParallel(ParallelStyle):
             if name not in skip and next(child.parameters(), None) is not None:
                 as_sequence(child, shape)
         router.forward = functools.partial(self._route, router.forward, shape, group)
+        # the activation, and where a compiled forward leaves its counts (`_experts`)
+        experts._commfuse_act = Act(_activation(experts, spec),
+                                    functools.partial(setattr, experts, "last_counts"))
+        experts._commfuse_act_key = register_act(experts._commfuse_act)
         experts.forward = functools.partial(self._experts, experts, spec, emesh.get_group(),
                                             _params(experts))
         if not spec.routed:
@@ -249,24 +256,22 @@ class ExpertParallel(ParallelStyle):
         w_in, w_out = local(spec.first), local("down_proj")
         if not spec.transposed:  # F.linear's [E, out, in] -> x @ w's [E, in, out]
             w_in, w_out = w_in.transpose(1, 2), w_out.transpose(1, 2)
-        if spec.gated:
-            apply_gate = getattr(experts, "_apply_gate", None) or _swiglu(experts)
-        else:
-            apply_gate = experts.act_fn
-        act = apply_gate
         if spec.bias:  # x @ w + b as [x, 1] @ [w; b]: each expert's bias in its GEMM
             b_in, b_out = local(f"{spec.first}_bias"), local("down_proj_bias")
             w_in = torch.cat([w_in, b_in.unsqueeze(1)], 1)
             w_out = torch.cat([w_out, b_out.unsqueeze(1)], 1)
             x_TD = _ones_column(x_TD)
-            act = lambda h: _ones_column(apply_gate(h))  # noqa: E731
         keep = None
         if self.capacity_factor is not None:
             keep = within_capacity(index, weights, spec.experts, self.capacity_factor)
             count_dropped(experts, keep)
-        y_TD, experts.last_counts = expert_ffn(x_TD, weights, index, w_in, w_out, act, group,
-                                               spec.experts, method=self.method, keep_Tk=keep,
-                                               **self.opts)
+        if torch.compiler.is_compiling():  # one opaque custom op, forward and backward
+            return moe_library.expert_ffn(x_TD, weights, index, w_in, w_out,
+                                          experts._commfuse_act_key, group, spec.experts,
+                                          self.method, self._opts_str, keep)
+        y_TD, experts.last_counts = expert_ffn(x_TD, weights, index, w_in, w_out,
+                                               experts._commfuse_act.act, group, spec.experts,
+                                               method=self.method, keep_Tk=keep, **self.opts)
         return y_TD
 
     def __repr__(self) -> str:
@@ -295,6 +300,19 @@ def _scaled_forward(block: nn.Module, spec: ExpertsSpec, hidden_states: torch.Te
     routed = block.experts(rows, index_Nk.reshape(-1, 1), ones).reshape(-1, k, x_ND.shape[-1])
     out = block.shared_expert(x_ND) + routed.sum(1)
     return out, logits
+
+
+def _activation(experts: nn.Module, spec: ExpertsSpec):
+    """The experts' activation between their GEMMs: ``_apply_gate`` on gate|up (transformers'
+    SwiGLU halves where the module has none), else ``act_fn``; with biases, a column of
+    ones appended for the down projection's bias row."""
+    if spec.gated:
+        apply_gate = getattr(experts, "_apply_gate", None) or _swiglu(experts)
+    else:
+        apply_gate = experts.act_fn
+    if spec.bias:
+        return lambda h: _ones_column(apply_gate(h))
+    return apply_gate
 
 
 def _ones_column(x: torch.Tensor) -> torch.Tensor:

@@ -190,7 +190,7 @@ FAMILIES = {
                            "packed gate|up", "no-rope layers", "multipliers")),
 }
 # families under their own plans, with their own tests
-COMPILED = ("llama", "qwen2")  # tests/test_tp_compile.py
+COMPILED = ("llama", "qwen2", "qwen3-moe")  # tests/test_tp_compile.py
 GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "qwen3-moe", "gpt-oss", "llama4",
             "deepseek-v3", "mamba2", "bamba", "nemotron-h", "falcon-h1", "granite-4-h",
             "qwen3.5", "qwen3-next")  # tests/test_tp_generate.py

@@ -6,6 +6,7 @@ the experts' last GEMM feeding the combine all-to-all, with variable per-peer co
     counts.py     exchange_counts: the per-step table of per-peer, per-expert rows, validated
     routing.py    plan / to_experts / home_sum: a step's dedup routing (one row per token and rank)
     gemm.py       the experts' grouped GEMMs (torch._grouped_mm where it applies)
+    library.py    commfuse::moe_expert_ffn: the whole expert call as a custom op (torch.compile)
 """
 
 from __future__ import annotations

@@ -196,8 +196,9 @@ def _auto(op: str, counts: ExpertCounts, kn: tuple[int, int], like: torch.Tensor
     method, opts = choose(op, counts, *kn, _hardware(dev), like.element_size(),
                           STEP_OVERHEAD_S.get(dev, 50e-6))
     rep = representative(counts)  # what the choice depends on: the same on every rank
-    agree(group, op, (rep.world, rep.experts, rep.tokens[0][0], *kn), like, (method, opts),
-          spec.timeout)
+    moved = rep.firsts[0][0] if rep.dedup else -1
+    agree(group, op, (rep.world, rep.experts, rep.tokens[0][0], moved, *kn), like,
+          (method, opts), spec.timeout)
     return replace(method_spec(method, opts), timeout=spec.timeout)
 
 

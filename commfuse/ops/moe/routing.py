@@ -83,13 +83,7 @@ def plan(experts_Tk: torch.Tensor, experts: int, group: dist.ProcessGroup,
     local, dev = experts // w, experts_Tk.device
     T, k = experts_Tk.shape
     bad = ((experts_Tk < 0) | (experts_Tk >= experts)).any()
-    e = experts_Tk.clamp(0, experts - 1).long()
-    kept = torch.ones_like(e, dtype=torch.bool) if keep_Tk is None else keep_Tk.bool()
-    q, li = e // local, e % local
-    # [T, k, k]: j and j' kept and on one rank
-    same = (q.unsqueeze(2) == q.unsqueeze(1)) & kept.unsqueeze(2) & kept.unsqueeze(1)
-    first = kept & ~(same & (li.unsqueeze(1) < li.unsqueeze(2))).any(-1)
-    last = kept & ~(same & (li.unsqueeze(1) > li.unsqueeze(2))).any(-1)
+    e, q, same, first, last, kept = marks(experts_Tk, experts, w, keep_Tk)
     before = torch.ones(k, k, dtype=torch.bool, device=dev).tril(-1)  # [j, j']: j' < j
     ordinal = (same & before).sum(-1)  # place among the token's experts on that rank
     lead = kept & (ordinal == 0)  # the pair's first row in top-k order
@@ -135,6 +129,24 @@ def plan(experts_Tk: torch.Tensor, experts: int, group: dist.ProcessGroup,
     home.scatter_(1, torch.where(lead, rank_ord, kw), pair_last)  # column kw: discarded
     return Plan(counts, kmax, flat_first // k, order, meta.reshape(-1, 3)[order],
                 home[:, :kw], pair_last.reshape(-1)[flat_first])
+
+
+def marks(experts_Tk: torch.Tensor, experts: int, world: int,
+          keep_Tk: torch.Tensor | None = None):
+    """Each (token, j)'s expert ``e`` [T, k] (clamped into [0, E)), its rank ``q``, ``same``
+    [T, k, k] (j and j' kept and on one rank), whether it is the token's ``first`` / ``last``
+    kept expert on that rank by local index (the dispatch moves the first rows, one per
+    (token, destination rank); the combine returns on the last), and ``kept`` [T, k]
+    (``keep_Tk``, all True when None: a dropped row moves nowhere)."""
+    local = experts // world
+    e = experts_Tk.clamp(0, experts - 1).long()
+    kept = torch.ones_like(e, dtype=torch.bool) if keep_Tk is None else keep_Tk.bool()
+    q, li = e // local, e % local
+    # [T, k, k]: j and j' kept and on one rank
+    same = (q.unsqueeze(2) == q.unsqueeze(1)) & kept.unsqueeze(2) & kept.unsqueeze(1)
+    first = kept & ~(same & (li.unsqueeze(1) < li.unsqueeze(2))).any(-1)
+    last = kept & ~(same & (li.unsqueeze(1) > li.unsqueeze(2))).any(-1)
+    return e, q, same, first, last, kept
 
 
 _AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> E agreed on

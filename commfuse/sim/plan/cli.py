@@ -31,8 +31,10 @@ a2a->GEMM; ZeRO-3 DP: parameter all-gather fused with each GEMM, gradient reduce
 with the weight-gradient GEMM; backward the dual ops), and the all-reduce of the replicated
 gradients. MoE layers (mixtral-8x7b, qwen3-30b-a3b, deepseek-v2-lite): the router GEMM, the
 dispatch all-to-all fused with the experts' gate|up GEMM and their down GEMM fused with the
-combine all-to-all on the ep group, with uniform routing's expected bytes (each rank sends
-tokens x top_k x (ep-1)/ep rows); Mamba-2 layers (nemotron-h-8b): in_proj's AG->GEMM and
+combine all-to-all on the ep group, with uniform routing's expected bytes of the
+deduplicated dispatch (each rank sends one row per token and remote destination rank:
+tokens x r x (ep-1)/ep rows, r = ep (1 - C(E - E/ep, top_k) / C(E, top_k)) the distinct
+ranks a token's experts lie on); Mamba-2 layers (nemotron-h-8b): in_proj's AG->GEMM and
 out_proj's GEMM->RS under TP, the conv1d and the scan as memory-bound work
 (commfuse/sim/step/layers.py, work.py). Under TP/UP x DP the plans gather the TP/UP weights with a plain all-gather before
 each op. Each distinct op is simulated once on its own group (tp/up ranks are neighbours, dp

@@ -15,10 +15,12 @@ hybrid model has one group per layer kind present (module doc of `commfuse.sim.s
   (local); the dispatch all-to-all fused with the experts' gate|up GEMM and the experts'
   down GEMM fused with the combine all-to-all, on the expert-parallel group ("ep": ep of the
   DP ranks, each holding E/ep experts); the shared experts as a dense MLP (named
-  "shared ..."). Uniform routing in expectation: each rank sends ``nl * top_k * (ep-1)/ep``
-  rows of D elements and receives as many, and its local experts compute ``nl * top_k`` rows.
-  The fused ops are the existing all-to-all kinds with shapes that give exactly those bytes
-  and FLOPs: dispatch = ``a2a_matmul`` (ep * rows, D, 2 F_e), combine = ``matmul_a2a``
+  "shared ..."). Uniform routing in expectation, deduplicated as the ops run it: each rank
+  sends one row of D elements per (token, destination rank), ``nl * r * (ep-1)/ep`` rows
+  with ``r = commfuse.sim.routing.expected_ranks(E, ep, top_k)`` the distinct ranks a
+  token's experts lie on, and receives as many; its local experts compute ``nl * top_k``
+  rows. The fused ops are the existing all-to-all kinds with shapes that give those FLOPs,
+  their bytes scaled by ``r / top_k`` (`StepOp.moved`): dispatch = ``a2a_matmul`` (ep * rows, D, 2 F_e), combine = ``matmul_a2a``
   (ep * rows, F_e, D) (`commfuse.sim.costs.op_costs`' conventions; their P2P slots split the
   GEMM's inner dimension where the expert GEMMs split rows: the same FLOPs, another shape).
   The local experts run as one GEMM of all their rows (a grouped GEMM's per-expert shapes
@@ -40,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from commfuse.sim.routing import expected_ranks
 from commfuse.sim.step.arch import expert_groups, is_hybrid, sublayers
 from commfuse.sim.step.ops import (CURRENT, StepModel, StepOp, _ag_backward, _linear_local,
                                     _linear_zero3, _rs_backward, block_ops)
@@ -105,20 +108,22 @@ def moe_ops(cfg, tp: int, up: int, dp: int, ep: int, seq: int, mb: int, backward
     nl = mb * seq // (tp * up)
     rows, F, E = nl * m.top_k, m.expert_ffn, m.experts
     M = ep * rows  # the fused all-to-all kinds' M: rows (and bytes) per rank = M / ep
-    ax, _, shard_ax, edp = expert_groups(tp, dp, ep, ep_axis)
+    ax, n_ep, shard_ax, edp = expert_groups(tp, dp, ep, ep_axis)
+    moved = expected_ranks(E, n_ep, m.top_k) / m.top_k  # the dedup: one row per (token, rank)
     gathers = [StepOp("gather experts", "all_gather", shard_ax, (E // ep * 3 * D * F * a,))] \
         if edp > 1 else []
     fwd = [StepOp("router", "gemm", "local", (nl, D, E))] + gathers + [
-        StepOp("dispatch+experts gate|up", "a2a_matmul", ax, (M, D, 2 * F)),
-        StepOp("experts down+combine", "matmul_a2a", ax, (M, F, D))]
+        StepOp("dispatch+experts gate|up", "a2a_matmul", ax, (M, D, 2 * F), moved=moved),
+        StepOp("experts down+combine", "matmul_a2a", ax, (M, F, D), moved=moved)]
     bwd = []
     if backward:
         regather = [dataclasses.replace(g, name="regather experts") for g in gathers] \
             if sm.ag_backward == "regather" else []
         bwd = regather + [
-            StepOp("combine+experts down dx", "a2a_matmul", ax, (M, D, F)),
+            StepOp("combine+experts down dx", "a2a_matmul", ax, (M, D, F), moved=moved),
             StepOp("experts down dW", "gemm", "local", (F, rows, D)),
-            StepOp("experts gate|up dx+dispatch", "matmul_a2a", ax, (M, 2 * F, D)),
+            StepOp("experts gate|up dx+dispatch", "matmul_a2a", ax, (M, 2 * F, D),
+                   moved=moved),
             StepOp("experts gate|up dW", "gemm", "local", (D, rows, 2 * F)),
             StepOp("router dx", "gemm", "local", (nl, E, D)),
             StepOp("router dW", "gemm", "local", (E, nl, D))]

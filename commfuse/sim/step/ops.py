@@ -136,6 +136,9 @@ class StepOp:
     ``attention``: query-split TP attention); on a "gemm", (head_dim, order, factor): causal
     attention of one sequence's ``shape[0]`` rows, timed as a fused kernel where the hardware
     has an attention efficiency (else as the GEMM ``shape``)."""
+    moved: float = 1.0
+    """A fused op's share of its GEMM's rows that travel (`commfuse.sim.costs.OpSpec.moved`:
+    the deduplicated MoE dispatch and combine)."""
 
 
 def _linear_local(name, n, i, o, backward, sm=None):
@@ -338,7 +341,8 @@ def grad_sync_ops(cfg: LlamaConfig, tp: int, up: int, dp: int, dtype_bytes: floa
 def wire_bytes(op: StepOp, world: int, dtype_bytes: float) -> float:
     """Bytes one rank sends for ``op`` on a group of ``world`` ranks, whatever the schedule
     (conventions of `commfuse.sim.costs.op_costs`): an all-gather or reduce-scatter moves
-    (W-1)/W of its buffer, an all-reduce twice that, an all-to-all (W-1)/W^2; GEMMs none."""
+    (W-1)/W of its buffer, an all-reduce twice that, an all-to-all (W-1)/W^2 (times the
+    op's ``moved``); GEMMs none."""
     if world <= 1 or op.kind == "gemm":
         return 0.0
     part = (world - 1) / world * op.count
@@ -347,4 +351,4 @@ def wire_bytes(op: StepOp, world: int, dtype_bytes: float) -> float:
     M, K, N = op.shape
     moved = {"ag_matmul": M * K, "matmul_rs": M * N, "matmul_a2a": M * N / world,
              "a2a_matmul": M * K / world}[op.kind]
-    return part * moved * dtype_bytes
+    return part * moved * op.moved * dtype_bytes

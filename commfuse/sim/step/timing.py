@@ -72,7 +72,7 @@ class OpTimer:
             else:
                 t = hw.gemm_time(*op.shape)
             return t, t, ""
-        key = (op.kind, op.shape, op.attention, method, tuple(sorted(opts.items())), world,
+        key = (op.kind, op.shape, op.attention, op.moved, method, tuple(sorted(opts.items())), world,
                repr(hw))
         if key not in self.cache:
             self.cache[key] = self._time(op, method, opts, world, hw)
@@ -89,14 +89,17 @@ class OpTimer:
             return t, t, "local"
         if method == "auto":
             method, opts, _ = fastest(op.kind, op.shape, world, self.dtype_bytes, hw,
-                                      self.auto_step_s, attention=op.attention)
+                                      self.auto_step_s, attention=op.attention,
+                                      moved=op.moved)
         elif method == "commfuse" and opts.get("splits") is None:
             topology = opts.get("topology", "ring")
             opts = {**opts, "splits": best_splits(op.kind, op.shape, world, self.dtype_bytes, hw,
                                                   self.auto_step_s, topology,
-                                                  attention=op.attention)}
+                                                  attention=op.attention,
+                                                  moved=op.moved)}
         sym = not (hw.compute_straggler or hw.link_straggler)
-        spec = OpSpec(op.kind, method, op.shape, attention=op.attention, **_spec_opts(opts))
+        spec = OpSpec(op.kind, method, op.shape, attention=op.attention, moved=op.moved,
+                      **_spec_opts(opts))
         r = simulate_ops([spec], world, self.dtype_bytes, hw, timeline=False, symmetric=sym)
         self.simulations += 1
         return r.total_s, r.compute_s, " ".join([method] + [f"{k}={v}" for k, v in opts.items()])
