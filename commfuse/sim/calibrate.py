@@ -86,7 +86,7 @@ def calibrate(results: list[dict], base: str | Hardware = "cpu-testbed", rounds:
         hw = _fit_rates(hw, ops, rounds)
         if host:
             hw = _fit_host(hw, ops, "host_collective_s", COLLECTIVE_LABELS)
-            hw = fit_pieces(hw, ops)
+            hw = fit_pieces(hw, ops, rounds=2)  # warm-started each round
     return replace(hw, choice_margin=min(0.5, max(hw.choice_margin, choice_error(ops, hw))))
 
 
