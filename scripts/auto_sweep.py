@@ -103,8 +103,8 @@ def _predict(r: dict, shape, hw, label: str, pick):
 
 
 def _fastest(r: dict, shape, hw):
-    return choose.fastest(r["workload"], shape, r["world"], DTYPE_BYTES[r["dtype"]], hw,
-                          choose.STEP_OVERHEAD_S["cpu"])
+    return choose.choice(r["workload"], shape, r["world"], DTYPE_BYTES[r["dtype"]], hw,
+                         choose.STEP_OVERHEAD_S["cpu"])
 
 
 def _k_n(r: dict, shape) -> tuple[int, int]:

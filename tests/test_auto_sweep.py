@@ -86,3 +86,36 @@ def test_run_rate_separates_a_slower_machine_from_the_model(tmp_path):
     drift, on_probe, at_run = float(row[5]), float(row[6][:-2]), float(row[7][:-2])
     assert drift == pytest.approx(0.8, abs=0.01)
     assert on_probe >= 15 and at_run <= 1
+
+
+def test_auto_default_pools_runs_and_pairs_auto_with_the_default(tmp_path):
+    # two runs of one workload: auto 5 % slower than the default in run 1's iterations and
+    # 1 % faster in run 2's, run 2 at half speed; pooled, the paired ratio is the median of
+    # all iterations' ratios (not of the runs' medians), and auto's pick and the default's m
+    # are each run's model's
+    from commfuse.runtime.probe import fitted_fields
+    from commfuse.sim import choose
+    from commfuse.sim.hardware import preset
+
+    auto_default = load("auto_default")
+    hw = preset("cpu-testbed")
+    paths = []
+    for run, (scale, auto) in enumerate(((1.0, 1.05), (2.0, 0.99))):
+        base = [100 * scale, 110 * scale, 105 * scale]
+        methods = [{"method": m, "samples_ms": [x * f for x in base], "compute_ms": 50.0}
+                   for m, f in (("none", 2.0), ("commfuse", 1.0), ("auto", auto),
+                                ("decompose", 1.1))]
+        r = {"workload": "ag_matmul", "seq": 2048, "d_model": 1024, "ffn": 2048, "world": 2,
+             "dtype": "float32", "pass": "forward", "comm_alone_ms": 40.0,
+             "limit_ms": 90.0 * scale, "methods": methods, "fitted": fitted_fields(hw)}
+        paths.append(tmp_path / f"run{run}.json")
+        paths[-1].write_text(json.dumps({"results": [r]}))
+    (c,) = auto_default.cells(paths)
+    assert (c["op"], c["S"], c["K"], c["N"], c["runs"]) == ("ag_matmul", 2048, 1024, 1024, 2)
+    assert c["paired"] == pytest.approx((1.05 + 0.99) / 2)  # the median of 6 ratios
+    assert (c["p10"], c["p90"]) == pytest.approx((0.99, 1.05))
+    args = ("ag_matmul", (2048, 1024, 1024), 2, 4, hw, choose.STEP_OVERHEAD_S["cpu"])
+    assert c["default_m"] == [choose.best_splits(*args)] * 2
+    assert c["auto_ran"] == [auto_default._label(*choose.choice(*args)[:2])] * 2
+    assert c["best"] == "decompose" and c["pooled"]["none"] == pytest.approx((220 + 400) / 2)
+    assert "| ag_matmul | 2048 | 1024 | 1024 |" in auto_default.markdown([c])

@@ -165,20 +165,25 @@ def test_the_slowdown_beside_transfers_sets_the_models_interference():
 
 
 def _slowdown(rank, world):
-    return probe.transfer_slowdown(preset("cpu-testbed").with_(link_bandwidth=2e9))
+    return (probe.transfer_slowdown(preset("cpu-testbed").with_(link_bandwidth=2e9)),
+            probe.post_cost())
 
 
-def test_the_slowdown_is_timed_over_a_real_exchange():
+def test_the_slowdown_and_the_post_cost_are_timed_over_a_real_exchange():
     # 2 GB/s at the model's rate: ~120 messages of 4 MiB each way over loopback, so GEMMs run
-    # beside them; one process alone has no one to exchange with
+    # beside them; then small batches posted through the ops' transport, each waited; one
+    # process alone has no one to exchange with
     out = run_local(_slowdown, 2, timeout=120)
-    assert all(isinstance(x, float) and x > -0.5 for x in out), out
+    assert all(isinstance(x, float) and x > -0.5 for x, _ in out), out
+    assert all(isinstance(p, float) and 0 < p < 0.1 for _, p in out), out
     assert probe.transfer_slowdown(preset("cpu-testbed")) is None
+    assert probe.post_cost() is None
 
 
-def _calibrated(rank, world, rates, slowdowns=(None, None, None)):
+def _calibrated(rank, world, rates, slowdowns=(None, None, None), posts=(None, None, None)):
     probe.measure = lambda *a, **k: rates[rank]  # this rank's "measurement"
     probe.transfer_slowdown = lambda *a, **k: slowdowns[rank]
+    probe.post_cost = lambda *a, **k: posts[rank]
     hw, got = auto.calibrate(torch.empty(0))
     return got, hw, auto.choose_splits("ag_matmul", (4096, 512, 768), world, torch.empty(0))
 
@@ -198,11 +203,15 @@ def test_every_rank_ends_with_the_slowest_ranks_model(world):
     assert slowest.narrow_flops == (7e10, 4e10)
     assert slowest.interference is None and out[0][1].interference == \
         preset("cpu-testbed").interference  # not timed anywhere: the preset's
-    out = run_local(_calibrated, world, rates, (0.2, 0.47, None)[:world], timeout=120)
+    out = run_local(_calibrated, world, rates, (0.2, 0.47, None)[:world],
+                    (2e-5, 7e-5, None)[:world], timeout=120)
     assert all(o == out[0] for o in out), out
     assert out[0][0].interference == out[0][1].interference == 0.47  # the largest
+    assert out[0][0].post_s == out[0][1].host_p2p_s == 7e-5  # the largest host time per post
+    assert "70 us per post" in out[0][0].line()
     out = run_local(_calibrated, world, rates, (-0.05, None, None)[:world], timeout=120)
     assert out[0][0].interference == -0.05 and out[0][1].interference == 0.0  # timed, clamped
+    assert out[0][0].post_s is None and out[0][1].host_p2p_s == preset("cpu-testbed").host_p2p_s
 
 
 def _calibrated_in_turn(rank, world, attempts):

@@ -2,8 +2,9 @@
 
 For a new (op, shape, group size, dtype) the candidates (`commfuse.sim.choose.CANDIDATES`) are
 timed by `commfuse.sim` on the hardware model of the tensors' device (`set_hardware`, else the
-`cpu-testbed` preset on CPU and `h100-nvlink` on CUDA), and the fastest is used; ``none`` wins
-where decomposing would lose. Choices are cached per shape and logged (logger
+`cpu-testbed` preset on CPU and `h100-nvlink` on CUDA), and the fastest is used where its
+predicted gain over the default (``commfuse`` at its chosen m) exceeds the model's measured
+error (`commfuse.sim.choose.choice`); ``none`` wins where decomposing would lose. Choices are cached per shape and logged (logger
 ``commfuse.auto``, level INFO). The simulator is deterministic, so every rank of a group makes
 the same choice given the same hardware model; `agree` checks that once per shape and
 group (ranks configured differently raise `CommFuseError`). The backward of an op reuses its
@@ -31,7 +32,7 @@ import zlib
 import torch
 
 from commfuse.ops.methods import OPTIONS, MethodSpec, method_spec
-from commfuse.sim.choose import STEP_OVERHEAD_S, best_splits, fastest
+from commfuse.sim.choose import STEP_OVERHEAD_S, best_splits, choice
 from commfuse.sim.hardware import Hardware, preset
 from commfuse.sim.hardware import resolve as resolve_hw
 
@@ -106,7 +107,8 @@ def _hardware(device_type: str) -> Hardware:
 
 def choose(op: str, shape: tuple[int, int, int], world: int,
            like: torch.Tensor) -> tuple[str, dict]:
-    """The fastest (method, options) for ``op`` of logical GEMM ``shape`` = (M, K, N)."""
+    """auto's (method, options) for ``op`` of logical GEMM ``shape`` = (M, K, N): the fastest
+    on the model, or the default where it is not faster by more than the model's error."""
     return _choose(op, tuple(shape), world, like.element_size(), like.device.type)
 
 
@@ -119,8 +121,8 @@ def _choose(op: str, shape: tuple[int, ...], world: int, itemsize: int,
             _CHOICES[key] = ("none", {})
         else:
             step_s = STEP_OVERHEAD_S.get(device_type, 50e-6)
-            _CHOICES[key] = fastest(op, shape, world, itemsize, hw, step_s,
-                                    attention=attention)[:2]
+            _CHOICES[key] = choice(op, shape, world, itemsize, hw, step_s,
+                                   attention=attention)[:2]
         log.info("auto: %s M,K,N=%s on %d ranks -> %s %s", op, shape, world, *_CHOICES[key])
     return _CHOICES[key]
 

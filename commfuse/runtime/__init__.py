@@ -11,4 +11,6 @@
     modes.py        measurement modes (compute alone, communication alone, record, trace)
     probe.py        times this device's kernels at start and fits the simulator's hardware
                     model to them (what ``auto`` decides on; `commfuse.ops.auto.calibrate`)
+    tax.py          what moving bytes costs the rank at start: the compute's slowdown beside
+                    transfers, the host time per post (the probe's CPU gloo part)
 """

@@ -14,9 +14,12 @@ large GEMM's rate is its median, every other kernel's is set by the median of it
 the large GEMM within a round. `probe` gives every rank the rates of the rank whose large GEMM
 was slowest (one all-gather, 3 significant digits, so all hold one model and make the same
 choices) and, on a CPU gloo group, the largest slowdown of a GEMM beside an exchange
-(`transfer_slowdown`). `fit` sets the GEMM peak and row overhead ``m0``
+(`transfer_slowdown`: what a piece in flight takes from the compute beside it) and the
+largest host time per post (`post_cost`: what a piece costs), both in
+`commfuse.runtime.tax`. `fit` sets the GEMM peak and row overhead ``m0``
 (`Hardware.gemm_efficiency`), the narrow regime's rate and its fall with B's size, the
-attention efficiency (forward and backward alike) and ``interference`` to predict them.
+attention efficiency (forward and backward alike), ``interference`` and ``host_p2p_s`` to
+predict them.
 
 Why each part (docs/design.md, "The model's compute is fitted"; docs/benchmarks/simulator.md):
 the slowdown, because the rank's own core runs the network stack of the emulated links
@@ -24,7 +27,7 @@ the slowdown, because the rank's own core runs the network stack of the emulated
 rows runs well below a 1024-row one (a step near 176 rows, not a curve) and a peak-only fit
 split too finely; medians in rounds, because a VM has spells of seconds at half speed;
 measuring again, because a fresh process's first probe can spread its rounds far more than
-later ones. Memory bandwidth, host time per launch and the links stay
+later ones. Memory bandwidth, host time per collective launch and the links stay
 the model's (a link's rate is the network's; one probe message would not improve that fit).
 """
 
@@ -35,6 +38,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
+from commfuse.runtime.tax import _NOT_TIMED, post_cost, transfer_slowdown
 from commfuse.sim.hardware import Hardware  # (torch is imported where a device is timed)
 
 # per device type: ~30 ms of a CPU core for the GEMM and the attention, ~1 ms of an H100
@@ -68,6 +72,9 @@ class Rates:
     largest rank's, or the fastest rank's rate over the slowest's if larger, in the attempt
     it kept (of ``attempts``)."""
     attempts: int = 1
+    post_s: float | None = None
+    """Host seconds to post one batch of P2P transfers (`post_cost`); None: not timed (the
+    model's ``host_p2p_s`` is kept)."""
 
     def line(self) -> str:
         small = f" ({self.small_gemm_flops / 1e9:.1f} at fewer rows)" \
@@ -78,6 +85,8 @@ class Rates:
             if self.attention_flops else ""
         slow = "" if self.interference is None else \
             f", GEMM {self.interference:.2f} slower beside transfers"
+        if self.post_s is not None:
+            slow += f", {self.post_s * 1e6:.0f} us per post"
         again = f" (best of {self.attempts} probes)" if self.attempts > 1 else ""
         spread = "" if self.spread is None else f", spread {self.spread:.2f}x{again}"
         return f"GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s{small}{attn}{slow}{spread}"
@@ -174,77 +183,6 @@ def _walk(x, w, rows: int):
     return (lambda: [s @ w for s in slices]), 2.0 * rows * x.shape[1] * w.shape[1] * len(slices)
 
 
-EXCHANGE_S = 0.25  # how long `transfer_slowdown`'s messages stream, at the model's link rate
-SLOWDOWN_ROUNDS = 3  # in that many turns, each after GEMMs with the link idle
-MESSAGE_BYTES = 4 * 2 ** 20
-_NOT_TIMED = -1e9  # a slowdown not timed, in `probe`'s gather
-
-
-def transfer_slowdown(hw: Hardware, group=None, dtype=None) -> float | None:
-    """The model's ``interference`` measured on this rank: the ``GEMM_SHAPE`` GEMM's median
-    time while the rank sends 4 MiB messages to the next rank of ``group`` and receives them
-    from the previous one (both directions at once, as the ops' exchanges run), over its
-    median with the link idle just before, minus 1: the median of `SLOWDOWN_ROUNDS` such
-    turns (a slow spell of the machine slows one turn's GEMMs alike, idle and busy). About
-    `EXCHANGE_S` of messages at ``hw``'s link rate in all move on a background thread over
-    the communicators the ops use (`commfuse.runtime.gloo.duplex`). Collective over a CPU
-    gloo ``group`` of 2 or more ranks; None for any other group (on a GPU the copy engine
-    and NIC move the bytes: the preset's figure stays) and where no GEMM ran whole beside
-    the messages (a link far faster than the model's)."""
-    import threading
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    from commfuse.runtime import gloo
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2 \
-            or dist.get_backend(group) != "gloo":
-        return None
-    group = group or dist.group.WORLD
-    world, rank, me = dist.get_world_size(group), dist.get_rank(group), dist.get_rank()
-    to = dist.get_global_rank(group, (rank + 1) % world)
-    frm = dist.get_global_rank(group, (rank - 1) % world)
-    gen = torch.Generator().manual_seed(0)
-    m, k, n = GEMM_SHAPE["cpu"]
-    a, b = (torch.randn(*shape, generator=gen).to(dtype or torch.float32)
-            for shape in ((m, k), (k, n)))
-    numel = MESSAGE_BYTES // 4
-    sent, got = torch.zeros(numel), torch.empty(numel)
-    count = max(3, round(EXCHANGE_S * hw.link_bandwidth / MESSAGE_BYTES / SLOWDOWN_ROUNDS))
-    failed = []
-
-    def exchange() -> None:
-        try:
-            for _ in range(count):
-                works = [dist.isend(sent, to, group=gloo._directed(group, me, to)),
-                         dist.irecv(got, frm, group=gloo._directed(group, frm, me))]
-                for w in works:
-                    w.wait(timedelta(seconds=60))
-        except Exception as e:  # re-raised below, on the caller's thread
-            failed.append(e)
-
-    ratios = []
-    for _ in range(SLOWDOWN_ROUNDS):  # idle GEMMs, then GEMMs beside messages, in turns
-        idle = _rounds({"gemm": lambda: a @ b}, torch.device("cpu"), 1, {"gemm": 3})["gemm"][0]
-        dist.barrier(group)
-        mover = threading.Thread(target=exchange, name="commfuse-probe-exchange", daemon=True)
-        mover.start()
-        busy = []
-        while mover.is_alive():
-            t0 = time.perf_counter()
-            a @ b
-            if mover.is_alive():  # a GEMM the messages outlived: it ran beside them throughout
-                busy.append(time.perf_counter() - t0)
-        mover.join()
-        if failed:
-            raise failed[0]
-        if busy:
-            ratios.append(statistics.median(busy) / idle - 1)
-    return statistics.median(ratios) if ratios else None
-
-
 def fit(hw: Hardware, rates: Rates, device_type: str = "cpu") -> Hardware:
     """``hw`` with its GEMM peak, row overhead m0 (where ``rates`` has the small GEMM) and
     attention efficiency set so that it predicts ``rates`` for the probe's shapes on
@@ -252,7 +190,8 @@ def fit(hw: Hardware, rates: Rates, device_type: str = "cpu") -> Hardware:
     the large one (or faster) gives m0 = 0 and a peak fitted to the large one. Where ``hw``
     has a narrow regime and ``rates`` the narrow GEMMs, its efficiency and decay are set to
     predict both (the efficiency capped at 1, the decay kept >= 0: a narrow GEMM is never
-    modelled faster than the wide formula)."""
+    modelled faster than the wide formula). Where timed, ``interference`` is the slowdown
+    beside transfers and ``host_p2p_s`` the host time per post (each kept >= 0)."""
     small = rates.small_gemm_flops
     for name, v in (("gemm_flops", rates.gemm_flops), ("small_gemm_flops", small)):
         if v is not None and not v > 0:
@@ -261,6 +200,8 @@ def fit(hw: Hardware, rates: Rates, device_type: str = "cpu") -> Hardware:
     m, k, n = GEMM_SHAPE[key]
     out = hw if rates.interference is None else replace(hw, interference=max(
         0.0, rates.interference))
+    if rates.post_s is not None:
+        out = replace(out, host_p2p_s=max(0.0, rates.post_s))
     if small is not None:
         # rate = peak * eff / (1 + m0/m + c) at both row counts, c = n0/n + k0/k: solve m0
         r, r_s, m_s, c = rates.gemm_flops, small, SMALL_GEMM_SHAPE[key][0], hw.n0 / n + hw.k0 / k
@@ -292,7 +233,8 @@ def probe(hw: Hardware, group=None, device="cpu", dtype=None) -> tuple[Hardware,
     """``(hw fitted to the slowest rank's rates, those rates)``: every rank of ``group`` (the
     default group if initialised; else this process alone) runs `measure`; the ranks gather
     them and every rank takes the rates of the one whose large GEMM was slowest (ties: the
-    lowest rank) and the largest slowdown beside transfers, so all share one model. Where a
+    lowest rank) and the largest slowdown beside transfers and host time per post, so all
+    share one model. Where a
     rank's rounds spread over `SPREAD_LIMIT` (`Rates.spread`) or the ranks' large-GEMM rates
     differ by more, all measure again (decided on the gathered rates, so all agree), up to
     `ATTEMPTS` times, and keep the attempt of the smallest spread."""
@@ -307,9 +249,11 @@ def probe(hw: Hardware, group=None, device="cpu", dtype=None) -> tuple[Hardware,
                         narrow=bool(hw.narrow_rows))
         if attempt == 1:  # the slowdown once: it is a median of turns, each with its own idle
             slowdown = transfer_slowdown(hw, group, dtype) if device.type == "cpu" else None
+            post = post_cost(group) if device.type == "cpu" else None
         narrow = rates.narrow_flops or (0.0,) * len(NARROW_SHAPES[_key(device.type)])
         rows = [[rates.gemm_flops, rates.attention_flops or 0.0, rates.small_gemm_flops or 0.0,
-                 _NOT_TIMED if slowdown is None else slowdown, rates.spread or 1.0, *narrow]]
+                 _NOT_TIMED if slowdown is None else slowdown, rates.spread or 1.0,
+                 _NOT_TIMED if post is None else post, *narrow]]
         if many:
             t = torch.tensor(rows[0], dtype=torch.float64,
                              device=device if dist.get_backend(group) == "nccl" else "cpu")
@@ -327,14 +271,16 @@ def probe(hw: Hardware, group=None, device="cpu", dtype=None) -> tuple[Hardware,
     g, a, s = (float(f"{v:.3g}") for v in slowest[:3])
     timed = [row[3] for row in rows if row[3] != _NOT_TIMED]
     slowdown = round(max(timed), 2) if timed else None  # the largest rank's
-    narrow = tuple(float(f"{v:.3g}") for v in slowest[5:])
+    posts = [row[5] for row in rows if row[5] != _NOT_TIMED]
+    post = float(f"{max(posts):.2g}") if posts else None  # the largest rank's
+    narrow = tuple(float(f"{v:.3g}") for v in slowest[6:])
     rates = Rates(g, a or None, s or None, slowdown, narrow if all(narrow) else None,
-                  round(spread, 2), attempt)
+                  round(spread, 2), attempt, post)
     return fit(hw, rates, device.type), rates
 
 
 FITTED = ("gemm_flops", "m0", "attention_efficiency", "interference", "narrow_efficiency",
-          "narrow_decay")  # what `fit` changes
+          "narrow_decay", "host_p2p_s")  # what `fit` changes
 
 
 def fitted_fields(hw: Hardware) -> dict:

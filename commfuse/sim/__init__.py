@@ -18,7 +18,8 @@ This package is the op timeline (what ``method="auto"`` asks, and ``commfuse sim
     attention.py  the attention a query-split slot computes
     moe.py        the MoE dispatch/combine schedules on variable counts; routing.py the
                   routing tables they are timed on
-    choose.py     the pure choice behind ``auto``: the fastest method, the best splits
+    choose.py     the pure choice behind ``auto``: the fastest method, kept to the default
+                  within the model's error, the best splits
     calibrate.py  the hardware model fitted to ``commfuse bench op`` results
     cli.py        ``commfuse simulate``
 

@@ -5,10 +5,11 @@ scales a base preset's ``gemm_flops`` so the simulated compute of method ``none`
 measured compute alone, and its ``link_bandwidth`` so the simulated collective of ``none``
 matches the measured communication alone (a few fixed-point rounds: time is close to
 inversely proportional to both). Then the host costs: ``host_collective_s`` so that the
-predicted medians of ``sliced`` (4 collectives per op) sum to the measured ones, and
-``host_p2p_s`` likewise for the P2P methods (decompose, commfuse and its variants), each by
-bisection, the whole alternated a few times. Everything else (efficiency curve, interference,
-duplex) stays the preset's. ``compare`` then predicts every method of every result on the
+predicted medians of ``sliced`` (4 collectives per op) sum to the measured ones (bisection),
+and what a piece costs and buys (``host_p2p_s`` per post and ``interference``, `fit_pieces`)
+to the P2P methods at every piece count, the whole alternated a few times; last the model's
+error on auto's choice (`choice_error`), which ``auto`` needs a predicted gain to exceed.
+Everything else (efficiency curve, duplex) stays the preset's. ``compare`` then predicts every method of every result on the
 fitted model: the "predicted vs measured" table of the simulator issue.
 
     commfuse simulate --calibrate bench-out/op-2r.json [--against OTHER_RUN.json]
@@ -16,10 +17,13 @@ fitted model: the "predicted vs measured" table of the simulator issue.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from commfuse.schedule import VARIANTS as ALL_VARIANTS
 from commfuse.sim import choose
+from commfuse.sim.costs import OpSpec
+from commfuse.sim.engine import Engine
 from commfuse.sim.hardware import Hardware, preset
 from commfuse.sim.simulate import simulate_op
 
@@ -52,6 +56,15 @@ def _simulate(r: dict, label: str, hw: Hardware):
                        hw, timeline=False, **opts)
 
 
+def _total(r: dict, label: str, hw: Hardware) -> float:
+    """`_simulate`'s ``total_s`` alone, the ranks timed as rank 0 where that is exact."""
+    method, opts = VARIANTS[label]
+    spec = OpSpec(r["workload"], method, op_shape(r), **opts)
+    sym = not (hw.compute_straggler or hw.link_straggler)
+    return max(Engine(hw, r["world"], [spec], DTYPE_BYTES[r["dtype"]], True, False,
+                      sym).run()[0])
+
+
 def _ops(results: list[dict]) -> list[dict]:
     ops = [r for r in results if r["pass"] == "forward" and r["workload"] in
            ("ag_matmul", "matmul_rs", "matmul_a2a", "a2a_matmul")]
@@ -63,16 +76,18 @@ def _ops(results: list[dict]) -> list[dict]:
 
 def calibrate(results: list[dict], base: str | Hardware = "cpu-testbed", rounds: int = 4,
               host: bool = True) -> Hardware:
-    """The base hardware with gemm_flops, link_bandwidth and (``host``) the host costs fitted
-    to ``results``; ``host=False`` keeps the base's host costs."""
+    """The base hardware with gemm_flops, link_bandwidth and (``host``) the host cost per
+    collective and what a piece costs and buys (`fit_pieces`) fitted to ``results``, and its
+    ``choice_margin`` raised to the fitted model's `choice_error` on them where that is
+    larger; ``host=False`` keeps the base's host costs and interference."""
     hw = preset(base) if isinstance(base, str) else base
     ops = _ops(results)
     for _ in range(3 if host else 1):
         hw = _fit_rates(hw, ops, rounds)
         if host:
             hw = _fit_host(hw, ops, "host_collective_s", COLLECTIVE_LABELS)
-            hw = _fit_host(hw, ops, "host_p2p_s", P2P_LABELS)
-    return hw
+            hw = fit_pieces(hw, ops, rounds=2)  # warm-started each round
+    return replace(hw, choice_margin=min(0.5, max(hw.choice_margin, choice_error(ops, hw))))
 
 
 COLLECTIVE_LABELS = ("sliced",)  # the bench variants that fit each host cost
@@ -104,6 +119,72 @@ def _fit_host(hw: Hardware, ops: list[dict], field: str, labels, iters: int = 24
     return replace(hw, **{field: (lo + hi) / 2})
 
 
+PIECE_RANGES = {"host_p2p_s": (0.0, 5e-3), "interference": (0.0, 2.0)}  # `fit_pieces`' bounds
+
+
+def fit_pieces(hw: Hardware, ops: list[dict], rounds: int = 6, iters: int = 12) -> Hardware:
+    """``hw`` with what a piece costs (``host_p2p_s``: host time per post, on the rank's own
+    timeline) and what it buys (``interference``: how much the compute beside a moving piece
+    slows, which sets how much of the transfer more pieces hide) fitted together to the P2P
+    methods' medians at every piece count measured (decompose, commfuse at m = 1, 2, 4, 8,
+    direct): the least squares of log(predicted / measured) over them, by golden-section
+    search on each in `PIECE_RANGES`, alternated ``rounds`` times. A cost per piece moves
+    the prediction in proportion to the pieces, the overlap's slowdown most where the pieces
+    hide the most, so results at several m tell them apart; with one m only the sum is
+    fitted (both move it). Unchanged where no P2P method was measured."""
+    pairs = [(r, m["method"], m["median_ms"] / 1e3) for r in ops for m in r["methods"]
+             if m["method"] in P2P_LABELS and _modelled(r, m["method"])]
+    if not pairs:
+        return hw
+
+    def loss(h: Hardware) -> float:
+        return sum(math.log(_total(r, label, h) / t) ** 2 for r, label, t in pairs)
+
+    g = (math.sqrt(5) - 1) / 2
+    for _ in range(rounds):
+        for field, (lo, hi) in PIECE_RANGES.items():
+            at = lambda v, f=field: loss(replace(hw, **{f: v}))
+            a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+            fa, fb = at(a), at(b)
+            for _ in range(iters):
+                if fa <= fb:
+                    hi, b, fb = b, a, fa
+                    a = hi - g * (hi - lo)
+                    fa = at(a)
+                else:
+                    lo, a, fa = a, b, fb
+                    b = lo + g * (hi - lo)
+                    fb = at(b)
+            hw = replace(hw, **{field: (lo + hi) / 2})
+    return hw
+
+
+def choice_error(results: list[dict], hw: Hardware, quantile: float = 0.9) -> float:
+    """The model's error on the choice ``auto`` makes: over every forward op result and every
+    modelled method X measured beside the default (`commfuse.sim.choose.default`: commfuse at
+    the m `best_splits` picks on ``hw``, where that m was measured), |log((predicted X /
+    predicted default) / (measured X / measured default))|, at ``quantile`` (0 without such
+    pairs). What a predicted gain over the default must exceed to be told apart from the
+    model's error and the runs' spread (`Hardware.choice_margin`)."""
+    errors = []
+    for r in _ops(results):
+        med = {m["method"]: m["median_ms"] for m in r["methods"] if _modelled(r, m["method"])}
+        m = choose.best_splits(r["workload"], op_shape(r), r["world"], DTYPE_BYTES[r["dtype"]],
+                               hw, choose.STEP_OVERHEAD_S["cpu"])
+        ref = next((k for k in (f"commfuse-m{m}", "commfuse" if m == 1 else "") if k in med),
+                   None)
+        if ref is None:
+            continue
+        pred = lambda label: _simulate(r, label, hw).total_s
+        p_ref = pred(ref)
+        errors += [abs(math.log(pred(x) / p_ref / (t / med[ref]))) for x, t in med.items()
+                   if x != ref and VARIANTS[x] != VARIANTS[ref]]
+    if not errors:
+        return 0.0
+    errors.sort()
+    return errors[min(len(errors) - 1, int(quantile * len(errors)))]
+
+
 def _fit_rates(hw: Hardware, ops: list[dict], rounds: int) -> Hardware:
     """gemm_flops and link_bandwidth so that ``none`` matches compute and communication alone."""
     for _ in range(rounds):
@@ -133,7 +214,9 @@ def compare(results: list[dict], hw: Hardware) -> list[dict]:
 def markdown(rows: list[dict], hw: Hardware) -> str:
     out = [f"Fitted: gemm_flops {hw.gemm_flops / 1e9:.1f} GFLOP/s, link {hw.link_bandwidth * 8 / 1e9:.3f}"
            f" Gbit/s each way, host {hw.host_collective_s * 1e3:.2f} ms per collective and "
-           f"{hw.host_p2p_s * 1e3:.2f} ms per P2P post; the rest from the base preset.\n",
+           f"{hw.host_p2p_s * 1e3:.2f} ms per P2P post, compute {hw.interference:.2f} slower "
+           f"beside transfers, auto's margin over the default {100 * hw.choice_margin:.0f} %; "
+           "the rest from the base preset.\n",
            "| op | method | measured ms | predicted ms | error |", "|---|---|---:|---:|---:|"]
     out += [f"| {r['op']} | {r['method']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
             f"{100 * r['error']:+.0f} % |" for r in rows]
@@ -160,7 +243,7 @@ def auto_check(results: list[dict], hw: Hardware) -> list[dict]:
         best = min(med, key=med.get)
         args = (r["workload"], op_shape(r), r["world"], DTYPE_BYTES[r["dtype"]], hw,
                 choose.STEP_OVERHEAD_S["cpu"])
-        full = choose.fastest(*args)[:2]
+        full = choose.choice(*args)[:2]
         choice = label_of.get(_canon(*full))
         among = label_of[_canon(*choose.fastest(*args, candidates=measured_only)[:2])]
         rows.append({"op": r["workload"], "seq": r["seq"], "choice": choice,

@@ -5,6 +5,10 @@ Pure (no torch): `commfuse.ops.auto` calls `fastest` for the tensors of a live c
 caches its choice); the whole-step simulation (`commfuse.sim.step.timing`) calls it for ``auto``
 plans.
 
+`choice` is ``auto``'s pick: the fastest, where its predicted gain over the default method
+(`default`: ``commfuse`` at `best_splits`'s m) exceeds the model's measured error
+(``Hardware.choice_margin``), else the default.
+
 Host time: the hardware model's host costs per launch (``Hardware.host_collective_s`` /
 ``host_p2p_s``, fitted by the calibration on the `cpu-testbed`) are charged inside the
 simulation, where the host is the core that computes; ``STEP_OVERHEAD_S`` per schedule step
@@ -57,6 +61,37 @@ def fastest(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 
         best = min(best, (max(engine.run()[0]) + extra, i))
     t, i = best
     return candidates[i][0], candidates[i][1], t
+
+
+def default(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 50e-6,
+            attention: tuple = (), moved: float = 1.0) -> tuple[str, dict]:
+    """The method an op runs when none is given: ``commfuse`` on the ring at the m
+    `best_splits` picks."""
+    m = best_splits(op, shape, world, dtype_bytes, hw, step_s, attention=attention,
+                    moved=moved)
+    return "commfuse", {"topology": "ring", "splits": m}
+
+
+def choice(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 50e-6,
+           attention: tuple = (), moved: float = 1.0) -> tuple[str, dict, float]:
+    """What ``method="auto"`` runs: (method, options, predicted seconds) of `fastest`, unless
+    it predicts a gain over the `default` of no more than ``hw.choice_margin`` of the
+    default's time; then the default. The margin is the model's measured error on such a
+    ratio: a smaller predicted gain is within what the model can tell apart, and departing
+    on it could as well lose (`Hardware.choice_margin`). A pure function of its arguments,
+    so every rank that has the same model chooses alike."""
+    method, opts, t = fastest(op, shape, world, dtype_bytes, hw, step_s, attention=attention,
+                              moved=moved)
+    if not hw.choice_margin or world <= 1 or min(shape) <= 0:
+        return method, opts, t
+    d_method, d_opts = default(op, shape, world, dtype_bytes, hw, step_s, attention, moved)
+    if (method, {"splits": 1, **opts}) == (d_method, d_opts):
+        return method, opts, t
+    t_default = fastest(op, shape, world, dtype_bytes, hw, step_s, [(d_method, d_opts)],
+                        attention, moved)[2]
+    if t <= (1 - hw.choice_margin) * t_default:
+        return method, opts, t
+    return d_method, d_opts, t_default
 
 
 def launch_bound(op: str, method: str, world: int, opts: dict, compute_s: float, hw) -> bool:

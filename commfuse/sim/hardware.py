@@ -89,6 +89,12 @@ class Hardware:
     one faults again); charged to the op's compute. 0: free (a caching allocator, GPUs)."""
     first_touch_bytes: float = 32 * 2 ** 20
     """Smallest buffer that `first_touch_bandwidth` charges."""
+    choice_margin: float = 0.0
+    """The model's error on the ratio of two methods' times on this machine kind, measured
+    (`commfuse.sim.calibrate.choice_error`): ``auto`` departs from the default method
+    (``commfuse`` at its chosen m) only where it predicts a gain larger than this fraction
+    (`commfuse.sim.choose.choice`), so a mis-fit cannot make it slower than the default by
+    more than the runs' own spread. 0: no measurement, the fastest prediction is taken."""
 
     serial_p2p: bool = False
     """A rank's P2P batches (a schedule's ``Post`` steps) run one after another, in post
@@ -132,12 +138,14 @@ class Hardware:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("link_latency", "add_bandwidth", "m0", "n0", "k0", "narrow_rows",
                      "narrow_decay", "interference", "host_collective_s", "host_p2p_s",
-                     "first_touch_bandwidth", "first_touch_bytes"):
+                     "first_touch_bandwidth", "first_touch_bytes", "choice_margin"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("memory_gib", "tdp_w", "power_limit_w"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.choice_margin < 1:
+            raise ValueError(f"choice_margin must be < 1, got {self.choice_margin!r}")
         if self.power_limit_w and not self.tdp_w:
             raise ValueError("power_limit_w needs tdp_w (the power the peak was measured at)")
         if len(self.attention_efficiency) != 2 or not all(
@@ -314,7 +322,10 @@ PRESETS: dict[str, Hardware] = {
     # (narrow_*). Adds walking distinct buffers into a reused output move 17 GB/s (3x the
     # bytes). `--hardware measured`, the default of bench and train, starts from this preset
     # and fits the compute rates to the running machine at start (`commfuse.runtime.probe`);
-    # predictions against measured runs: docs/benchmarks/simulator.md.
+    # predictions against measured runs: docs/benchmarks/simulator.md. choice_margin 0.06:
+    # the 90th percentile of the model's error on the ratio of a method's time to the
+    # default's over the K x N sweep (`commfuse.sim.calibrate.choice_error` on
+    # docs/benchmarks/simulator/, 180 pairs: median 0.02, worst 0.08).
     "cpu-testbed": Hardware(gemm_flops=92.6e9, link_bandwidth=1.204e9 / 8, link_latency=50e-6,
                             mem_bandwidth=5e9, add_bandwidth=17e9, gemm_max_efficiency=1.0,
                             m0=8.0, n0=8.0, k0=32.0, narrow_rows=176.0, narrow_efficiency=0.67,
@@ -322,7 +333,8 @@ PRESETS: dict[str, Hardware] = {
                             collective_efficiency=0.75, host_collective_s=0.65e-3,
                             host_p2p_s=0.0, fifo_per_peer=True,
                             attention_efficiency=(0.90, 0.87), attention_k0=300.0,
-                            attention_q0=32.0, first_touch_bandwidth=2.4e9),
+                            attention_q0=32.0, first_touch_bandwidth=2.4e9,
+                            choice_margin=0.06),
 }
 
 

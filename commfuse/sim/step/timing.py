@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import math
 
-from commfuse.sim.choose import best_splits, fastest
+from commfuse.sim.choose import best_splits, choice
 from commfuse.sim.attention import attention_s
 from commfuse.sim.costs import OpSpec
 from commfuse.sim.hardware import Hardware
@@ -54,8 +54,8 @@ from commfuse.trace import Span, write_trace
 class OpTimer:
     """Times `StepOp`s (seconds: total, compute alone), each distinct one once.
 
-    A fused op runs the given method; method "auto" takes the fastest of `commfuse.sim.choose`'s
-    candidates for that shape (``auto_step_s`` per schedule step added, as `auto` does), and
+    A fused op runs the given method; method "auto" takes `commfuse.sim.choose.choice`'s pick
+    of `commfuse.sim.choose`'s candidates for that shape (``auto_step_s`` per schedule step added, as `auto` does), and
     "commfuse" without ``splits`` the m `commfuse.sim.choose.best_splits` picks, as the ops do."""
 
     def __init__(self, dtype_bytes: float = 2, auto_step_s: float = 10e-6):
@@ -88,9 +88,8 @@ class OpTimer:
             t = hw.gemm_time(*op.shape)
             return t, t, "local"
         if method == "auto":
-            method, opts, _ = fastest(op.kind, op.shape, world, self.dtype_bytes, hw,
-                                      self.auto_step_s, attention=op.attention,
-                                      moved=op.moved)
+            method, opts, _ = choice(op.kind, op.shape, world, self.dtype_bytes, hw,
+                                     self.auto_step_s, attention=op.attention, moved=op.moved)
         elif method == "commfuse" and opts.get("splits") is None:
             topology = opts.get("topology", "ring")
             opts = {**opts, "splits": best_splits(op.kind, op.shape, world, self.dtype_bytes, hw,
