@@ -213,15 +213,22 @@ def build(name: str | Family, seed: int = 0, **over):
     fam = FAMILIES[name] if isinstance(name, str) else name
     cfg = tiny_config(fam, **over)
     torch.manual_seed(seed)
-    model = getattr(transformers, fam.model)(cfg).float()
-    with torch.no_grad():  # biases, sinks, a router's score correction: not zero, exercised
+    return exercise(getattr(transformers, fam.model)(cfg).float(), fam.redraw)
+
+
+def exercise(model, redraw: dict):
+    """``model`` with its all-zero floating tensors (biases, sinks, a router's score
+    correction) drawn from N(0, 0.1) so the check exercises them, and the parameters named in
+    ``redraw`` (leaf name -> (low, high)) drawn uniform."""
+    import torch
+    with torch.no_grad():
         for n, t in [*model.named_parameters(), *model.named_buffers()]:
             if t.is_floating_point() and t.dim() and not t.any() and (
                     not n.endswith("inv_freq")):
                 t.normal_(0, 0.1)
         for n, p in model.named_parameters():
-            if n.rpartition(".")[2] in fam.redraw:
-                p.uniform_(*fam.redraw[n.rpartition(".")[2]])
+            if n.rpartition(".")[2] in redraw:
+                p.uniform_(*redraw[n.rpartition(".")[2]])
     return model
 
 
