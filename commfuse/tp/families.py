@@ -188,7 +188,14 @@ FAMILIES = {
                           "granitemoehybrid", GRANITE_4,
                           ("Mamba-2", "hybrid layers", "sparse MoE", "shared experts",
                            "packed gate|up", "no-rope layers", "multipliers")),
+    "beam": Family("BeamConfig", "BeamForCausalLM", "beam",
+                   {**MOE, **WINDOWS, "num_experts": 4, "head_dim": 8, "n_group": 2,
+                    "topk_group": 1, "mlp_layer_types": ["dense", "sparse"]},
+                   ("sparse MoE", "depth-scaled residuals", "gated attention")),
 }
+# families checked on 2 ranks only (what scripts/family_sweep.py found wrong; the mechanisms
+# beside it are the other families')
+TWO_RANKS = ("beam",)
 # families under their own plans, with their own tests
 COMPILED = ("llama", "qwen2")  # tests/test_tp_compile.py
 GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "qwen3-moe", "gpt-oss", "llama4",
@@ -266,16 +273,50 @@ def support_matrix() -> str:
     return "\n".join(lines) + "\n"
 
 
+def sweep_section(path) -> str:
+    """docs/support.md's sweep section: scripts/family_sweep.py's CSV at ``path``, each
+    model type under its outcome."""
+    import csv
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["status"], []).append(r)
+    versions = ", ".join(sorted({r["transformers"] for r in rows}))
+    lines = [f"`scripts/family_sweep.py` on transformers {versions}: {len(rows)} causal-LM "
+             f"model types, each a tiny float32 model on 2 ranks under methods `none` and "
+             f"`commfuse` against the unsharded model (logits, loss, every gradient).", ""]
+    for status, what in (("exact", "checked exact"), ("MISMATCH", "MISMATCH"),
+                         ("error", "error"), ("refused", "refused"), ("skipped", "skipped")):
+        rs = by.get(status, [])
+        if status == "exact":
+            lines.append(f"- {what} ({len(rs)}): "
+                         + ", ".join(f"`{r['model_type']}`" for r in rs))
+            continue
+        lines.append(f"- {what} ({len(rs)}){':' if rs else ''}")
+        lines += [f"  - `{r['model_type']}`: {r['detail'].split('; ')[0]}" for r in rs]
+    return "\n".join(lines) + "\n"
+
+
 BEGIN, END = "<!-- support-matrix: generated, do not edit -->\n", "<!-- end support-matrix -->"
+SWEEP = "<!-- family-sweep: generated, do not edit -->\n", "<!-- end family-sweep -->"
+
+
+def sections(docs) -> dict[tuple[str, str], str]:
+    """docs/support.md's generated sections (``docs``: the docs folder): markers -> text."""
+    from pathlib import Path
+    return {(BEGIN, END): support_matrix(),
+            SWEEP: sweep_section(Path(docs) / "support-sweep.csv")}
 
 
 def write_support(path) -> None:
-    """Replace the table between the markers of ``path`` (docs/support.md) by
-    `support_matrix`."""
+    """Replace each generated section of ``path`` (docs/support.md) between its markers."""
     from pathlib import Path
     doc = Path(path).read_text()
-    head, rest = doc.split(BEGIN)
-    Path(path).write_text(head + BEGIN + support_matrix() + END + rest.split(END, 1)[1])
+    for (begin, end), text in sections(Path(path).parent).items():
+        head, rest = doc.split(begin)
+        doc = head + begin + text + end + rest.split(end, 1)[1]
+    Path(path).write_text(doc)
 
 
 if __name__ == "__main__":
