@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from commfuse.tp.attention import (KV, halves_rows, head_counts, head_problems, kv_replicas,
-                                   packed_qkv_rows)
+                                   module_heads, packed_qkv_rows)
 from commfuse.tp.embedding import Partial, VocabParallelEmbedding
 from commfuse.tp.experts import ExpertParallel, expert_spec, is_sparse, spec_problems
 from commfuse.tp.loss import head_style
@@ -241,10 +241,15 @@ class _Deriver:
             return
         if is_attention:
             self.plan.attention.append(owner)
+            _, G = module_heads(owner, self.cfg)
+            if G % T and T % G:
+                self.problems.append(f"{where}: {G} kv heads and the TP size ({T}) must "
+                                     f"divide one another")
+                return
         for leaf in leaves:
             lin = owner.get_submodule(leaf)
             if leaf in KV and is_attention:
-                style = FusedColwiseParallel(replicas=kv_replicas(self.cfg, T), **ps.ag)
+                style = FusedColwiseParallel(replicas=kv_replicas(self.cfg, T, owner), **ps.ag)
             elif PACKED.get(leaf) == "q|k|v":
                 _, G = head_counts(self.cfg)
                 if G % T:
@@ -287,7 +292,7 @@ class _Deriver:
         match = proj if widths.get(proj) == width else next(
             iter([s for s, w in widths.items() if w == width]), None)
         if match is not None and match not in PACKED and rms_norm_like(mod):
-            k = kv_replicas(self.cfg, self.T) if match in KV else 1
+            k = kv_replicas(self.cfg, self.T, owner) if match in KV else 1
             self.plan.styles[where] = SplitDimNorm(replicas=k)
             return
         self.problems.append(f"{where} ({type(mod).__name__}, width {width}): a norm inside "

@@ -192,10 +192,16 @@ FAMILIES = {
                    {**MOE, **WINDOWS, "num_experts": 4, "head_dim": 8, "n_group": 2,
                     "topk_group": 1, "mlp_layer_types": ["dense", "sparse"]},
                    ("sparse MoE", "depth-scaled residuals", "gated attention")),
+    "mimo-v2-flash": Family("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "mimo_v2_flash",
+                            {**MOE, "n_routed_experts": 4, "n_group": 2, "head_dim": 8,
+                             "v_head_dim": 8, "sliding_window": 4,
+                             "layer_types": ["full_attention", "sliding_attention"],
+                             "mlp_layer_types": ["dense", "sparse"]},
+                            ("kv heads per layer", "attention sinks", "sparse MoE")),
 }
 # families checked on 2 ranks only (what scripts/family_sweep.py found wrong; the mechanisms
 # beside it are the other families')
-TWO_RANKS = ("beam",)
+TWO_RANKS = ("beam", "mimo-v2-flash")
 # families under their own plans, with their own tests
 COMPILED = ("llama", "qwen2")  # tests/test_tp_compile.py
 GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "qwen3-moe", "gpt-oss", "llama4",
