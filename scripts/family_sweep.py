@@ -20,7 +20,7 @@ replace theirs in ``--out``, the others are kept (so batches add up);
 
 The tiny config: the model class's own config with every field of `SMALL` that it has set
 to the small value (heads, kv heads and experts divide 2), its per-layer lists cut to one
-layer of each kind, token ids past the vocabulary set to 0, plus `OVERRIDES` per type.
+layer of each kind, token ids past the vocabulary set to 0, dropout 0, plus `OVERRIDES` per type.
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ METHODS = ("none", "commfuse")
 SMALL = dict(  # field -> small value, where the config has the field (None stays None)
     vocab_size=63, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_heads=8,
-    max_position_embeddings=64, sliding_window=4, attention_chunk_size=4,
+    max_position_embeddings=64, sliding_window=4, attention_chunk_size=4, rotary_dim=4,
+    # encoder-decoder and older configs' names
+    encoder_attention_heads=4, decoder_attention_heads=4, encoder_layers=2, decoder_layers=2,
+    encoder_ffn_dim=40, decoder_ffn_dim=40,
     # sparse MoE: top 2 of 4 experts
     num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4,
     num_experts_per_tok=2, moe_k=2, moe_topk=2, moe_intermediate_size=16,
@@ -57,8 +60,25 @@ SMALL = dict(  # field -> small value, where the config has the field (None stay
     n_groups=2, state_size=8, ssm_state_size=8, chunk_size=4, conv_kernel=4, expand=2,
     mamba_n_heads=8, mamba_num_heads=8, mamba_d_head=8, mamba_head_dim=8, mamba_n_groups=2,
     mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4, mamba_d_ssm=64)
+# fields whose None turns a feature off (left None); other None defaults get the small value
+OFF_WHEN_NONE = ("sliding_window", "attention_chunk_size", "q_lora_rank")
 OVERRIDES: dict[str, dict] = {  # model_type -> fields the generic shrink gets wrong
+    # hybrids whose layer kinds are not one per-layer list: one layer of each kind
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+              "expert_layer_offset": 1},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 63,
+                     "hidden_size_per_layer_input": 8},
+    "dots3_note": {"num_key_value_heads": 4},
+    "dots3_note_text": {"num_key_value_heads": 4},
+    "zaya": {"num_experts_per_tok": 1},
+    "big_bird": {"attention_type": "original_full"},
+    "reformer": {"is_decoder": True},
+    "xlnet": {"d_head": 8},
 }
+TEXT_PARTS = ("attn_config", "ffn_config")  # sub-configs of a text-only LM (DBRX, MPT)
 # Gated DeltaNet's decay rates drawn small (see commfuse.tp.families.SMALL_DECAY)
 REDRAW = {"A_log": (-4.6, 0.0)}
 
@@ -70,7 +90,8 @@ def model_class(model_type: str):
 
 
 def _layers_kept(values: list, default_layers: int) -> list[int]:
-    """The layer indices kept: the first of each kind (at least 2 layers)."""
+    """The layer indices kept: the first of each kind (``values``: each layer's, a tuple of
+    its per-layer fields), at least 2 layers."""
     first = sorted({v: i for i, v in reversed(list(enumerate(values)))}.values())
     return first if len(first) >= 2 else list(range(min(2, default_layers)))
 
@@ -81,12 +102,14 @@ def tiny_config(model_type: str):
     base = cls()
     have = {**base.to_dict(), **dict.fromkeys(getattr(cls, "attribute_map", {}))}
     over = {k: v for k, v in SMALL.items()
-            if k in have and (have[k] is not None or k in cls.attribute_map)}
+            if k in have and (have[k] is not None or k not in OFF_WHEN_NONE)}
+    if "qk_rope_head_dim" in have:  # latent attention: head_dim is the rotary part
+        over["head_dim"] = SMALL["qk_rope_head_dim"]
     L = getattr(base, "num_hidden_layers", None)
     per_layer = {k: v for k, v in base.to_dict().items()
                  if isinstance(v, (list, str)) and L and len(v) == L > 2 and k != "model_type"}
     if per_layer:
-        keep = _layers_kept(list(next(iter(per_layer.values()))), L)
+        keep = _layers_kept(list(zip(*per_layer.values())), L)
         for k, v in per_layer.items():
             kept = [v[i] for i in keep]
             over[k] = "".join(kept) if isinstance(v, str) else kept
@@ -94,6 +117,8 @@ def tiny_config(model_type: str):
     for k, v in base.to_dict().items():
         if k.endswith(("token_id", "token_index")) and isinstance(v, int) and v >= 63:
             over[k] = 0
+        elif ("dropout" in k or "pdrop" in k) and isinstance(v, float):
+            over[k] = 0.0  # the two models' dropout masks would differ
     return cls(**{**over, **OVERRIDES.get(model_type, {})})
 
 
@@ -163,7 +188,7 @@ def _line(e: BaseException) -> str:
 def check(model_type: str, timeout: float) -> dict:
     """``model_type``'s outcome: ``{"status": ..., "detail": ...}``."""
     cls = model_class(model_type)
-    subs = [k for k in getattr(cls.config_class, "sub_configs", {}) or {}]
+    subs = [k for k in getattr(cls.config_class, "sub_configs", {}) or {} if k not in TEXT_PARTS]
     if subs:
         return dict(status="skipped", detail=f"not a text-only LM ({cls.config_class.__name__} "
                                              f"has {', '.join(subs)})")
@@ -171,6 +196,11 @@ def check(model_type: str, timeout: float) -> dict:
         model = build(model_type)
     except Exception as e:
         return dict(status="error", detail=f"building the tiny model: {_line(e)}")
+    from commfuse.tp.plan import derive_plan
+    try:
+        derive_plan(model, 2)
+    except ValueError as e:
+        return dict(status="refused", detail=str(e).split(": ", 1)[-1])
     try:
         ids, labels = _batch()
         out = model(ids, labels=labels)
@@ -180,11 +210,6 @@ def check(model_type: str, timeout: float) -> dict:
     except Exception as e:
         return dict(status="skipped", detail=f"the unsharded forward on input_ids and labels "
                                              f"fails ({_line(e)})")
-    from commfuse.tp.plan import derive_plan
-    try:
-        derive_plan(model, 2)
-    except ValueError as e:
-        return dict(status="refused", detail=str(e).split(": ", 1)[-1])
     from commfuse.testbed.spawn import run_local, start_ranks
     start_ranks(preload=("transformers", "commfuse.tp", cls.__module__, "family_sweep"))
     import family_sweep  # this file as a module: the ranks unpickle its _rank
