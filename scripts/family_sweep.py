@@ -75,8 +75,17 @@ OVERRIDES: dict[str, dict] = {  # model_type -> fields the generic shrink gets w
     "dots3_note_text": {"num_key_value_heads": 4},
     "zaya": {"num_experts_per_tok": 1},
     "big_bird": {"attention_type": "original_full"},
-    "reformer": {"is_decoder": True},
     "xlnet": {"d_head": 8},
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [16, 16]},
+    # defaults that leave out what every checkpoint sets
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
+             "ffn_config": {"ffn_hidden_size": 40, "moe_num_experts": 4, "moe_top_k": 2}},
+    "cohere_compass_text": {"logit_scale": 0.5, "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), {
+        "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
+        "indexer_compress_ratio": 4}),
 }
 TEXT_PARTS = ("attn_config", "ffn_config")  # sub-configs of a text-only LM (DBRX, MPT)
 # Gated DeltaNet's decay rates drawn small (see commfuse.tp.families.SMALL_DECAY)
@@ -103,8 +112,9 @@ def tiny_config(model_type: str):
     have = {**base.to_dict(), **dict.fromkeys(getattr(cls, "attribute_map", {}))}
     over = {k: v for k, v in SMALL.items()
             if k in have and (have[k] is not None or k not in OFF_WHEN_NONE)}
-    if "qk_rope_head_dim" in have:  # latent attention: head_dim is the rotary part
-        over["head_dim"] = SMALL["qk_rope_head_dim"]
+    if "qk_rope_head_dim" in have:  # latent attention: head_dim the rotary part, kv heads H
+        over.update(head_dim=SMALL["qk_rope_head_dim"],
+                    num_key_value_heads=SMALL["num_attention_heads"])
     L = getattr(base, "num_hidden_layers", None)
     per_layer = {k: v for k, v in base.to_dict().items()
                  if isinstance(v, (list, str)) and L and len(v) == L > 2 and k != "model_type"}
