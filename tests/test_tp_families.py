@@ -144,6 +144,12 @@ def test_refuses_a_model_without_decoder_layers():
     _refused(gpt2, 2, r"does not know GPT2LMHeadModel.*ModuleList 'layers'")
 
 
+def test_refuses_an_attention_indexer_across_heads():
+    model = build("llama")  # Kolibri 1.1's indexer: no parameters, the first heads read
+    model.model.layers[1].self_attn.indexer = nn.Module()
+    _refused(model, 2, r"model\.layers\.1\.self_attn\.indexer: a sparse-attention indexer")
+
+
 def test_refuses_experts_that_do_not_divide():
     _refused(build("qwen2-moe", num_experts=6), 4, r"6 experts cannot be split over 4 ranks")
 
