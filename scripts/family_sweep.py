@@ -14,13 +14,14 @@ Each type ends as one of
     skipped   not a text-only LM, or its unsharded forward needs more than input_ids/labels
 Types run one after another in a worker process (its ranks forked fresh per type) under
 ``--timeout`` each; a hang or an out-of-memory kill ends that type only (the worker is
-started again). The CSV's rows of the types run
-replace theirs in ``--out``, the others are kept (so batches add up);
-``python -m commfuse.tp.support --write`` puts the result in docs/support.md.
+started again). The CSV's rows of the types run replace theirs in ``--out``, the others are
+kept (so batches add up); ``python -m commfuse.tp.support --write`` puts the result in
+docs/support.md.
 
 The tiny config: the model class's own config with every field of `SMALL` that it has set
 to the small value (heads, kv heads and experts divide 2), its per-layer lists cut to one
-layer of each kind, token ids past the vocabulary set to 0, dropout 0, plus `OVERRIDES` per type.
+layer of each kind, token ids past the vocabulary set to 0, dropout 0, plus `OVERRIDES` per
+type. Parameters left at zero by the model's initialisation are drawn (as the tests do).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import time
 
 TOL = 1e-5  # norm-relative, as tests/test_tp_families.py
 METHODS = ("none", "commfuse")
-SMALL = dict(  # field -> small value, where the config has the field (None stays None)
+SMALL = dict(  # field -> small value, where the config has the field (see OFF_WHEN_NONE)
     vocab_size=63, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_heads=8,
     max_position_embeddings=64, sliding_window=4, attention_chunk_size=4, rotary_dim=4,
