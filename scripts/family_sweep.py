@@ -15,7 +15,7 @@ Each type ends as one of
 Types run one after another in a worker process (its ranks forked fresh per type) under
 ``--timeout`` each; a hang or an out-of-memory kill ends that type only (the worker is
 started again). The CSV's rows of the types run replace theirs in ``--out``, the others are
-kept (so batches add up); ``python -m commfuse.tp.support --write`` puts the result in
+kept (so batches add up); ``python -m commfuse.tp.families --write`` puts the result in
 docs/support.md.
 
 The tiny config: the model class's own config with every field of `SMALL` that it has set

@@ -184,12 +184,12 @@ def test_plan_covers_every_parameter_of_each_family():
 
 def test_support_doc_is_the_codes():
     """docs/support.md's generated sections are the registry's and the sweep CSV's
-    (regenerate: python -m commfuse.tp.support --write)."""
+    (regenerate: python -m commfuse.tp.families --write)."""
     from pathlib import Path
 
-    from commfuse.tp.support import sections
+    from commfuse.tp.families import sections
     docs = Path(__file__).parent.parent / "docs"
     doc = (docs / "support.md").read_text()
     for (begin, end), text in sections(docs).items():
         assert doc.split(begin)[1].split(end)[0] == text, (
-            "regenerate: python -m commfuse.tp.support --write")
+            "regenerate: python -m commfuse.tp.families --write")

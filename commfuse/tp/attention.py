@@ -77,6 +77,21 @@ def kv_replicas(cfg, T: int, attn: nn.Module | None = None) -> int:
     return T // G if G < T else 1
 
 
+# an attention's children that read heads beyond this rank's, parameters or not (Kolibri
+# 1.1's sparse-attention indexer scores the first query heads against kv head 0)
+CROSS_HEAD = ("indexer",)
+
+
+def attention_problems(attn: nn.Module, where: str, cfg, T: int) -> list[str]:
+    """Why the attention ``attn`` (named ``where``) cannot be split over ``T`` ranks."""
+    _, G = module_heads(attn, cfg)
+    problems = [f"{where}.{n}: a sparse-attention indexer that reads heads across the ranks' "
+                f"split (not built)" for n, _ in attn.named_children() if n in CROSS_HEAD]
+    if G % T and T % G:
+        problems.append(f"{where}: {G} kv heads and the TP size ({T}) must divide one another")
+    return problems
+
+
 def local_heads(attn: nn.Module, cfg, T: int) -> None:
     """Set ``attn``'s head counts to this rank's (H/T query heads over max(G/T, 1) kv heads,
     `module_heads`): the integer attributes it has, and its config as a `LocalHeads` view."""

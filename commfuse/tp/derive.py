@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from commfuse.tp.attention import (KV, halves_rows, head_counts, head_problems, kv_replicas,
-                                   module_heads, packed_qkv_rows)
+from commfuse.tp.attention import (KV, attention_problems, halves_rows, head_counts,
+                                   head_problems, kv_replicas, packed_qkv_rows)
 from commfuse.tp.embedding import Partial, VocabParallelEmbedding
 from commfuse.tp.experts import ExpertParallel, expert_spec, is_sparse, spec_problems
 from commfuse.tp.loss import head_style
@@ -36,9 +36,6 @@ BY_NAME = {**dict.fromkeys(("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj
 # packed colwise projections (Granite's shared MLP: input_linear's first half the gate)
 PACKED = {"qkv_proj": "q|k|v", "gate_up_proj": "gate|up", "input_linear": "gate|up"}
 ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj")  # a parent with these is an attention
-# an attention's children that read heads beyond this rank's, parameters or not (Kolibri
-# 1.1's sparse-attention indexer scores the first query heads against kv head 0): refused
-CROSS_HEAD = ("indexer",)
 ROUTER_EXTRAS = ("router_jitter_noise",)  # MoE config fields with no plan here when set
 # a sparse block's linears that run on each routed token whole (Nemotron-H's latent
 # projections around the experts): replicated, their gradients summed
@@ -244,13 +241,9 @@ class _Deriver:
             return
         if is_attention:
             self.plan.attention.append(owner)
-            _, G = module_heads(owner, self.cfg)
-            for name in (n for n, _ in owner.named_children() if n in CROSS_HEAD):
-                self.problems.append(f"{where}.{name}: a sparse-attention indexer that reads "
-                                     f"heads across the ranks' split (not built)")
-            if G % T and T % G:
-                self.problems.append(f"{where}: {G} kv heads and the TP size ({T}) must "
-                                     f"divide one another")
+            problems = attention_problems(owner, where, self.cfg, T)
+            if problems:
+                self.problems += problems
                 return
         for leaf in leaves:
             lin = owner.get_submodule(leaf)
