@@ -60,16 +60,42 @@ def head_problems(cfg, T: int) -> list[str]:
     return problems
 
 
-def kv_replicas(cfg, T: int) -> int:
-    """Ranks that hold each kv head (1 when G >= T)."""
-    _, G = head_counts(cfg)
+def module_heads(attn: nn.Module | None, cfg) -> tuple[int, int]:
+    """(H, G) of the attention module ``attn``: the config's, its kv heads read from its own
+    ``num_key_value_groups`` where it keeps one (MiMo-V2-Flash's sliding layers hold twice
+    the config's kv heads)."""
+    H, G = head_counts(cfg)
+    groups = getattr(attn, "num_key_value_groups", None)
+    if isinstance(groups, int) and groups > 0 and H % groups == 0:
+        G = H // groups
+    return H, G
+
+
+def kv_replicas(cfg, T: int, attn: nn.Module | None = None) -> int:
+    """Ranks that hold each kv head (1 when G >= T) of ``attn`` (`module_heads`)."""
+    _, G = module_heads(attn, cfg)
     return T // G if G < T else 1
 
 
+# an attention's children that read heads beyond this rank's, parameters or not (Kolibri
+# 1.1's sparse-attention indexer scores the first query heads against kv head 0)
+CROSS_HEAD = ("indexer",)
+
+
+def attention_problems(attn: nn.Module, where: str, cfg, T: int) -> list[str]:
+    """Why the attention ``attn`` (named ``where``) cannot be split over ``T`` ranks."""
+    _, G = module_heads(attn, cfg)
+    problems = [f"{where}.{n}: a sparse-attention indexer that reads heads across the ranks' "
+                f"split (not built)" for n, _ in attn.named_children() if n in CROSS_HEAD]
+    if G % T and T % G:
+        problems.append(f"{where}: {G} kv heads and the TP size ({T}) must divide one another")
+    return problems
+
+
 def local_heads(attn: nn.Module, cfg, T: int) -> None:
-    """Set ``attn``'s head counts to this rank's (H/T query heads over max(G/T, 1) kv heads):
-    the integer attributes it has, and its config as a `LocalHeads` view."""
-    H, G = head_counts(cfg)
+    """Set ``attn``'s head counts to this rank's (H/T query heads over max(G/T, 1) kv heads,
+    `module_heads`): the integer attributes it has, and its config as a `LocalHeads` view."""
+    H, G = module_heads(attn, cfg)
     h, g = H // T, max(G // T, 1)
     for name, n in (("num_heads", h), ("num_attention_heads", h), ("num_key_value_heads", g),
                     ("num_key_value_groups", h // g)):

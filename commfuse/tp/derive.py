@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from commfuse.tp.attention import (KV, halves_rows, head_counts, head_problems, kv_replicas,
-                                   packed_qkv_rows)
+from commfuse.tp.attention import (KV, attention_problems, halves_rows, head_counts,
+                                   head_problems, kv_replicas, packed_qkv_rows)
 from commfuse.tp.embedding import Partial, VocabParallelEmbedding
 from commfuse.tp.experts import ExpertParallel, expert_spec, is_sparse
 from commfuse.tp.loss import head_style
@@ -241,10 +241,14 @@ class _Deriver:
             return
         if is_attention:
             self.plan.attention.append(owner)
+            problems = attention_problems(owner, where, self.cfg, T)
+            if problems:
+                self.problems += problems
+                return
         for leaf in leaves:
             lin = owner.get_submodule(leaf)
             if leaf in KV and is_attention:
-                style = FusedColwiseParallel(replicas=kv_replicas(self.cfg, T), **ps.ag)
+                style = FusedColwiseParallel(replicas=kv_replicas(self.cfg, T, owner), **ps.ag)
             elif PACKED.get(leaf) == "q|k|v":
                 _, G = head_counts(self.cfg)
                 if G % T:
@@ -287,7 +291,7 @@ class _Deriver:
         match = proj if widths.get(proj) == width else next(
             iter([s for s, w in widths.items() if w == width]), None)
         if match is not None and match not in PACKED and rms_norm_like(mod):
-            k = kv_replicas(self.cfg, self.T) if match in KV else 1
+            k = kv_replicas(self.cfg, self.T, owner) if match in KV else 1
             self.plan.styles[where] = SplitDimNorm(replicas=k)
             return
         self.problems.append(f"{where} ({type(mod).__name__}, width {width}): a norm inside "

@@ -1,12 +1,15 @@
-"""The transformers families `commfuse.tp.parallelize` is tested on, and the support matrix
-of docs/support.md generated from this registry and the others the code keeps.
+"""The transformers families `commfuse.tp.parallelize` is tested on, their tiny models, and
+docs/support.md's sections generated from this registry, the others the code keeps and the
+sweep's results.
 
 ``FAMILIES``: name -> `Family` (its config and model classes, a tiny config that the tests
-build on 2 and 4 ranks, the plan mechanisms it exercises). ``COMPILED``, ``FSDP2`` and
-``GENERATE``: the families the torch.compile, FSDP2 and ``model.generate`` tests run. `support_matrix`
-reads the rest from where the code decides it: the shipped ``--hf-config`` files, the model
-types `commfuse generate` loads, the model types `commfuse plan` prices.
-``python -m commfuse.tp.families`` prints the matrix; ``--write`` puts it in docs/support.md.
+build on 2 and 4 ranks, or on 2 only for ``TWO_RANKS``, the plan mechanisms it exercises).
+``COMPILED``, ``FSDP2`` and ``GENERATE``: the families the torch.compile, FSDP2 and
+``model.generate`` tests run. docs/support.md's generated sections: `support_matrix`, each
+family against what takes it (read from where the code decides it: the shipped
+``--hf-config`` files, the model types `commfuse generate` loads, the model types `commfuse
+plan` prices), and `sweep_section`, scripts/family_sweep.py's docs/support-sweep.csv.
+``python -m commfuse.tp.families`` prints the matrix; ``--write`` puts both in docs/support.md.
 """
 
 from __future__ import annotations
@@ -188,7 +191,20 @@ FAMILIES = {
                           "granitemoehybrid", GRANITE_4,
                           ("Mamba-2", "hybrid layers", "sparse MoE", "shared experts",
                            "packed gate|up", "no-rope layers", "multipliers")),
+    "beam": Family("BeamConfig", "BeamForCausalLM", "beam",
+                   {**MOE, **WINDOWS, "num_experts": 4, "head_dim": 8, "n_group": 2,
+                    "topk_group": 1, "mlp_layer_types": ["dense", "sparse"]},
+                   ("sparse MoE", "depth-scaled residuals", "gated attention")),
+    "mimo-v2-flash": Family("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "mimo_v2_flash",
+                            {**MOE, "n_routed_experts": 4, "n_group": 2, "head_dim": 8,
+                             "v_head_dim": 8, "sliding_window": 4,
+                             "layer_types": ["full_attention", "sliding_attention"],
+                             "mlp_layer_types": ["dense", "sparse"]},
+                            ("kv heads per layer", "attention sinks", "sparse MoE")),
 }
+# families checked on 2 ranks only (what scripts/family_sweep.py found wrong; the mechanisms
+# beside it are the other families')
+TWO_RANKS = ("beam", "mimo-v2-flash")
 # families under their own plans, with their own tests
 COMPILED = ("llama", "qwen2", "qwen3-moe")  # tests/test_tp_compile.py
 GENERATE = ("llama", "gemma3", "phi3", "qwen3", "mixtral", "qwen3-moe", "gpt-oss", "llama4",
@@ -213,15 +229,22 @@ def build(name: str | Family, seed: int = 0, **over):
     fam = FAMILIES[name] if isinstance(name, str) else name
     cfg = tiny_config(fam, **over)
     torch.manual_seed(seed)
-    model = getattr(transformers, fam.model)(cfg).float()
-    with torch.no_grad():  # biases, sinks, a router's score correction: not zero, exercised
+    return exercise(getattr(transformers, fam.model)(cfg).float(), fam.redraw)
+
+
+def exercise(model, redraw: dict):
+    """``model`` with its all-zero floating tensors (biases, sinks, a router's score
+    correction) drawn from N(0, 0.1) so the check exercises them, and the parameters named in
+    ``redraw`` (leaf name -> (low, high)) drawn uniform."""
+    import torch
+    with torch.no_grad():
         for n, t in [*model.named_parameters(), *model.named_buffers()]:
             if t.is_floating_point() and t.dim() and not t.any() and (
                     not n.endswith("inv_freq")):
                 t.normal_(0, 0.1)
         for n, p in model.named_parameters():
-            if n.rpartition(".")[2] in fam.redraw:
-                p.uniform_(*fam.redraw[n.rpartition(".")[2]])
+            if n.rpartition(".")[2] in redraw:
+                p.uniform_(*redraw[n.rpartition(".")[2]])
     return model
 
 
@@ -259,16 +282,50 @@ def support_matrix() -> str:
     return "\n".join(lines) + "\n"
 
 
+def sweep_section(path) -> str:
+    """docs/support.md's sweep section: scripts/family_sweep.py's CSV at ``path``, each
+    model type under its outcome."""
+    import csv
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["status"], []).append(r)
+    versions = ", ".join(sorted({r["transformers"] for r in rows}))
+    lines = [f"`scripts/family_sweep.py` on transformers {versions}: {len(rows)} causal-LM "
+             f"model types, each a tiny float32 model on 2 ranks under methods `none` and "
+             f"`commfuse` against the unsharded model (logits, loss, every gradient).", ""]
+    for status, what in (("exact", "checked exact"), ("MISMATCH", "MISMATCH"),
+                         ("error", "error"), ("refused", "refused"), ("skipped", "skipped")):
+        rs = by.get(status, [])
+        if status == "exact":
+            lines.append(f"- {what} ({len(rs)}): "
+                         + ", ".join(f"`{r['model_type']}`" for r in rs))
+            continue
+        lines.append(f"- {what} ({len(rs)}){':' if rs else ''}")
+        lines += [f"  - `{r['model_type']}`: {r['detail'].split('; ')[0]}" for r in rs]
+    return "\n".join(lines) + "\n"
+
+
 BEGIN, END = "<!-- support-matrix: generated, do not edit -->\n", "<!-- end support-matrix -->"
+SWEEP = "<!-- family-sweep: generated, do not edit -->\n", "<!-- end family-sweep -->"
+
+
+def sections(docs) -> dict[tuple[str, str], str]:
+    """docs/support.md's generated sections (``docs``: the docs folder): markers -> text."""
+    from pathlib import Path
+    return {(BEGIN, END): support_matrix(),
+            SWEEP: sweep_section(Path(docs) / "support-sweep.csv")}
 
 
 def write_support(path) -> None:
-    """Replace the table between the markers of ``path`` (docs/support.md) by
-    `support_matrix`."""
+    """Replace each generated section of ``path`` (docs/support.md) between its markers."""
     from pathlib import Path
     doc = Path(path).read_text()
-    head, rest = doc.split(BEGIN)
-    Path(path).write_text(head + BEGIN + support_matrix() + END + rest.split(END, 1)[1])
+    for (begin, end), text in sections(Path(path).parent).items():
+        head, rest = doc.split(begin)
+        doc = head + begin + text + end + rest.split(end, 1)[1]
+    Path(path).write_text(doc)
 
 
 if __name__ == "__main__":

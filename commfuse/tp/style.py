@@ -251,4 +251,8 @@ class FusedRowwiseParallel(_Fused):
         y = fused_matmul_reduce_scatter(x, w.t(), "sum", self.dim, group, sizes=self.sizes,
                                         uniform_b=_even(module, 1, group),
                                         prefetch=self.prefetch, **self.op_kwargs)
+        # contiguous, as nn.Linear's output is (the op returns [s, B, N] moved to [B, s, N]):
+        # the model's code may .view it, and its elementwise ops keep a permuted layout
+        # (Beam's depth-scaled residual into its MoE block's .view)
+        y = y.contiguous()
         return y if module.bias is None else y + sum_grad(module.bias.to_local(), group)
