@@ -35,14 +35,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass, replace
 
-from commfuse.runtime.tax import _NOT_TIMED, post_cost, transfer_slowdown
+from commfuse.runtime.tax import GEMM_SHAPE, _NOT_TIMED, _rounds, post_cost, transfer_slowdown
 from commfuse.sim.hardware import Hardware  # (torch is imported where a device is timed)
 
 # per device type: ~30 ms of a CPU core for the GEMM and the attention, ~1 ms of an H100
-GEMM_SHAPE = {"cpu": (1024, 1024, 2048), "cuda": (8192, 8192, 8192)}
 SMALL_GEMM_SHAPE = {"cpu": (256, 1024, 2048), "cuda": (1024, 8192, 8192)}  # fewer rows only
 # two narrow GEMMs (B of 2^21 elements and 4x that) for `Hardware.narrow_rows`'s regime
 NARROW_SHAPES = {"cpu": ((128, 1024, 2048), (128, 2048, 4096)), "cuda": ()}
@@ -90,32 +88,6 @@ class Rates:
         again = f" (best of {self.attempts} probes)" if self.attempts > 1 else ""
         spread = "" if self.spread is None else f", spread {self.spread:.2f}x{again}"
         return f"GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s{small}{attn}{slow}{spread}"
-
-
-def _rounds(fns: dict, device, rounds: int, runs: dict) -> dict[str, list[float]]:
-    """Per function of ``fns``, the median seconds of its ``runs[name]`` runs (after one
-    untimed) in each of ``rounds`` rounds, which run each function's runs back to
-    back, the functions in an order rotated every round. In rounds, so that a slow spell of
-    the machine (module doc) slows one round's kernels alike, not one kernel's runs alone;
-    back to back, as a split op's pieces run: one run of each kernel in turn makes the small
-    GEMM look slower against the large one than it runs inside a split op."""
-    import torch
-
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    names, out = list(fns), {name: [] for name in fns}
-    for i in range(rounds):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
-            times = []
-            for j in range(1 + runs[name]):
-                sync()
-                t0 = time.perf_counter()
-                fns[name]()
-                sync()
-                if j:  # the first run warms the allocator, the kernel and the cache
-                    times.append(time.perf_counter() - t0)
-            out[name].append(statistics.median(times))
-    return out
 
 
 def _key(device_type: str) -> str:

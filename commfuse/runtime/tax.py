@@ -13,6 +13,8 @@ import time
 
 from commfuse.sim.hardware import Hardware  # (torch is imported where a device is timed)
 
+# the probe's large GEMM (`commfuse.runtime.probe.measure`), the one a transfer slows here
+GEMM_SHAPE = {"cpu": (1024, 1024, 2048), "cuda": (8192, 8192, 8192)}
 EXCHANGE_S = 0.25  # how long `transfer_slowdown`'s messages stream, at the model's link rate
 SLOWDOWN_ROUNDS = 3  # in that many turns, each after GEMMs with the link idle
 MESSAGE_BYTES = 4 * 2 ** 20
@@ -37,7 +39,7 @@ def transfer_slowdown(hw: Hardware, group=None, dtype=None) -> float | None:
     import torch
     import torch.distributed as dist
 
-    from commfuse.runtime import gloo, probe
+    from commfuse.runtime import gloo
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2 \
             or dist.get_backend(group) != "gloo":
@@ -47,7 +49,7 @@ def transfer_slowdown(hw: Hardware, group=None, dtype=None) -> float | None:
     to = dist.get_global_rank(group, (rank + 1) % world)
     frm = dist.get_global_rank(group, (rank - 1) % world)
     gen = torch.Generator().manual_seed(0)
-    m, k, n = probe.GEMM_SHAPE["cpu"]
+    m, k, n = GEMM_SHAPE["cpu"]
     a, b = (torch.randn(*shape, generator=gen).to(dtype or torch.float32)
             for shape in ((m, k), (k, n)))
     numel = MESSAGE_BYTES // 4
@@ -67,7 +69,7 @@ def transfer_slowdown(hw: Hardware, group=None, dtype=None) -> float | None:
 
     ratios = []
     for _ in range(SLOWDOWN_ROUNDS):  # idle GEMMs, then GEMMs beside messages, in turns
-        idle = probe._rounds({"gemm": lambda: a @ b}, torch.device("cpu"), 1,
+        idle = _rounds({"gemm": lambda: a @ b}, torch.device("cpu"), 1,
                              {"gemm": 3})["gemm"][0]
         dist.barrier(group)
         mover = threading.Thread(target=exchange, name="commfuse-probe-exchange", daemon=True)
@@ -120,3 +122,29 @@ def post_cost(group=None) -> float | None:
         for w in works:
             transport.wait(w)
     return statistics.median(times)
+
+
+def _rounds(fns: dict, device, rounds: int, runs: dict) -> dict[str, list[float]]:
+    """Per function of ``fns``, the median seconds of its ``runs[name]`` runs (after one
+    untimed) in each of ``rounds`` rounds, which run each function's runs back to
+    back, the functions in an order rotated every round. In rounds, so that a slow spell of
+    the machine (module doc) slows one round's kernels alike, not one kernel's runs alone;
+    back to back, as a split op's pieces run: one run of each kernel in turn makes the small
+    GEMM look slower against the large one than it runs inside a split op."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    names, out = list(fns), {name: [] for name in fns}
+    for i in range(rounds):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            times = []
+            for j in range(1 + runs[name]):
+                sync()
+                t0 = time.perf_counter()
+                fns[name]()
+                sync()
+                if j:  # the first run warms the allocator, the kernel and the cache
+                    times.append(time.perf_counter() - t0)
+            out[name].append(statistics.median(times))
+    return out

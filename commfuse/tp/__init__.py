@@ -3,21 +3,22 @@ all-gather / reduce-scatter fused with its GEMM by commfuse.
 
     functional.py  the autograd pieces: shard_seq, gather_cols, sum_grad
     style.py       ParallelStyles for torch's parallelize_module: FusedColwiseParallel,
-                   FusedRowwiseParallel, FusedProjections
+                   FusedRowwiseParallel, FusedProjections; PlanStyles, what a plan shares
     sequence.py    the styles without a GEMM: SequenceParallelNorm, ReplicateParallel,
                    ShardSequence, and the shared SeqSplit
     plan.py        parallelize(model, mesh): the plan derived from a transformers causal LM's
                    base_model_tp_plan and module types (derive_plan), refusing what it
                    does not cover
-    plan_styles.py the styles every whole-model plan shares (plan_styles)
+    derive.py      derive_plan: the plan read from the model (families.py: the tested ones)
     mesh.py        tp_mesh: the "tp" dim of a user's mesh
     attention.py   this rank's heads: local_heads, packed q|k|v and gate|up rows
     norms.py       SplitDimNorm: an RMSNorm over a TP-split dim (OLMo 2's q/k norm)
     embedding.py   VocabParallelEmbedding: a tied embedding sharing the head's vocabulary rows
     loss.py        loss_parallel=True: vocabulary-sharded logits and their cross-entropy
     experts.py     ExpertParallel: a sparse MoE block's experts split over the mesh
-    mamba.py       MambaMixerParallel: a Mamba-2 mixer's TPSP (MixerLayout: its rows per rank)
-    deltanet.py    DeltaNetParallel: a Gated DeltaNet mixer's TPSP
+    balance.py     expert load, DeepSeek-V3's bias update, capacity (ExpertLoad)
+    router_loss.py RouterLosses: the sequence-level aux loss and the router z-loss
+    mixers/        the mixers planned whole: Mamba-2, Gated DeltaNet, latent attention
 
 Exports resolve lazily (PEP 562).
 """

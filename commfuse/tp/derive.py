@@ -19,7 +19,7 @@ from commfuse.tp.mixers.deltanet import DeltaNetParallel, deltanet_layout, is_ga
 from commfuse.tp.mixers.mamba import MambaMixerParallel, is_mamba2, mixer_layout
 from commfuse.tp.mixers.mla import is_mla, mla_plan
 from commfuse.tp.norms import SplitDimNorm, rms_norm_like
-from commfuse.tp.plan_styles import PlanStyles, plan_styles
+from commfuse.tp.style import PlanStyles, plan_styles
 from commfuse.tp.sequence import ReplicateParallel, ShardSequence
 from commfuse.tp.style import FusedColwiseParallel, FusedProjections
 

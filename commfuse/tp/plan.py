@@ -50,7 +50,7 @@ from commfuse.tp.embedding import tie
 from commfuse.tp.experts import ExpertParallel
 from commfuse.tp.loss import install_loss_parallel
 from commfuse.tp.mesh import ep_mesh, tp_mesh
-from commfuse.tp.plan_styles import plan_styles
+from commfuse.tp.style import plan_styles
 from commfuse.tp.sequence import HeadParameters, gather_final
 
 __all__ = ["Plan", "base_model", "derive_plan", "parallelize"]

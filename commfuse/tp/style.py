@@ -8,6 +8,7 @@ commfuse's fused ops (Megatron TPSP: sequence-sharded activations between the TP
     FusedProjections       on the parent of several column-parallel linears that read the same
                            input (q|k|v, gate|up): ONE fused all-gather with all their weights;
                            the parent gets the gathered input, each linear its cached output
+    PlanStyles             the styles one whole-model plan shares (`plan_styles`)
 
 The styles without a GEMM (norms, the embedding, the first layer's shard, the `SeqSplit` they
 share) are in `commfuse.tp.sequence`. Parameters are DTensors on the (1-D) TP mesh, so
@@ -22,6 +23,7 @@ GEMM closed by an all-reduce.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -32,7 +34,7 @@ from commfuse.ops.fused import fused_all_gather_matmul, fused_matmul_reduce_scat
 from commfuse.ops.methods import method_spec
 from commfuse.ops.prefetch import Prefetcher
 from commfuse.tp.functional import all_sum, chunk_sizes, gather_cols, sum_grad
-from commfuse.tp.sequence import SeqSplit, _mesh_group, _param
+from commfuse.tp.sequence import SeqSplit, SequenceParallelNorm, _mesh_group, _param
 
 
 def _even(module: nn.Module, dim: int, group) -> bool:
@@ -256,3 +258,28 @@ class FusedRowwiseParallel(_Fused):
         # (Beam's depth-scaled residual into its MoE block's .view)
         y = y.contiguous()
         return y if module.bias is None else y + sum_grad(module.bias.to_local(), group)
+
+
+class PlanStyles(NamedTuple):
+    """The styles a whole-model plan (`commfuse.tp.parallelize`'s) shares: one sequence
+    split and one prefetch chain for every layer, the op options ``kw`` (``ag``: with
+    ``save_gathered``, for the all-gather -> GEMM styles), and the column, row and norm
+    styles built from them."""
+
+    split: SeqSplit
+    chain: Prefetcher
+    kw: dict
+    ag: dict
+    col: FusedColwiseParallel
+    row: FusedRowwiseParallel
+    norm: SequenceParallelNorm
+
+
+def plan_styles(method: str, save_gathered: bool, prefetch: bool, opts: dict) -> PlanStyles:
+    """`PlanStyles` for ``method`` and its ``opts``; ``prefetch``: the row styles post the
+    next layer's all-gather early (a chain of depth 1)."""
+    split, chain = SeqSplit(), Prefetcher(1 if prefetch else 0)
+    kw = dict(method=method, split=split, **opts)
+    ag = dict(kw, save_gathered=save_gathered)
+    return PlanStyles(split, chain, kw, ag, FusedColwiseParallel(**ag),
+                      FusedRowwiseParallel(prefetch=chain, **kw), SequenceParallelNorm())

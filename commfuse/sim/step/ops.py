@@ -108,8 +108,7 @@ class StepModel:
 
     @classmethod
     def previous(cls) -> "StepModel":
-        """The step before issue #12: sync at the end, replicated head and embedding, A saved
-        for AG->GEMM's backward, GEMM->RS's dW after the gather."""
+        """Sync at the end, head and embedding replicated, AG->GEMM's A saved, dW after."""
         return cls("end", 25.0, False, "save", "after", False)
 
     def describe(self) -> str:
@@ -132,13 +131,10 @@ class StepOp:
     shape: tuple
     count: float = 1.0
     attention: tuple = ()
-    """A fused op whose slots also run causal attention (`commfuse.sim.costs.OpSpec`'s
-    ``attention``: query-split TP attention); on a "gemm", (head_dim, order, factor): causal
-    attention of one sequence's ``shape[0]`` rows, timed as a fused kernel where the hardware
-    has an attention efficiency (else as the GEMM ``shape``)."""
+    """A fused op's slots also run causal attention (`OpSpec.attention`); on a "gemm",
+    (head_dim, order, factor): causal attention of ``shape[0]`` rows of one sequence."""
     moved: float = 1.0
-    """A fused op's share of its GEMM's rows that travel (`commfuse.sim.costs.OpSpec.moved`:
-    the deduplicated MoE dispatch and combine)."""
+    """A fused op's share of its rows that travel (`OpSpec.moved`: MoE dedup)."""
 
 
 def _linear_local(name, n, i, o, backward, sm=None):

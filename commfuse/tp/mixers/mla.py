@@ -47,7 +47,7 @@ from torch import nn
 from torch.distributed.tensor import DeviceMesh
 
 from commfuse.ops.fused import fused_all_gather_matmul
-from commfuse.tp.plan_styles import PlanStyles
+from commfuse.tp.style import PlanStyles
 from commfuse.tp.sequence import _mesh_group
 from commfuse.tp.style import _even, _Fused
 
