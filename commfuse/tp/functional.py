@@ -15,6 +15,10 @@ gradient of the whole: the parameter enters the forward through it. With ``slots
 only among ranks that hold the same slot (replicated kv heads): each rank adds its gradient
 into its slot of a zero buffer, one all-reduce sums every slot, each keeps its own.
 
+In ``compute_only`` measurement mode (`commfuse.runtime.modes`) each piece moves nothing and
+keeps its shapes: a gather repeats this rank's part in every rank's place, a reduce-scatter
+keeps this rank's part of its own input, a sum is this rank's term.
+
 Legend: S the whole dim, s this rank's part of it (``sizes[rank]``), N columns.
 """
 
@@ -24,6 +28,13 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from commfuse.runtime import modes
+
+
+def _moving() -> bool:
+    """Whether the collectives move data (not in ``compute_only`` mode)."""
+    return modes.current() != "compute_only"
 
 
 def chunk_sizes(n: int, world: int) -> tuple[int, ...]:
@@ -42,8 +53,11 @@ def all_gather_dim(t: torch.Tensor, dim: int, sizes: Sequence[int], group) -> to
         shape = list(t.shape)
         shape[dim] = longest - t.shape[dim]
         pad = torch.cat([t, t.new_zeros(shape)], dim)
-    parts = [torch.empty_like(pad) for _ in sizes]
-    dist.all_gather(parts, pad.contiguous(), group=group)
+    if _moving():
+        parts = [torch.empty_like(pad) for _ in sizes]
+        dist.all_gather(parts, pad.contiguous(), group=group)
+    else:
+        parts = [pad for _ in sizes]
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
 
 
@@ -91,7 +105,7 @@ class _MeanGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         g = g * ctx.scale
-        if ctx.group is not None:
+        if ctx.group is not None and _moving():
             dist.all_reduce(g, group=ctx.group)
         return g, None, None
 
@@ -132,7 +146,10 @@ class _ScatterSum(torch.autograd.Function):
                 p = torch.cat([p, p.new_zeros(shape)], dim)
             parts.append(p.contiguous())
         out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=group)
+        if _moving():
+            dist.reduce_scatter(out, parts, group=group)
+        else:
+            out.copy_(parts[group.rank()])
         return out.narrow(dim, 0, sizes[group.rank()]).contiguous()
 
     @staticmethod
@@ -154,11 +171,13 @@ class _AllSum(torch.autograd.Function):
 def _slot_sum(x: torch.Tensor, group, slot: int, slots: int) -> torch.Tensor:
     if slots == 1:
         x = x.clone()
-        dist.all_reduce(x, group=group)
+        if _moving():
+            dist.all_reduce(x, group=group)
         return x
     buf = x.new_zeros((slots, *x.shape))
     buf[slot].copy_(x)
-    dist.all_reduce(buf, group=group)
+    if _moving():
+        dist.all_reduce(buf, group=group)
     return buf[slot]
 
 
