@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from commfuse.ops.binding import even_sizes
 from commfuse.ops.prefetch import Prefetcher
 from commfuse.tp.functional import all_gather_dim, shard_seq, sum_grad
+from commfuse.tp.grad_sums import sum_grad_later
 
 
 class SeqSplit:
@@ -62,6 +63,7 @@ class ReplicateParallel(ParallelStyle):
                                                    p.requires_grad))
         forward = module.forward  # the module's own (bound) forward, run with local parameters
         group, sum_grads = device_mesh.get_group(), self.sum_grads
+        ours = {name: p for name, p in module._parameters.items() if p is not None}
 
         def local_forward(*args, **kwargs):
             params = module._parameters
@@ -70,7 +72,11 @@ class ReplicateParallel(ParallelStyle):
                 for name, p in saved.items():
                     if p is not None:
                         t = p.to_local()
-                        params[name] = sum_grad(t, group) if sum_grads else t
+                        if sum_grads and ours.get(name) is p:  # the sum overlaps the backward
+                            t = sum_grad_later(t, p, group)
+                        elif sum_grads:  # a parameter put there since (FSDP2's): waited here
+                            t = sum_grad(t, group)
+                        params[name] = t
                 return forward(*args, **kwargs)
             finally:
                 params.update(saved)
@@ -86,7 +92,8 @@ class SequenceParallelNorm(ReplicateParallel):
     """A norm (or any module with replicated parameters) on a shard of the activations: its
     sequence shard (Megatron's sequence-parallel LayerNorm/RMSNorm), or the head group of
     q_norm/k_norm. Parameters ``Replicate``; each rank's gradient covers its shard only, so
-    it is summed over TP in the backward (one all-reduce per parameter)."""
+    it is summed over TP in the backward (one all-reduce per parameter, posted where the
+    backward reaches it and waited when the backward ends: `commfuse.tp.grad_sums`)."""
 
     sum_grads = True
 
