@@ -15,7 +15,8 @@ same additions, in the same order, as the blocking sum. Anything that reads ``.g
 the backward runs (a post-accumulate-grad hook, FSDP2's per-layer reduce-scatter) would read
 it unsummed: the styles use `sum_grad_later` only for parameters they registered themselves
 and still find on the module at forward time (FSDP2's ``fully_shard`` and anything else that
-replaces a module's parameters makes them fall back to `sum_grad`).
+replaces a module's parameters makes them fall back to `sum_grad`), and not under Dynamo
+(which traces `sum_grad`'s all-reduce as a functional collective).
 
 Every rank posts the same sums in the same order (the same backward graph), so gloo and NCCL
 match them.

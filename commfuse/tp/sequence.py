@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+from torch.compiler import is_compiling as compiling
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from commfuse.ops.binding import even_sizes
@@ -72,10 +73,10 @@ class ReplicateParallel(ParallelStyle):
                 for name, p in saved.items():
                     if p is not None:
                         t = p.to_local()
-                        if sum_grads and ours.get(name) is p:  # the sum overlaps the backward
-                            t = sum_grad_later(t, p, group)
-                        elif sum_grads:  # a parameter put there since (FSDP2's): waited here
-                            t = sum_grad(t, group)
+                        if sum_grads and ours.get(name) is p and not compiling():
+                            t = sum_grad_later(t, p, group)  # the sum overlaps the backward
+                        elif sum_grads:  # a parameter put there since (FSDP2's), or traced
+                            t = sum_grad(t, group)  # by Dynamo: the sum waited here
                         params[name] = t
                 return forward(*args, **kwargs)
             finally:
