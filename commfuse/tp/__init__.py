@@ -2,6 +2,8 @@
 all-gather / reduce-scatter fused with its GEMM by commfuse.
 
     functional.py  the autograd pieces: shard_seq, gather_cols, sum_grad
+    grad_sums.py   sum_grad_later: replicated parameters' gradient sums posted during the
+                   backward, waited at its end
     style.py       ParallelStyles for torch's parallelize_module: FusedColwiseParallel,
                    FusedRowwiseParallel, FusedProjections
     sequence.py    the styles without a GEMM: SequenceParallelNorm, ReplicateParallel,
