@@ -20,7 +20,14 @@ Variants (``--variants``): ``commfuse`` = `commfuse.tp.parallelize(method=--meth
 ``auto``, ``sliced``, ``decompose`` = the same plan with that method;
 ``commfuse-keep`` = ``commfuse`` with ``save_gathered=True`` (the gathered inputs kept for
 backward, as DTensor keeps them: the same activation memory as ``dtensor``);
-``none`` = the plan of ``commfuse`` with method="none"; ``dtensor`` = torch's ColwiseParallel /
+``none`` = the plan of ``commfuse`` with method="none"; ``compute-only`` = ``none``'s model
+run in `commfuse.runtime.modes` ``compute_only`` mode: every transfer of the fused ops, the
+plan's own gathers, reduce-scatters and gradient sums and the vocabulary-parallel loss's
+collectives replaced by stand-ins that move nothing and keep the shapes (the MoE layers' count
+and routing exchanges, a few bytes per row that fix the dispatched shapes, still move), so
+``compute-only / none`` is the step with no communication at all: the lower bound of any
+overlap method on this model (its losses are not the others': what it "receives" is not the
+peers' data); ``dtensor`` = torch's ColwiseParallel /
 RowwiseParallel / SequenceParallel / PrepareModuleInput plan (torchtitan's, on HF's module
 names; ``transformers`` = the model loaded with transformers' ``tp_plan="auto"`` (its config's
 ``base_model_tp_plan`` in DTensor: no sequence parallelism, outputs it does not split gathered;
@@ -171,7 +178,7 @@ def dtensor_tp(model, mesh):
 
 
 VARIANTS = ("commfuse", "commfuse-keep", "dtensor", "transformers", "none", "auto", "sliced",
-            "decompose")
+            "decompose", "compute-only")
 
 
 def transformers_tp(model, mesh):
@@ -203,9 +210,10 @@ def make(variant: str, a, mesh):
     if variant == "transformers":
         return transformers_tp(model, mesh)
     method = variant if variant in ("none", "auto", "sliced", "decompose") else a.method
+    method = "none" if variant == "compute-only" else method
     return commfuse.tp.parallelize(model, mesh, method=method,
                                    save_gathered=variant == "commfuse-keep",
-                                   loss_parallel=a.loss_parallel)
+                                   loss_parallel=a.loss_parallel, defer_grad_sums=True)
 
 
 def run(rank: int, world: int, a) -> dict | None:
@@ -213,6 +221,7 @@ def run(rank: int, world: int, a) -> dict | None:
     torch.set_num_threads(a.threads)
     mesh = init_device_mesh("cpu", (world,))
     from commfuse.ops.auto import use_hardware
+    from commfuse.runtime import modes
     _, line = use_hardware(a.hardware, torch.zeros(()), mesh.get_group())  # auto's and m's model
     if rank == 0:
         print(line, flush=True)
@@ -222,7 +231,8 @@ def run(rank: int, world: int, a) -> dict | None:
     for v in a.variants:
         model = make(v, a, mesh)
         runs[v] = dict(model=model, opt=torch.optim.AdamW(model.parameters(), lr=a.lr),
-                       times=[], losses=[])
+                       times=[], losses=[],
+                       mode="compute_only" if v == "compute-only" else "normal")
     for step in range(a.warmup + a.steps):
         order = a.variants[step % len(a.variants):] + a.variants[:step % len(a.variants)]
         ids = batches[step % len(batches)]
@@ -230,10 +240,11 @@ def run(rank: int, world: int, a) -> dict | None:
             r = runs[v]
             dist.barrier()
             t0 = time.perf_counter()
-            loss = r["model"](ids, labels=ids).loss
-            loss.backward()
-            r["opt"].step()
-            r["opt"].zero_grad()
+            with modes.mode(r["mode"]):
+                loss = r["model"](ids, labels=ids).loss
+                loss.backward()
+                r["opt"].step()
+                r["opt"].zero_grad()
             dt = torch.tensor(time.perf_counter() - t0)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if step >= a.warmup:

@@ -213,16 +213,23 @@ def _check_styles(mesh, method) -> list[str]:
     kw = dict(method=method, split=split)
     parallelize_module(model, mesh, {
         "emb": ReplicateParallel(), "block": ShardSequence(split),
-        "block.norm": SequenceParallelNorm(), "norm": SequenceParallelNorm(),
+        "block.norm": SequenceParallelNorm(True), "norm": SequenceParallelNorm(True),
         "block.mlp": FusedProjections(["gate", "up"], **kw),
         "block.mlp.gate": FusedColwiseParallel(**kw), "block.mlp.up": FusedColwiseParallel(**kw),
         "block.mlp.down": FusedRowwiseParallel(**kw),
         "head": FusedColwiseParallel(gather_output=True, **kw)})
+    from commfuse.tp import functional
     ids = _tokens(3, 2, 11)[0]
     want, got = ref(ids), model(ids)
     problems = [] if _rel(got.detach(), want.detach()) <= TOL["f32"] else ["logits"]
-    (want ** 2).sum().backward()
-    (got ** 2).sum().backward()
+    pending = []  # the norms' sums are posted, not waited, where the backward reaches them
+    model.block.norm.weight.register_post_accumulate_grad_hook(
+        lambda p: pending.append(len(functional._PENDING.sums)))
+    for i in range(2):  # the second backward accumulates onto the summed .grad
+        (want ** 2).sum().backward(retain_graph=i == 0)
+        (got ** 2).sum().backward(retain_graph=i == 0)
+    if pending != [2, 2]:  # the final norm's, then the block's
+        problems.append(f"sums pending at block.norm's gradient: {pending}, not [2, 2]")
     grads = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         if _rel(p.grad.full_tensor(), grads[name].grad) > TOL["f32"]:

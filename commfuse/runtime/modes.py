@@ -73,12 +73,24 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> t
 
 
 class NullTransport(Transport):
-    """``compute_only`` mode: every transfer and collective is done at once, moving nothing."""
+    """``compute_only`` mode: every transfer and collective is done at once, moving nothing.
+    What a collective would have received is this rank's own input repeated over its output
+    (a gather: this rank's part in every rank's place); a point-to-point receive is zeros.
+    Uninitialised memory could hold NaNs and denormals (slow paths), and zero rows tie a MoE
+    router's scores (every such token to the same experts): both change the work measured."""
 
     def post(self, transfers):
+        for t, buf in transfers:
+            if t.kind == "recv":
+                buf.zero_()
         return [Done() for _ in transfers]
 
     def launch(self, kind, out, inp, tag, **parts):
+        flat, n = inp.reshape(-1), out.numel()
+        if flat.numel() == 0 or n == 0:
+            out.zero_()
+        else:
+            out.copy_(flat.repeat(-(-n // flat.numel()))[:n].view(out.shape))
         return Done()
 
 

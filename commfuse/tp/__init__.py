@@ -1,7 +1,7 @@
 """Tensor + sequence parallelism (TPSP) for your own model on a DeviceMesh, with every
 all-gather / reduce-scatter fused with its GEMM by commfuse.
 
-    functional.py  the autograd pieces: shard_seq, gather_cols, sum_grad
+    functional.py  the autograd pieces: shard_seq, gather_cols, sum_grad, sum_grad_later
     style.py       ParallelStyles for torch's parallelize_module: FusedColwiseParallel,
                    FusedRowwiseParallel, FusedProjections; PlanStyles, what a plan shares
     sequence.py    the styles without a GEMM: SequenceParallelNorm, ReplicateParallel,

@@ -5,6 +5,8 @@ Each is a Megatron-style conjugate pair (forward / backward) over one ProcessGro
     shard_seq     slice this rank's sequence shard     all-gather the shards' gradients
     gather_cols   all-gather the column shards         keep this rank's columns of the gradient
     sum_grad      identity                             all-reduce (sum) the gradient
+    sum_grad_later  identity                           the same all-reduce, posted; added
+                                                       into ``.grad`` when the backward ends
     scatter_sum   reduce-scatter partial sums          all-gather the shards' gradients
     all_sum       all-reduce (sum)                     all-reduce (sum) the gradient
     scale_grad    identity                             scale, then all-reduce (sum)
@@ -16,6 +18,19 @@ gradient of the whole: the parameter enters the forward through it. With ``slots
 only among ranks that hold the same slot (replicated kv heads): each rank adds its gradient
 into its slot of a zero buffer, one all-reduce sums every slot, each keeps its own.
 
+``sum_grad_later`` lets the backward go on while the sum travels (DDP's overlap, one
+parameter per all-reduce): the graph gives the parameter zeros, and a callback queued on the
+autograd engine waits for every posted sum when the backward ends and adds each into its
+``.grad``: the same additions as ``sum_grad``'s. Whatever reads ``.grad`` during the backward
+(a post-accumulate-grad hook, DDP's reducer, FSDP2's reduce-scatter) would read it unsummed,
+and ``torch.autograd.grad`` has no ``.grad`` to add to (an error when the backward ends):
+so it is opt-in (`commfuse.tp.parallelize`'s ``defer_grad_sums``), used only for parameters
+the style registered itself and still finds on the module, and never under Dynamo.
+
+In ``compute_only`` measurement mode (`commfuse.runtime.modes`) each piece moves nothing and
+keeps its shapes: a gather repeats this rank's part in every rank's place, a reduce-scatter
+keeps this rank's part of its own input, a sum is this rank's term.
+
 Legend: S the whole dim, s this rank's part of it (``sizes[rank]``), N columns.
 """
 
@@ -25,6 +40,14 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from commfuse.runtime import deadlines, modes
+
+
+def _moving() -> bool:
+    """Whether the collectives move data (not in ``compute_only`` mode)."""
+    return modes.current() != "compute_only"
 
 
 def chunk_sizes(n: int, world: int) -> tuple[int, ...]:
@@ -43,8 +66,11 @@ def all_gather_dim(t: torch.Tensor, dim: int, sizes: Sequence[int], group) -> to
         shape = list(t.shape)
         shape[dim] = longest - t.shape[dim]
         pad = torch.cat([t, t.new_zeros(shape)], dim)
-    parts = [torch.empty_like(pad) for _ in sizes]
-    dist.all_gather(parts, pad.contiguous(), group=group)
+    if _moving():
+        parts = [torch.empty_like(pad) for _ in sizes]
+        dist.all_gather(parts, pad.contiguous(), group=group)
+    else:
+        parts = [pad for _ in sizes]
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
 
 
@@ -92,7 +118,7 @@ class _MeanGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         g = g * ctx.scale
-        if ctx.group is not None:
+        if ctx.group is not None and _moving():
             dist.all_reduce(g, group=ctx.group)
         return g, None, None
 
@@ -133,7 +159,10 @@ class _ScatterSum(torch.autograd.Function):
                 p = torch.cat([p, p.new_zeros(shape)], dim)
             parts.append(p.contiguous())
         out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=group)
+        if _moving():
+            dist.reduce_scatter(out, parts, group=group)
+        else:
+            out.copy_(parts[group.rank()])
         return out.narrow(dim, 0, sizes[group.rank()]).contiguous()
 
     @staticmethod
@@ -155,11 +184,13 @@ class _AllSum(torch.autograd.Function):
 def _slot_sum(x: torch.Tensor, group, slot: int, slots: int) -> torch.Tensor:
     if slots == 1:
         x = x.clone()
-        dist.all_reduce(x, group=group)
+        if _moving():
+            dist.all_reduce(x, group=group)
         return x
     buf = x.new_zeros((slots, *x.shape))
     buf[slot].copy_(x)
-    dist.all_reduce(buf, group=group)
+    if _moving():
+        dist.all_reduce(buf, group=group)
     return buf[slot]
 
 
@@ -194,3 +225,60 @@ def sum_ranks(x: torch.Tensor, group) -> torch.Tensor:
     gradient through unchanged (what follows ran the same on every rank, so each rank's
     gradient of the sum is already the whole one: Megatron's reduce-from-region)."""
     return _SumRanks.apply(x, group)
+
+
+class _Pending:
+    """The sums posted in the current backward: (parameter, work, buffer), and whether the
+    engine callback that waits for them is queued."""
+
+    def __init__(self):
+        self.sums: list[tuple[torch.nn.Parameter, object, torch.Tensor, object]] = []
+        self.queued = False
+
+    def add(self, param, work, buf, group) -> None:
+        self.sums.append((param, work, buf, group))
+        if not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self.queued = True
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for every posted sum (in posting order) and add it into its ``.grad``."""
+        sums, self.sums, self.queued = self.sums, [], False
+        for param, work, buf, group in sums:
+            deadlines.wait(work, group, buf.device, None)
+            grad = param.grad
+            if grad is None:
+                raise RuntimeError(
+                    "commfuse.tp: a deferred gradient sum found no .grad to add to (the "
+                    "backward ran as torch.autograd.grad?); parallelize with "
+                    "defer_grad_sums=False for that")
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            local.add_(buf)
+
+
+_PENDING = _Pending()
+
+
+class _SumGradLater(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, param, group):
+        ctx.param, ctx.group = param, group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        if modes.current() == "compute_only":
+            return g, None, None  # moving nothing: this rank's term
+        buf = g.contiguous().clone()
+        # posted now: the sum travels while the backward computes the layers before this one
+        work = dist.all_reduce(buf, group=ctx.group, async_op=True)
+        _PENDING.add(ctx.param, work, buf, ctx.group)
+        return torch.zeros_like(g), None, None
+
+
+def sum_grad_later(t: torch.Tensor, param: torch.nn.Parameter, group) -> torch.Tensor:
+    """``t`` (``param``'s local tensor) unchanged; its gradient summed over ``group`` into
+    ``param.grad`` when the backward ends (the all-reduce posted where the backward reaches
+    ``t``; module docstring)."""
+    return _SumGradLater.apply(t, param, group)

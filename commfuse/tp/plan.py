@@ -65,7 +65,7 @@ def _router_logits_index(model: nn.Module) -> int:
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
                 save_gathered: bool = False, prefetch: bool = True, loss_parallel: bool = False,
                 ep: int | None = None, capacity_factor: float | None = None,
-                **opts) -> nn.Module:
+                defer_grad_sums: bool = False, **opts) -> nn.Module:
     """Shard ``model`` (a transformers causal LM, the same on every rank) for commfuse TPSP
     over ``mesh`` (1-D, or the "tp" dim of a larger one), in place; returns it.
 
@@ -94,6 +94,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     ``capacity_factor`` (None: dropless): each sparse block's experts take at most
     ceil(N k / E * factor) rows of a rank's N tokens, those of the highest routing weight,
     the rest dropped (Megatron's capacity and "probs" policy: `commfuse.moe.capacity`).
+    ``defer_grad_sums=True``: the replicated parameters' gradient sums (norms, latent
+    projections) are posted where the backward reaches them and added into ``.grad`` when
+    it ends, so they travel behind the backward's compute; for a loop that reads ``.grad``
+    only after ``backward()`` (not under DDP, nor with ``torch.autograd.grad``:
+    `commfuse.tp.functional.sum_grad_later`).
     ``loss_parallel=True``: the output head keeps this rank's vocabulary columns (``logits``
     is ``[B, S, V/T]``) and ``model.loss_function`` becomes the vocabulary-parallel
     cross-entropy (`commfuse.tp.loss`), so ``model(..., labels=...).loss`` is the unsharded
@@ -103,7 +108,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     emesh = ep_mesh(mesh, ep) if ep not in (None, tp_mesh(mesh).size()) else None
     mesh = tp_mesh(mesh)
     T = mesh.size()
-    ps = plan_styles(method, save_gathered, prefetch, opts)
+    ps = plan_styles(method, save_gathered, prefetch, opts, defer_grad_sums)
     moe = ExpertParallel(split=ps.split, method=method, logits_index=_router_logits_index(model),
                          ep_mesh=emesh, capacity_factor=capacity_factor, **opts)
     plan = derive_plan(model, T, ps, loss_parallel, moe)

@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+from torch.compiler import is_compiling as compiling
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from commfuse.ops.binding import even_sizes
 from commfuse.ops.prefetch import Prefetcher
-from commfuse.tp.functional import all_gather_dim, shard_seq, sum_grad
+from commfuse.tp.functional import all_gather_dim, shard_seq, sum_grad, sum_grad_later
 
 
 class SeqSplit:
@@ -55,6 +56,7 @@ class ReplicateParallel(ParallelStyle):
     are already whole (the embedding, ahead of `ShardSequence`)."""
 
     sum_grads = False
+    defer_sums = False
     placement = Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -64,6 +66,8 @@ class ReplicateParallel(ParallelStyle):
                                                    p.requires_grad))
         forward = module.forward  # the module's own (bound) forward, run with local parameters
         group, sum_grads = device_mesh.get_group(), self.sum_grads
+        defer = sum_grads and self.defer_sums
+        ours = {name: p for name, p in module._parameters.items() if p is not None}
 
         def local_forward(*args, **kwargs):
             params = module._parameters
@@ -72,7 +76,11 @@ class ReplicateParallel(ParallelStyle):
                 for name, p in saved.items():
                     if p is not None:
                         t = p.to_local()
-                        params[name] = sum_grad(t, group) if sum_grads else t
+                        if defer and ours.get(name) is p and not compiling():
+                            t = sum_grad_later(t, p, group)  # the sum overlaps the backward
+                        elif sum_grads:  # a parameter put there since (FSDP2's), or traced
+                            t = sum_grad(t, group)  # by Dynamo: the sum waited here
+                        params[name] = t
                 return forward(*args, **kwargs)
             finally:
                 params.update(saved)
@@ -88,9 +96,16 @@ class SequenceParallelNorm(ReplicateParallel):
     """A norm (or any module with replicated parameters) on a shard of the activations: its
     sequence shard (Megatron's sequence-parallel LayerNorm/RMSNorm), or the head group of
     q_norm/k_norm. Parameters ``Replicate``; each rank's gradient covers its shard only, so
-    it is summed over TP in the backward (one all-reduce per parameter)."""
+    it is summed over TP in the backward (one all-reduce per parameter, waited where the
+    backward reaches it; ``defer_sums=True``: posted there and added when the backward ends,
+    `commfuse.tp.functional.sum_grad_later`, for a training loop that reads ``.grad`` only
+    after ``backward()``)."""
 
     sum_grads = True
+
+    def __init__(self, defer_sums: bool = False):
+        super().__init__()
+        self.defer_sums = defer_sums
 
 
 class HeadParameters(ReplicateParallel):

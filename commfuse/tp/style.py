@@ -275,11 +275,14 @@ class PlanStyles(NamedTuple):
     norm: SequenceParallelNorm
 
 
-def plan_styles(method: str, save_gathered: bool, prefetch: bool, opts: dict) -> PlanStyles:
+def plan_styles(method: str, save_gathered: bool, prefetch: bool, opts: dict,
+                defer_grad_sums: bool = False) -> PlanStyles:
     """`PlanStyles` for ``method`` and its ``opts``; ``prefetch``: the row styles post the
-    next layer's all-gather early (a chain of depth 1)."""
+    next layer's all-gather early (a chain of depth 1); ``defer_grad_sums``: the norms'
+    (`SequenceParallelNorm`'s ``defer_sums``)."""
     split, chain = SeqSplit(), Prefetcher(1 if prefetch else 0)
     kw = dict(method=method, split=split, **opts)
     ag = dict(kw, save_gathered=save_gathered)
     return PlanStyles(split, chain, kw, ag, FusedColwiseParallel(**ag),
-                      FusedRowwiseParallel(prefetch=chain, **kw), SequenceParallelNorm())
+                      FusedRowwiseParallel(prefetch=chain, **kw),
+                      SequenceParallelNorm(defer_grad_sums))

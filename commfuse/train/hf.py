@@ -93,8 +93,11 @@ def build(cfg: TrainConfig, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     # loss_parallel: the head keeps its vocabulary columns; the loss needs no [B, S, V] gather
+    # defer_grad_sums: the loop reads .grad only after backward() (FSDP2's parameters keep
+    # the blocking sums)
     commfuse.tp.parallelize(model, mesh, method=cfg.method, loss_parallel=True, ep=cfg.ep,
-                            capacity_factor=cfg.moe_capacity_factor, **cfg.method_opts())
+                            capacity_factor=cfg.moe_capacity_factor, defer_grad_sums=True,
+                            **cfg.method_opts())
     if cfg.dp == 1:
         return model, None
     from torch.distributed.fsdp import fully_shard
