@@ -82,7 +82,7 @@ EXACT = ([("g2", m, "") for m in METHODS] + [("g1", m, "") for m in ("none", "co
 # on 2 ranks (a step is the same code on 4: EXACT's gradients there, and the FSDP2 case's steps)
 TRAIN = [("g2", "commfuse"), ("g1", "auto"), ("bamba", "commfuse"), ("nemotron-h", "auto"),
          ("nemotron-h", "auto-lp"), ("nemotron-h-moe", "commfuse")]
-STEPS, BATCH, SEQ = 10, 4, 12  # steps: the loss of each must match and fall by 0.5
+STEPS, BATCH, SEQ = 20, 4, 12
 
 
 def build(layout: str, seed: int = 0, **over):
