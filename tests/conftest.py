@@ -32,7 +32,9 @@ LONGEST_FIRST = ("test_moe_hf.py", "test_tp_families.py", "test_tp_generate.py",
                  "test_faults.py", "test_examples.py", "test_compile.py", "test_bench_train.py",
                  "test_memory.py", "test_train_cli.py", "test_infer.py", "test_tp.py",
                  "test_regather_prefetch.py", "test_moe_balance.py", "test_bench.py", "test_tp_compile.py",
-                 "test_train.py", "test_infer_hf.py")
+                 "test_train.py", "test_infer_hf.py", "test_train_hf.py", "test_infer_cli.py",
+                 "test_train_moe.py", "test_train_mamba.py", "test_generate_arch.py",
+                 "test_query_split.py")
 
 
 def pytest_collection_modifyitems(items):

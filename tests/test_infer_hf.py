@@ -90,9 +90,10 @@ def test_cli_generate_hf_model(tmp_path, command):
         assert p.stdout.startswith("The history of")
         texts.append(p.stdout)
     assert texts[0] == texts[1]
+    # a preset: the fit to measured rates is tests/test_infer_cli.py's bench
     p = command("generate", "--hf-model", str(tmp_path / "m"), "--prompt-tokens", "9", "--bench",
                 "--iters", "1", "--max-new-tokens", "2", "--tp", "2", "--link", "loopback",
-                "--json", str(tmp_path / "b.json"))
+                "--hardware", "cpu-testbed", "--json", str(tmp_path / "b.json"))
     assert p.returncode == 0, p.stderr[-2000:]
     assert len(json.loads((tmp_path / "b.json").read_text())["rows"]) == 8
     hf_model().save_pretrained(tmp_path / "small-vocab")

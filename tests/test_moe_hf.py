@@ -28,6 +28,7 @@ METHODS = {"none": {}, "sliced": {"chunks": 2}, "commfuse": {}, "auto": {}}
 TOL = 1e-6
 SEQ = 11  # split unevenly over 2, 3 and 4 ranks
 TRAIN = {"mixtral": ("none", "commfuse", "auto"), "qwen3": ("commfuse",)}  # on 2 ranks
+STEPS = 8  # the loss of each must match and fall by 0.5 over them
 
 
 def build(arch: str, world: int, seed: int = 0, **extra):
@@ -130,14 +131,15 @@ def _batches(steps: int, rows=slice(None)):
 
 
 def _check_train(arch: str, mesh) -> dict[str, list[str]]:
-    """20 steps per method of ``TRAIN`` against one process: the same losses (float64)."""
+    """``STEPS`` steps per method of ``TRAIN`` against one process: the same losses
+    (float64)."""
     import commfuse.tp as tp
     from test_tp import _train
-    want = _train(build(arch, mesh.size()), None, *_batches(20, slice(0, 2)), 20)
+    want = _train(build(arch, mesh.size()), None, *_batches(STEPS, slice(0, 2)), STEPS)
     out = {}
     for method in TRAIN[arch]:
         model = tp.parallelize(build(arch, mesh.size()), mesh, method=method, **METHODS[method])
-        got = _train(model, None, *_batches(20, slice(0, 2)), 20)
+        got = _train(model, None, *_batches(STEPS, slice(0, 2)), STEPS)
         err = max(abs(a - b) / abs(b) for a, b in zip(got, want))
         ok = err < TOL and want[-1] < want[0] - 0.5  # equal, and it learned something
         out[f"train-{arch}-{method}"] = [] if ok else [f"losses {got} vs {want} ({err:.1e})"]

@@ -1,8 +1,9 @@
 """transformers' own ``model.generate`` on a model sharded by `commfuse.tp.parallelize`,
-against the unsharded model's (tiny configs, float32, gloo, 2 and 4 ranks): greedy, 32 new
+against the unsharded model's (tiny configs, float32, gloo, 2 and 4 ranks): greedy, 12 new
 tokens, a batch of two prompts of different lengths (left padding), the tokens equal and every
-step's logits within 1e-4. The prompt is longer than the sliding windows of the families that
-have them; prefill runs the fused sequence-sharded path, each decode step (one token, fewer
+step's logits within 1e-4. The prompt is longer than the sliding windows and attention chunks
+(4 tokens) of the families that have them, and the decode steps cross three more chunk
+boundaries; prefill runs the fused sequence-sharded path, each decode step (one token, fewer
 than the ranks) the replicated one. The Mamba-2 and Gated DeltaNet mixers' caches hold this
 rank's conv channels and heads: after the prefill, the unsharded cache's rows of them. Also:
 sampling gives every rank the same tokens.
@@ -31,6 +32,11 @@ STATES = [f for f in FAMILIES if f in REGISTRY and any(
     m.startswith(("Mamba-2", "gated DeltaNet")) for m in REGISTRY[f].mechanisms)]
 
 
+# 9 prompt tokens + 12 new: past the tiny configs' windows and chunks (4) before the first
+# decode step, and across three chunk boundaries while decoding
+NEW = 12
+
+
 def _model(family: str):
     return build(family, max_position_embeddings=128).eval()
 
@@ -39,7 +45,7 @@ def _prompts():
     ids = torch.randint(3, 63, (2, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :3], ids[1, :3] = 0, 0  # the second prompt 3 tokens shorter, padded on the left
-    return ids, dict(attention_mask=mask, max_new_tokens=32, pad_token_id=0)
+    return ids, dict(attention_mask=mask, max_new_tokens=NEW, pad_token_id=0)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
