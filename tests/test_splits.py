@@ -126,7 +126,7 @@ def test_search_stops_early_and_caps_the_pieces(monkeypatch):
     from commfuse.sim import choose
 
     tried, times = [], {1: 3.0, 2: 2.0, 4: 2.5, 8: 1.0}  # 8 would win: the search stops at 4
-    fake = lambda op, shape, w, d, hw, s, cands, attention=(): (
+    fake = lambda op, shape, w, d, hw, s, cands, attention=(), moved=1.0: (
         tried.append(cands[0][1]["splits"]) or ("commfuse", {}, times[tried[-1]]))
     monkeypatch.setattr(choose, "fastest", fake)
     assert choose.best_splits("ag_matmul", ISSUE, 2, 4, None) == 2 and tried == [1, 2, 4]
