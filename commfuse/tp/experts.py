@@ -35,6 +35,12 @@ from commfuse.tp.sequence import SeqSplit, SequenceParallelNorm, as_sequence
 ROUTERS = ("gate", "router")  # the names a block's router goes by
 
 
+def router_logits_index(model: nn.Module) -> int:
+    """Which output of the routers transformers records as ``router_logits``."""
+    recorders = getattr(model, "_can_record_outputs", None) or {}
+    return getattr(recorders.get("router_logits"), "index", 0) or 0
+
+
 @dataclass(frozen=True)
 class ExpertsSpec:
     """How a sparse block holds its experts: the ``router`` child's name, the first weight

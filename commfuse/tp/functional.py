@@ -270,7 +270,7 @@ class _SumGradLater(torch.autograd.Function):
     def backward(ctx, g):
         if not _moving():
             return g, None, None  # moving nothing: this rank's term
-        buf = g.contiguous().clone()
+        buf = g.clone(memory_format=torch.contiguous_format)  # one copy: the sum is in place
         # posted now: the sum travels while the backward computes the layers before this one
         work = dist.all_reduce(buf, group=ctx.group, async_op=True)
         _PENDING.add(ctx.param, work, buf, ctx.group)

@@ -47,19 +47,13 @@ from commfuse.runtime.gloo import duplex
 from commfuse.tp.attention import local_heads
 from commfuse.tp.derive import Plan, base_model, derive_plan
 from commfuse.tp.embedding import tie
-from commfuse.tp.experts import ExpertParallel
+from commfuse.tp.experts import ExpertParallel, router_logits_index
 from commfuse.tp.loss import install_loss_parallel
 from commfuse.tp.mesh import ep_mesh, tp_mesh
 from commfuse.tp.style import plan_styles
 from commfuse.tp.sequence import HeadParameters, gather_final
 
 __all__ = ["Plan", "base_model", "derive_plan", "parallelize"]
-
-
-def _router_logits_index(model: nn.Module) -> int:
-    """Which output of the routers transformers records as ``router_logits``."""
-    recorders = getattr(model, "_can_record_outputs", None) or {}
-    return getattr(recorders.get("router_logits"), "index", 0) or 0
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
@@ -109,7 +103,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, method: str = "auto",
     mesh = tp_mesh(mesh)
     T = mesh.size()
     ps = plan_styles(method, save_gathered, prefetch, opts, defer_grad_sums)
-    moe = ExpertParallel(split=ps.split, method=method, logits_index=_router_logits_index(model),
+    moe = ExpertParallel(split=ps.split, method=method, logits_index=router_logits_index(model),
                          ep_mesh=emesh, capacity_factor=capacity_factor, **opts)
     plan = derive_plan(model, T, ps, loss_parallel, moe)
     duplex(mesh.get_group())

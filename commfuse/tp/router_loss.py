@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commfuse.tp.balance import BIAS
-from commfuse.tp.experts import expert_spec
+from commfuse.tp.experts import expert_spec, router_logits_index
 from commfuse.tp.functional import sum_ranks
 
 SCORES = ("auto", "softmax", "sigmoid")
@@ -57,10 +57,7 @@ class RouterLosses:
         self.seq_aux, self.z = _coef("seq_aux", seq_aux), _coef("z", z)
         if score not in SCORES:
             raise ValueError(f"RouterLosses: score must be one of {list(SCORES)}, got {score!r}")
-        if logits_index is None:  # the router output transformers records as router_logits
-            recorders = getattr(model, "_can_record_outputs", None) or {}
-            logits_index = getattr(recorders.get("router_logits"), "index", 0) or 0
-        self.index = logits_index
+        self.index = router_logits_index(model) if logits_index is None else logits_index
         self.blocks = [(m, s) for m in model.modules()
                        if (s := expert_spec(m)) is not None and s.routed]
         self.last: dict[str, torch.Tensor] = {}
