@@ -67,9 +67,14 @@ def default(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 
             attention: tuple = (), moved: float = 1.0) -> tuple[str, dict]:
     """The method an op runs when none is given: ``commfuse`` on the ring at the m
     `best_splits` picks."""
-    m = best_splits(op, shape, world, dtype_bytes, hw, step_s, attention=attention,
-                    moved=moved)
-    return "commfuse", {"topology": "ring", "splits": m}
+    return _default_timed(op, shape, world, dtype_bytes, hw, step_s, attention, moved)[:2]
+
+
+def _default_timed(op, shape, world, dtype_bytes, hw, step_s, attention, moved):
+    """`default`'s method and options, and its predicted seconds (`_splits_timed`'s)."""
+    m, t = _splits_timed(op, shape, world, dtype_bytes, hw, step_s, "ring", "commfuse",
+                         attention, moved)
+    return "commfuse", {"topology": "ring", "splits": m}, t
 
 
 def choice(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 50e-6,
@@ -84,11 +89,10 @@ def choice(op: str, shape, world: int, dtype_bytes: float, hw, step_s: float = 5
                               moved=moved)
     if not hw.choice_margin or world <= 1 or min(shape) <= 0:
         return method, opts, t
-    d_method, d_opts = default(op, shape, world, dtype_bytes, hw, step_s, attention, moved)
+    d_method, d_opts, t_default = _default_timed(op, shape, world, dtype_bytes, hw, step_s,
+                                                 attention, moved)
     if (method, {"splits": 1, **opts}) == (d_method, d_opts):
         return method, opts, t
-    t_default = fastest(op, shape, world, dtype_bytes, hw, step_s, [(d_method, d_opts)],
-                        attention, moved)[2]
     if t <= (1 - hw.choice_margin) * t_default:
         return method, opts, t
     return d_method, d_opts, t_default
@@ -125,8 +129,16 @@ def best_splits(op: str, shape, world: int, dtype_bytes: float, hw, step_s: floa
     A pure function of its arguments (the simulator is deterministic), so every rank that
     passes the same shape, group size, dtype and hardware gets the same m: it sets the
     message sizes, which must match between the ranks."""
+    return _splits_timed(op, shape, world, dtype_bytes, hw, step_s, topology, method, attention,
+                         moved)[0]
+
+
+def _splits_timed(op, shape, world, dtype_bytes, hw, step_s, topology, method, attention,
+                  moved) -> tuple[int, float]:
+    """`best_splits`'s m and ``method``'s predicted seconds at it (inf: not simulated, a
+    single rank or an empty shape)."""
     if world <= 1 or min(shape) <= 0:
-        return 1
+        return 1, float("inf")
     best_m, best_t = 1, float("inf")
     for m in SPLITS:
         if m > 1 and world * m > MAX_PIECES:
@@ -136,4 +148,4 @@ def best_splits(op: str, shape, world: int, dtype_bytes: float, hw, step_s: floa
         if t >= best_t:  # slower, or launch-bound (not simulated: inf)
             break
         best_m, best_t = m, t
-    return best_m
+    return best_m, best_t
