@@ -3,12 +3,14 @@ schedule with one (`execute`)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 from commfuse import schedule
 from commfuse.ops.methods import MethodSpec
-from commfuse.runtime import executor
+from commfuse.runtime import executor, modes
 
 even_sizes = schedule.even_sizes  # the ops' default split (commfuse.even_sizes)
 
@@ -112,10 +114,14 @@ def build(op: str, spec: MethodSpec, group: dist.ProcessGroup, binding) -> sched
 def execute(op: str, spec: MethodSpec, group: dist.ProcessGroup, binding,
             device: torch.device, after_posts=None) -> None:
     """Build this rank's schedule for ``op`` and run it with ``binding``'s tensors;
-    ``after_posts()`` runs right after its last post (`commfuse.runtime.executor.run`)."""
+    ``after_posts()`` runs right after its last post (`commfuse.runtime.executor.run`). A
+    tracer (`commfuse.runtime.modes.mode`) gets the whole call as an "op" span."""
+    t0 = time.perf_counter()
     executor.run(build(op, spec, group, binding), binding,
                  executor.make_transport(group, device, spec.timeout, spec.collective),
                  after_posts)
+    if (tracer := modes.tracer()) is not None:
+        tracer.add("op", f"{op} {spec.method}", t0, time.perf_counter())
 
 
 def split(size: int, parts: int) -> list[tuple[int, int]]:
