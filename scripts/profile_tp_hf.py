@@ -77,6 +77,8 @@ def run(rank: int, world: int, a, extra) -> None:
     ids = torch.randint(a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(1))
     rows, panels, last = {}, [], []
     for v in a.variants:
+        if rank == 0:
+            print(f"{v}: {a.warmup} + {a.steps} steps", flush=True)
         model = bench_tp_hf.make(v, a, mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
         mode = "compute_only" if v == "compute-only" else "normal"

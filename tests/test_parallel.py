@@ -52,7 +52,8 @@ ONLY = {"kv4": [dict(tp=4), dict(tp=4, query_split=True)],  # where these run
         "tp3": [dict(tp=3), dict(tp=3, query_split=True), dict(dp=3)],
         "v66": [dict(tp=2, dp=2)], **{v: [dict(dp=2), dict(dp=4), dict(tp=2, dp=2)]
                                        for v in DIMS_OF}}
-EVERY_METHOD = ("f32", "seq15", "kv4", "tp3", "v66", "pf0", "pf2")  # the others: commfuse only
+# the others, the ZeRO-3 prefetch depths among them: commfuse only
+EVERY_METHOD = ("f32", "seq15", "kv4", "tp3", "v66")
 
 
 def _fits_cfg(layout: dict) -> bool:
