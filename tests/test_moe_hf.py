@@ -225,7 +225,8 @@ def _run(rank: int, world: int) -> dict[str, list[str]]:
     return out
 
 
-CASES = {w: [(a, m, "") for a in ARCHS for m in METHODS]
+# every method on 2 ranks; on 3 and 4 (uneven and finer expert splits) the fused ones
+CASES = {w: [(a, m, "") for a in ARCHS for m in (METHODS if w == 2 else ("commfuse", "auto"))]
          + [(a, m, "starved") for a in ARCHS for m in ("none", "commfuse")]
          + [("mixtral", "commfuse", "lp")] for w in (2, 3, 4)}  # lp: loss_parallel
 CASES[4] += [("mixtral", m, "short") for m in ("none", "commfuse")]
