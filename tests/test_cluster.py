@@ -254,7 +254,16 @@ def test_shaped_bandwidth_and_straggler(tmp_path, link, straggler, nbytes):
 @needs_netns
 def test_rank_failure_and_timeout_tear_down(tmp_path):
     t0 = time.monotonic()
-    body = "report(); os._exit(3) if RANK == 1 else time.sleep(60)"
+    # rank 1 fails once rank 0 has reported (under load rank 0 may start late)
+    body = """\
+    report()
+    if RANK == 1:
+        end = time.monotonic() + 30
+        while not os.path.exists(f"{OUT}/rank0.json") and time.monotonic() < end:
+            time.sleep(0.01)
+        os._exit(3)
+    time.sleep(60)
+    """
     assert launch(ClusterSpec(nproc=2), _script(tmp_path, body)) == 3
     info = _reports(tmp_path, 2)
     assert _leftovers(info[0]["COMMFUSE_RUN_ID"]) == [] and not _alive(info[0]["pid"])
