@@ -1,4 +1,4 @@
-"""Where a training step's time goes under each variant of scripts/bench_tp_hf.py.
+r"""Where a training step's time goes under each variant of scripts/bench_tp_hf.py.
 
     commfuse launch --nproc 2 --link 1gbit --gso-kib 256 -- python scripts/profile_tp_hf.py \
         --model qwen3.5 --hidden 1024 --heads 8 --kv-heads 2 --ffn 2816 --seq 1024 --batch 1 \
