@@ -14,18 +14,19 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 # Span kinds (a track's first word) in the order their rows and threads are shown, and colours.
-COLORS = {"step": "#333333", "op": "#2a9d8f", "compute": "#4c72b0", "reduce": "#64b5cd", "host": "#937860",
-          "wait": "#8c8c8c", "send": "#dd8452", "recv": "#55a868", "collective": "#c44e52",
-          "tp": "#8172b3", "up": "#8172b3", "dp": "#da8bc3", "world": "#c44e52",
-          "exposed": "#c44e52"}
+COLORS = {"step": "#333333", "op": "#2a9d8f", "compute": "#4c72b0", "reduce": "#64b5cd",
+          "host": "#937860", "wait": "#8c8c8c", "send": "#dd8452", "recv": "#55a868",
+          "collective": "#c44e52", "tp": "#8172b3", "up": "#8172b3", "dp": "#da8bc3",
+          "world": "#c44e52", "exposed": "#c44e52"}
 _ORDER = tuple(COLORS)
 
 
 @dataclass(frozen=True)
 class Span:
     """One interval (seconds) of a rank's timeline, on a track named by its kind first: step,
-    op (one fused op's whole call), compute, reduce, host, wait, send, recv, collective; a measured run names the peer ("send to 1"),
-    a whole-model step uses the group's lane (tp, up, dp, world) and "exposed"."""
+    op (one fused op's whole call), compute, reduce, host, wait, send, recv, collective; a
+    measured run names the peer ("send to 1"), a whole-model step uses the group's lane (tp,
+    up, dp, world) and "exposed"."""
 
     rank: int
     track: str

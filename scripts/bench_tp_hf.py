@@ -373,19 +373,24 @@ def parse(argv=None):
     return a
 
 
-def main(argv=None) -> None:
-    a = parse(argv)
+def start(fn, a, *args) -> None:
+    """``fn(rank, world, a, *args)`` on every rank: ``--local`` ranks spawned here, else this
+    process as torchrun's (or `commfuse launch`'s) rank."""
     if a.local:
         from commfuse.testbed.spawn import run_local
-        run_local(run, a.local, a, timeout=3600, threads=a.threads)
+        run_local(fn, a.local, a, *args, timeout=3600, threads=a.threads)
         return
     from commfuse.runtime.gloo import duplex
     dist.init_process_group("gloo")
     duplex()
     try:
-        run(dist.get_rank(), dist.get_world_size(), a)
+        fn(dist.get_rank(), dist.get_world_size(), a, *args)
     finally:
         dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    start(run, parse(argv))
 
 
 if __name__ == "__main__":

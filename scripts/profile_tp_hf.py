@@ -104,8 +104,7 @@ def run(rank: int, world: int, a, extra) -> None:
           + f"{'rest':>8}")
     for v, per_rank in rows.items():
         for r, d in enumerate(per_rank):
-            step = sum(d[p] for p in PHASES)
-            rest = step - sum(d[f"{p} ops"] for p in PHASES)
+            step, rest = (sum(d[f"{p}{part}"] for p in PHASES) for part in ("", " rest"))
             print(f"{v:14}{r:5}{1e3 * step:8.0f}" + "".join(f"{1e3 * d[k]:8.0f}" for _, k in cols)
                   + f"{1e3 * rest:8.0f}")
     if extra.png:
@@ -126,18 +125,7 @@ def main(argv=None) -> None:
     if "-h" in rest or "--help" in rest:
         print(__doc__)
         p.print_help()
-    a = bench_tp_hf.parse(rest)
-    if a.local:
-        from commfuse.testbed.spawn import run_local
-        run_local(run, a.local, a, extra, timeout=3600, threads=a.threads)
-        return
-    from commfuse.runtime.gloo import duplex
-    dist.init_process_group("gloo")
-    duplex()
-    try:
-        run(dist.get_rank(), dist.get_world_size(), a, extra)
-    finally:
-        dist.destroy_process_group()
+    bench_tp_hf.start(run, bench_tp_hf.parse(rest), extra)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """`commfuse.tp.parallelize`'s derived plan on the transformers families of
 `commfuse.tp.families` against the unsharded model (tiny configs, float32, gloo, 2 and 4
 ranks): logits, loss and every parameter's gradient, then (method commfuse, 2 ranks) 3 AdamW
-steps' losses. Every method runs, on 2 ranks, on one family per mechanism (packed projections: phi3,
-split-dim norms: olmo2, tied embeddings and soft-capping: gemma3, sparse MoE: glm4-moe and
-gpt-oss, Gated DeltaNet: qwen3.5, multi-head latent attention: deepseek-v3-dense, attention
-beside a Mamba-2 mixer: falcon-h1); the other families run `commfuse`. The no-process tests
+steps' losses. Every method runs, on 2 ranks, on one family per mechanism (packed
+projections: phi3, split-dim norms: olmo2, tied embeddings and soft-capping: gemma3, sparse
+MoE: glm4-moe and gpt-oss, Gated DeltaNet: qwen3.5, multi-head latent attention:
+deepseek-v3-dense, attention beside a Mamba-2 mixer: falcon-h1); the other families run
+`commfuse`. The no-process tests
 check what the plan refuses, before any weight moves.
 """
 
