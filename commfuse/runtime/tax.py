@@ -69,8 +69,7 @@ def transfer_slowdown(hw: Hardware, group=None, dtype=None) -> float | None:
 
     ratios = []
     for _ in range(SLOWDOWN_ROUNDS):  # idle GEMMs, then GEMMs beside messages, in turns
-        idle = _rounds({"gemm": lambda: a @ b}, torch.device("cpu"), 1,
-                             {"gemm": 3})["gemm"][0]
+        idle = _rounds({"gemm": lambda: a @ b}, torch.device("cpu"), 1, {"gemm": 3})["gemm"][0]
         dist.barrier(group)
         mover = threading.Thread(target=exchange, name="commfuse-probe-exchange", daemon=True)
         mover.start()

@@ -88,14 +88,13 @@ def imbalance(counts: list[torch.Tensor]) -> list[dict]:
     return out
 
 
-
 def limit_capacity(model: nn.Module, factor: float, ranks: int = 1) -> int:
     """The expert capacity of `commfuse.moe.capacity` on an unsharded ``model``, as
     ``parallelize(..., capacity_factor=factor)`` over ``ranks`` TP ranks applies it: each
     block's ``[B, S]`` tokens cut into the ranks' sequence chunks (`commfuse.even_sizes` of
-    S), the rule applied to each chunk's ``B x S_r`` tokens, a dropped row's weight set to
+    S, as `commfuse.ops.binding.split` places them), the rule applied to each chunk's ``B x S_r`` tokens, a dropped row's weight set to
     zero (so it adds nothing, and gets no gradient). Returns the blocks it covers."""
-    from commfuse.schedule import even_sizes
+    from commfuse.ops.binding import split
 
     factor = check_factor(factor)
     n = 0
@@ -113,13 +112,11 @@ def limit_capacity(model: nn.Module, factor: float, ranks: int = 1) -> int:
             index, weights = args[1], args[2]
             B, S = shape.get("BS") or (1, index.shape[0])
             keep = torch.empty_like(index, dtype=torch.bool).view(B, S, -1)
-            at = 0
-            for s in even_sizes(S, ranks):
+            for at, s in split(S, ranks):
                 rows = slice(at, at + s)
                 keep[:, rows] = within_capacity(index.view(B, S, -1)[:, rows].reshape(B * s, -1),
                                                 weights.view(B, S, -1)[:, rows].reshape(B * s, -1),
                                                 E, factor).view(B, s, -1)
-                at += s
             keep = keep.view_as(index)
             count_dropped(experts, keep)
             return (args[0], index, weights * keep, *args[3:]), kwargs

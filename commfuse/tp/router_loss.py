@@ -132,20 +132,21 @@ class RouterLosses:
                              for e in done])
         if tp:
             dist.all_reduce(counted, group=group)
-        # the shards' score sums and squared log-sum-exps: one all-reduce, gradient through
-        parts = [torch.cat([e["p"].reshape(-1), e["z"].reshape(1)]) for e in done
-                 if not e["whole"]]
+        # each entry's score sums and squared log-sum-exp; the shards' summed over the group
+        # in one all-reduce, gradient through
+        p_zs = [torch.cat([e["p"].reshape(-1), e["z"].reshape(1)]) for e in done]
+        parts = [p_z for p_z, e in zip(p_zs, done) if not e["whole"]]
         if parts:
             flat = sum_ranks(torch.cat(parts), group) if tp else torch.cat(parts)
             summed = iter(flat.split([p.numel() for p in parts]))
         at, seq, z = 0, [], []
-        for e in done:
+        for e, p_z in zip(done, p_zs):
             B, E = e["p"].shape
             c_BE = counted[at:at + B * E].view(B, E)
             T = counted[at + B * E]  # tokens per sequence, the whole sequence
             at += B * E + 1
-            p_z = torch.cat([e["p"].reshape(-1), e["z"].reshape(1)]) if e["whole"] else next(
-                summed)
+            if not e["whole"]:
+                p_z = next(summed)
             P_BE = p_z[:-1].view(B, E) / T
             f_BE = c_BE * (E / (e["k"] * T))
             seq.append((f_BE * P_BE).sum(1).mean())
